@@ -1,0 +1,103 @@
+"""One error type per client-visible failure, each with its TGI-style ``error_type`` and
+HTTP status; the API maps them to responses in one place."""
+
+from __future__ import annotations
+
+
+class InflightqError(Exception):
+    error_type: str = "generation"
+    http_status: int = 500
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+    def to_dict(self) -> dict[str, str]:
+        body = {"error": self.message, "error_type": self.error_type}
+        if self.field:
+            body["field"] = self.field
+        return body
+
+
+class ValidationError(InflightqError):
+    error_type = "validation"
+    http_status = 422
+
+
+class PayloadTooLargeError(InflightqError):
+    error_type = "payload_too_large"
+    http_status = 413
+
+
+class AuthenticationError(InflightqError):
+    error_type = "authentication"
+    http_status = 401
+
+
+class NotFoundError(InflightqError):
+    error_type = "not_found"
+    http_status = 404
+
+
+class OverloadedError(InflightqError):
+    error_type = "overloaded"
+    http_status = 429
+
+
+class RateLimitedError(InflightqError):
+    error_type = "rate_limited"
+    http_status = 429
+
+
+class UnavailableError(InflightqError):
+    """Redis is unreachable or no worker serves the model."""
+
+    error_type = "unavailable"
+    http_status = 503
+
+
+class GenerationError(InflightqError):
+    """The engine failed on this request (or it was dead-lettered)."""
+
+    error_type = "generation"
+    http_status = 424
+
+
+class IncompleteGenerationError(InflightqError):
+    error_type = "incomplete_generation"
+    http_status = 500
+
+
+class CancelledError(InflightqError):
+    error_type = "cancelled"
+    http_status = 499
+
+
+class ExpiredError(InflightqError):
+    """The request's deadline passed before it finished."""
+
+    error_type = "expired"
+    http_status = 504
+
+
+ERROR_TYPES: dict[str, type[InflightqError]] = {
+    cls.error_type: cls
+    for cls in (
+        ValidationError,
+        PayloadTooLargeError,
+        AuthenticationError,
+        NotFoundError,
+        OverloadedError,
+        RateLimitedError,
+        UnavailableError,
+        GenerationError,
+        IncompleteGenerationError,
+        CancelledError,
+        ExpiredError,
+    )
+}
+
+
+def error_from_type(error_type: str, message: str) -> InflightqError:
+    return ERROR_TYPES.get(error_type, GenerationError)(message)

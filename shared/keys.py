@@ -1,0 +1,74 @@
+"""Every Redis key and channel name, in one place.
+
+All names start with ``{prefix}:`` where the prefix is wrapped in a hash tag, so every
+key of a deployment lands in one Cluster slot (multi-key commands and Lua stay legal)
+and several deployments or test runs share one Redis without touching each other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CONSUMER_GROUP = "workers"
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str
+
+    @classmethod
+    def for_prefix(cls, prefix: str) -> Keys:
+        tagged = prefix if prefix.startswith("{") and prefix.endswith("}") else "{" + prefix + "}"
+        return cls(tagged)
+
+    def _k(self, *parts: object) -> str:
+        return ":".join([self.prefix, *map(str, parts)])
+
+    # Per model ---------------------------------------------------------------------
+    def stream(self, model: str, priority: int) -> str:
+        """Priority stream of a model; priority 0 is the most urgent."""
+        return self._k("q", model, f"p{priority}")
+
+    def notify(self, model: str) -> str:
+        """A list idle workers block on; every enqueue pushes one wake-up token."""
+        return self._k("notify", model)
+
+    def dead_letters(self, model: str) -> str:
+        return self._k("dead", model)
+
+    def models(self) -> str:
+        """Set of model names that ever had a queue (for status and /v1/models)."""
+        return self._k("models")
+
+    # Per request -------------------------------------------------------------------
+    def request(self, request_id: str) -> str:
+        """Hash: status, model, priority, timestamps, worker, result (JSON) when final."""
+        return self._k("req", request_id)
+
+    def tokens_channel(self, request_id: str) -> str:
+        """Pub/sub channel with every event of the request, live."""
+        return self._k("tokens", request_id)
+
+    def replay_log(self, request_id: str) -> str:
+        """Stream holding the same events, for late subscribers, SSE resume and takeover."""
+        return self._k("log", request_id)
+
+    def idempotency(self, scope: str, key: str) -> str:
+        """Maps a client-chosen key (a batch line's custom_id) to the request id it created."""
+        return self._k("idem", scope, key)
+
+    # Workers -----------------------------------------------------------------------
+    def cancel_channel(self) -> str:
+        """Pub/sub channel every worker listens on; the message is a request id."""
+        return self._k("cancel")
+
+    def worker(self, name: str) -> str:
+        """Heartbeat hash of a live worker, with a TTL."""
+        return self._k("worker", name)
+
+    def workers(self) -> str:
+        """Sorted set of worker names scored by last heartbeat time."""
+        return self._k("workers")
+
+    def pattern(self) -> str:
+        """Glob over every key of this prefix (cleanup of a test run)."""
+        return self.prefix.replace("{", "\\{").replace("}", "\\}") + ":*"

@@ -1,0 +1,165 @@
+"""The wire contract: JSON documents that cross Redis, validated by pydantic on both ends.
+
+Never pickle. Field names of ``SamplingSpec`` are those of the engine's ``SamplingParams``
+so the worker can pass them straight through."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+FinishReason = Literal["length", "eos_token", "stop_sequence"]
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    def to_json(self) -> str:
+        return self.model_dump_json(exclude_none=True)
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class SamplingSpec(WireModel):
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 means greedy.")
+    top_k: int = Field(0, ge=0, description="0 disables.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    typical_p: float = Field(1.0, gt=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20, description="Top logprobs per token; None = none.")
+
+    @model_validator(mode="after")
+    def _stop_strings_not_empty(self) -> SamplingSpec:
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        return self
+
+
+class QueuedRequest(WireModel):
+    """What the API (or any client) XADDs into a model's priority stream."""
+
+    id: str = Field(default_factory=new_request_id, min_length=1, max_length=128)
+    model: str
+    prompt_token_ids: list[int] = Field(min_length=1)
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    priority: int = Field(1, ge=0)
+    deadline: float | None = Field(None, description="Unix time after which the request is dropped.")
+    tenant: str | None = Field(None, description="Keeps prefix caches of tenants apart.")
+    attempt: int = Field(0, ge=0, description="Raised by a worker that takes the request over.")
+    submitted_at: float = Field(default_factory=time.time)
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.deadline is not None and (now or time.time()) >= self.deadline
+
+
+class TopLogprob(WireModel):
+    token_id: int
+    text: str
+    logprob: float
+
+
+class Usage(WireModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class Timings(WireModel):
+    """Unix times; durations are derived so every reader computes them the same way."""
+
+    submitted_at: float
+    started_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def queue_time_s(self) -> float:
+        return max(0.0, (self.started_at or self.submitted_at) - self.submitted_at)
+
+    @property
+    def inference_time_s(self) -> float:
+        if self.started_at is None or self.finished_at is None:
+            return 0.0
+        return max(0.0, self.finished_at - self.started_at)
+
+
+class TokenEvent(WireModel):
+    type: Literal["token"] = "token"
+    request_id: str
+    index: int = Field(ge=0, description="Position among generated tokens; the dedup key.")
+    token_id: int
+    text: str = Field("", description="Text delta this token adds (held back while a stop may match).")
+    special: bool = False
+    logprob: float | None = None
+    top_logprobs: list[TopLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    attempt: int = 0
+
+
+class FinalResult(WireModel):
+    request_id: str
+    model: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    worker: str | None = None
+
+
+class DoneEvent(WireModel):
+    """Terminal event of a successful request; follows the token event that carries finish_reason."""
+
+    type: Literal["done"] = "done"
+    request_id: str
+    result: FinalResult
+
+
+class ErrorEvent(WireModel):
+    """Terminal event of a request that failed, was cancelled or expired."""
+
+    type: Literal["error"] = "error"
+    request_id: str
+    error_type: str
+    message: str
+    index: int | None = Field(None, description="Tokens generated before the error.")
+
+
+Event = Annotated[TokenEvent | DoneEvent | ErrorEvent, Field(discriminator="type")]
+_event_adapter: TypeAdapter[TokenEvent | DoneEvent | ErrorEvent] = TypeAdapter(Event)
+
+
+def parse_event(raw: str | bytes) -> TokenEvent | DoneEvent | ErrorEvent:
+    return _event_adapter.validate_json(raw)
+
+
+def is_terminal(event: TokenEvent | DoneEvent | ErrorEvent) -> bool:
+    return not isinstance(event, TokenEvent)
+
+
+class WorkerHeartbeat(WireModel):
+    name: str
+    model: str
+    device: str
+    dtype: str
+    max_num_seqs: int
+    num_kv_blocks: int
+    running: int
+    waiting: int
+    free_kv_blocks: int
+    started_at: float
+    updated_at: float = Field(default_factory=time.time)
+    draining: bool = False

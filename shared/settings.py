@@ -1,0 +1,96 @@
+"""The one typed settings object. Every field is read from ``INFLIGHTQ_<NAME>``.
+
+The README's settings table is generated from this class (``inflightq settings``)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+# Lists come from the environment as comma-separated strings, not JSON.
+CommaList = Annotated[list[str], NoDecode]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="INFLIGHTQ_", extra="ignore")
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server every process talks to.")
+    key_prefix: str = Field(
+        "iq",
+        description="Namespace for every key; wrapped in a hash tag ({iq}:) so one Redis (or Cluster) "
+        "serves several deployments or test runs.",
+    )
+    model: str = Field(
+        "smollm2-135m-instruct",
+        description="Model served: an alias, a local Hugging Face directory, a .gguf file or a hub id.",
+    )
+    models: CommaList = Field(
+        default_factory=list,
+        description="Extra model names the API accepts besides `model` (comma-separated).",
+    )
+
+    # Limits, as TGI's router enforces them.
+    max_input_tokens: int = Field(4096, ge=1, description="Longest prompt, in tokens.")
+    max_total_tokens: int = Field(8192, ge=2, description="Prompt plus new tokens, at most.")
+    max_new_tokens: int = Field(2048, ge=1, description="Cap on max_new_tokens a request may ask for.")
+    default_max_new_tokens: int = Field(256, ge=1, description="max_new_tokens when a request names none.")
+    max_stop_sequences: int = Field(8, ge=0, description="Most stop strings one request may give.")
+    max_queue_depth: int = Field(1024, ge=1, description="Queued requests per model before 429 overloaded.")
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest HTTP request body (413 past it).")
+    priority_levels: int = Field(4, ge=1, le=16, description="Priority streams per model (0 = most urgent).")
+    default_priority: int = Field(1, ge=0, description="Priority of a request that names none.")
+
+    # Queue and recovery.
+    reclaim_after_s: float = Field(
+        30.0, gt=0, description="Idle time before a dead worker's in-flight request is taken over."
+    )
+    max_deliveries: int = Field(3, ge=1, description="Deliveries before a request goes to the dead-letter stream.")
+    result_ttl_s: int = Field(86_400, ge=1, description="How long results, request hashes and replay logs live.")
+    heartbeat_ttl_s: float = Field(10.0, gt=0, description="A worker is dead when its heartbeat is this old.")
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="On SIGTERM, time a worker gives running requests to finish."
+    )
+    no_worker_wait_s: float = Field(
+        5.0, ge=0, description="How long the API waits for a live worker before answering 503."
+    )
+
+    # API.
+    api_host: str = Field("127.0.0.1", description="Address the API binds.")
+    api_port: int = Field(8000, ge=0, le=65535, description="Port the API binds.")
+    api_keys: CommaList = Field(
+        default_factory=list,
+        description="Accepted API keys (comma-separated); empty means no auth. "
+        "A key may carry limits: key:max_priority:requests_per_minute.",
+    )
+    api_keys_file: str | None = Field(None, description="File with one API key (and limits) per line.")
+
+    # Worker engine.
+    device: str = Field("auto", description="Worker device: auto, cpu, cuda, cuda:N.")
+    dtype: str = Field("auto", description="Worker dtype: auto, float32, bfloat16, float16, float64.")
+    max_num_seqs: int = Field(64, ge=1, description="Sequences one worker runs at once.")
+    max_num_batched_tokens: int = Field(512, ge=1, description="Tokens one engine step processes at most.")
+    num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; unset sizes it from memory.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Worker Prometheus port; unset = none.")
+    batch_file_dir: str | None = Field(
+        None, description="Directory for large batch files; unset keeps them in Redis with a TTL."
+    )
+
+    @field_validator("models", "api_keys", mode="before")
+    @classmethod
+    def _split_commas(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @property
+    def served_models(self) -> list[str]:
+        return [self.model, *[m for m in self.models if m != self.model]]
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

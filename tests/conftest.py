@@ -1,0 +1,75 @@
+"""Shared fixtures: a real Redis (the configured one, or a private server started here),
+a key prefix unique to this test run, and models on disk."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from shared.keys import Keys
+from shared.redis_server import ensure_redis
+from shared.settings import Settings
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    url, server = ensure_redis(os.environ.get("INFLIGHTQ_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    yield url
+    if server is not None:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def run_prefix() -> str:
+    """Every key a test run writes lives under this prefix; the run deletes only those."""
+    return f"iqtest-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def key_prefix(run_prefix: str, request: pytest.FixtureRequest) -> str:
+    """A prefix per test, so tests never see each other's queues."""
+    return f"{run_prefix}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture
+def keys(key_prefix: str) -> Keys:
+    return Keys.for_prefix(key_prefix)
+
+
+@pytest.fixture
+def settings(redis_url: str, key_prefix: str, tiny_model_dir: Path) -> Settings:
+    return Settings(redis_url=redis_url, key_prefix=key_prefix, model=str(tiny_model_dir))
+
+
+@pytest.fixture
+def redis_client(redis_url: str, run_prefix: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _delete_run_keys(redis_url: str, run_prefix: str) -> Iterator[None]:
+    yield
+    client = redis.Redis.from_url(redis_url)
+    # Test prefixes are hash-tagged ({iqtest-...-xxxx}); match them all by the run's stem.
+    for key in client.scan_iter(match="{" + run_prefix + "*", count=1000):
+        client.delete(key)
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from worker.engine.tiny_model import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def default_model_name() -> str:
+    return "smollm2-135m-instruct"

@@ -1,0 +1,125 @@
+"""The foundation: settings, wire contract, key names, lifecycle, private Redis, model sources."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from pydantic import ValidationError
+
+from shared import model_source
+from shared.keys import Keys
+from shared.lifecycle import FINAL_STATUSES, RequestStatus, can_move
+from shared.redis_server import PrivateRedis, redis_answers
+from shared.schemas import DoneEvent, ErrorEvent, QueuedRequest, SamplingSpec, TokenEvent, parse_event
+from shared.settings import Settings
+from worker.engine import model_loader
+
+
+def test_settings_read_prefixed_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INFLIGHTQ_REDIS_URL", "redis://example:1234/2")
+    monkeypatch.setenv("INFLIGHTQ_MAX_QUEUE_DEPTH", "7")
+    monkeypatch.setenv("INFLIGHTQ_MODELS", "a, b")
+    monkeypatch.setenv("INFLIGHTQ_RECLAIM_AFTER_S", "2.5")
+    settings = Settings()
+    assert settings.redis_url == "redis://example:1234/2"
+    assert settings.max_queue_depth == 7
+    assert settings.served_models == ["smollm2-135m-instruct", "a", "b"]
+    assert settings.reclaim_after_s == 2.5
+
+
+def test_settings_reject_nonsense(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INFLIGHTQ_MAX_QUEUE_DEPTH", "0")
+    with pytest.raises(ValidationError):
+        Settings()
+
+
+def test_every_key_shares_one_hash_tag() -> None:
+    keys = Keys.for_prefix("prod")
+    names = [
+        keys.stream("m", 0),
+        keys.notify("m"),
+        keys.dead_letters("m"),
+        keys.request("r"),
+        keys.tokens_channel("r"),
+        keys.replay_log("r"),
+        keys.cancel_channel(),
+        keys.worker("w"),
+    ]
+    assert all(name.startswith("{prod}:") for name in names)
+    assert len(set(names)) == len(names)
+    assert keys.stream("m", 0) != keys.stream("m", 1)
+
+
+def test_events_round_trip_as_json_and_are_told_apart_by_type() -> None:
+    token = TokenEvent(request_id="r", index=3, token_id=42, text=" hi", logprob=-0.5)
+    assert parse_event(token.to_json()) == token
+    error = ErrorEvent(request_id="r", error_type="cancelled", message="cancelled by client")
+    assert isinstance(parse_event(error.to_json()), ErrorEvent)
+    assert isinstance(
+        parse_event(
+            b'{"type":"done","request_id":"r","result":{"request_id":"r",'
+            b'"model":"m","text":"","token_ids":[],"finish_reason":"length",'
+            b'"usage":{"prompt_tokens":1,"completion_tokens":0,"total_tokens":1},'
+            b'"timings":{"submitted_at":1.0}}}'
+        ),
+        DoneEvent,
+    )
+
+
+def test_queued_request_rejects_bad_fields() -> None:
+    with pytest.raises(ValidationError):
+        QueuedRequest(model="m", prompt_token_ids=[])
+    with pytest.raises(ValidationError):
+        SamplingSpec(top_p=0)
+    with pytest.raises(ValidationError):
+        SamplingSpec(stop=[""])
+    with pytest.raises(ValidationError):
+        QueuedRequest.model_validate_json('{"model": "m", "prompt_token_ids": [1], "pickle": "x"}')
+
+
+def test_lifecycle_final_states_are_final() -> None:
+    for status in FINAL_STATUSES:
+        assert not any(can_move(status, other) for other in RequestStatus)
+    assert can_move(RequestStatus.QUEUED, RequestStatus.RUNNING)
+    assert not can_move(RequestStatus.QUEUED, RequestStatus.DONE)
+
+
+def test_private_redis_is_a_real_server() -> None:
+    server = PrivateRedis().start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        client.xadd("s", {"a": "1"})
+        assert client.xlen("s") == 1
+        assert int(client.info("server")["redis_version"].split(".")[0]) >= 6
+    finally:
+        server.stop()
+    assert not redis_answers(server.url)
+
+
+def test_shared_and_engine_agree_on_model_aliases() -> None:
+    assert model_source.ALIASES == model_loader.ALIASES
+
+
+def test_default_model_alias_resolves_to_the_packaged_gguf() -> None:
+    source = model_source.resolve("smollm2-135m-instruct")
+    assert source.gguf_file == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert (source.converted_dir.parent.name) == "models"
+
+
+def test_default_model_tokenizer_has_a_chat_template() -> None:
+    tokenizer = model_source.load_tokenizer("smollm2-135m-instruct")
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert "<|im_start|>assistant" in text
+
+
+def test_tiny_model_greedy_is_deterministic(tiny_model_dir) -> None:
+    import torch
+
+    model, tokenizer = model_loader.load_model(str(tiny_model_dir), dtype=torch.float64)
+    ids = torch.tensor([tokenizer.encode("The quick brown fox")])
+    first = model.generate(ids, max_new_tokens=8, do_sample=False)
+    again = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert first.tolist() == again.tolist()
+    assert first.shape[1] == ids.shape[1] + 8

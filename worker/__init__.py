@@ -1,0 +1,1 @@
+"""The worker process: Redis -> engine -> Redis."""
