@@ -23,5 +23,18 @@ def settings_table() -> None:
         print(f"| `INFLIGHTQ_{name.upper()}` | `{shown}` | {field.description} |")
 
 
+@app.command("up")
+def up(
+    workers: int = typer.Option(1, min=1, help="Worker processes to start."),
+    host: str | None = typer.Option(None, help="API bind address (default INFLIGHTQ_API_HOST)."),
+    port: int | None = typer.Option(None, help="API port (default INFLIGHTQ_API_PORT)."),
+) -> None:
+    """Run everything on this machine: Redis (a private one if none answers), the API, the workers."""
+    from shared.settings import get_settings
+    from shared.supervisor import run_stack
+
+    raise typer.Exit(run_stack(get_settings(), workers=workers, host=host, port=port))
+
+
 if __name__ == "__main__":
     app()
