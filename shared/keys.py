@@ -56,6 +56,35 @@ class Keys:
         """Maps a client-chosen key (a batch line's custom_id) to the request id it created."""
         return self._k("idem", scope, key)
 
+    # Batch API (files and batches) ------------------------------------------------------
+    def file(self, file_id: str) -> str:
+        """Hash: an uploaded or generated file's metadata (and where its bytes are)."""
+        return self._k("file", file_id)
+
+    def file_content(self, file_id: str) -> str:
+        """String: the bytes of a file kept in Redis (small files; large ones live on disk)."""
+        return self._k("filedata", file_id)
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: a batch's OpenAI-shaped fields (status, counts, file ids, timestamps)."""
+        return self._k("batch", batch_id)
+
+    def batches(self) -> str:
+        """Sorted set of batch ids scored by creation time (GET /v1/batches pages over it)."""
+        return self._k("batches")
+
+    def batch_outcomes(self, batch_id: str) -> str:
+        """Hash: input line number -> its output or error line, written once per line."""
+        return self._k("batch", batch_id, "outcomes")
+
+    def batch_requests(self, batch_id: str) -> str:
+        """Hash: custom_id -> queue request id, for cancel and status."""
+        return self._k("batch", batch_id, "requests")
+
+    def batch_lease(self, batch_id: str) -> str:
+        """String with a short TTL held by the one job run processing the batch."""
+        return self._k("batch", batch_id, "lease")
+
     # Workers -----------------------------------------------------------------------
     def cancel_channel(self) -> str:
         """Pub/sub channel every worker listens on; the message is a request id."""
