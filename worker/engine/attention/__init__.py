@@ -1,0 +1,62 @@
+"""Paged attention behind one interface, plugged into Hugging Face models through AttentionInterface.
+
+The model runner builds one ``AttentionMetadata`` per step and passes it as the forward kwarg
+``inflightq_meta``; transformers hands every kwarg down to each attention call, where
+``paged_attention`` writes the step's K/V into the layer's cache and lets the backend attend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from worker.engine.attention.metadata import AttentionBackend, AttentionMetadata
+
+ATTN_IMPLEMENTATION = "inflightq_paged"
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, Hq, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    inflightq_meta: AttentionMetadata | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    if inflightq_meta is None:
+        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the engine's metadata (inflightq_meta kwarg)")
+    meta = inflightq_meta
+    out = meta.backend.forward(meta, module.layer_idx, query, key, value, scaling or query.shape[-1] ** -0.5)
+    return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+
+
+def make_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "flash" if device.type == "cuda" and _has_flash_attn() else "torch"
+    if name == "torch":
+        from worker.engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "flash":
+        from worker.engine.attention.flash_backend import FlashAttentionBackend
+
+        return FlashAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r} (torch, flash, auto)")
+
+
+def _has_flash_attn() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+__all__ = ["ATTN_IMPLEMENTATION", "AttentionBackend", "AttentionMetadata", "make_backend", "register"]

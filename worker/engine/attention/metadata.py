@@ -1,0 +1,53 @@
+"""Per-step attention metadata shared by all layers, and the interface every backend implements.
+
+Token layout of a step's flattened batch: the single-token entries (decodes) first, then the
+multi-token entries (prefill chunks), each sequence's tokens contiguous.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row of the chunk in the flattened batch
+    end: int
+    context_len: int  # tokens in the sequence after this chunk (cached + new)
+    slots: torch.Tensor | None  # [context_len] KV slots to read; None when the chunk is the whole context
+    mask: torch.Tensor | None  # [n, context_len] bool causal mask offset by the cached part
+
+
+@dataclass
+class AttentionMetadata:
+    backend: AttentionBackend
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, Hkv, D] x 2
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes (block * block_size + offset)
+    num_decodes: int  # the first num_decodes rows are single-token entries
+    decode_slots: torch.Tensor | None = None  # [B, L] KV slots of each decode's context (padded)
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] True where a slot is real context
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    # Flash-attn style views of the same batch (built only when a backend asks for them).
+    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor | None = None  # [num_seqs] int32
+    cu_seqlens_q: torch.Tensor | None = None  # [num_seqs + 1] int32
+    max_query_len: int = 0
+    max_context_len: int = 0
+
+
+class AttentionBackend(Protocol):
+    needs_flat_views: bool  # wants block_tables / cu_seqlens rather than gathered slots
+
+    def forward(
+        self,
+        meta: AttentionMetadata,
+        layer: int,
+        query: torch.Tensor,  # [1, Hq, T, D]
+        key: torch.Tensor,  # [1, Hkv, T, D]
+        value: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        ...

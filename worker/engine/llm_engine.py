@@ -1,0 +1,243 @@
+"""The streaming core: requests in, token events out, one scheduler step at a time.
+
+The worker drives it (add_request / abort / step) and reads its admission info and stats;
+``LLM`` wraps it for offline use. Thread-safe: a lock serialises the public calls, so an
+abort from an I/O thread lands between steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from worker.engine.block_manager import BlockManager
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.memory import auto_num_kv_blocks
+from worker.engine.model_runner import ModelRunner
+from worker.engine.outputs import EngineEvent, EngineStats, FinishReason
+from worker.engine.sampler import Sampler, SamplingRow
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import Sequence, SequenceStatus
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 1024,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+        aging_steps: int | None = 256,
+        attention_backend: str = "auto",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        config = model.config.get_text_config()
+        self.max_model_len = min(max_model_len or 1 << 30, getattr(config, "max_position_embeddings", None) or 1 << 30)
+        param = next(model.parameters())
+        if num_kv_blocks is None:
+            num_kv_blocks = auto_num_kv_blocks(
+                ModelRunner.kv_bytes_per_block(model, block_size, param.dtype),
+                param.device,
+                max_blocks=max_num_seqs * -(-self.max_model_len // block_size),
+            )
+        self.max_model_len = min(self.max_model_len, num_kv_blocks * block_size)
+        self.stats = EngineStats()
+        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            self.stats,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            aging_steps=aging_steps,
+            clock=clock,
+        )
+        self.runner = ModelRunner(
+            model, num_blocks=num_kv_blocks, block_size=block_size, attention_backend=attention_backend
+        )
+        self.sampler = Sampler(config.vocab_size, param.device)
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.special_token_ids = set(getattr(tokenizer, "all_special_ids", ()))
+        self._seqs: dict[str, Sequence] = {}
+        self._pending: list[EngineEvent] = []  # events decided outside a step (e.g. a resume already complete)
+        self._arrivals = 0
+        self._lock = threading.RLock()
+
+    # --- admission info, read by the worker's intake -------------------------------------------
+    @property
+    def max_num_seqs(self) -> int:
+        return self.scheduler.max_num_seqs
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def free_seq_slots(self) -> int:
+        return max(0, self.scheduler.max_num_seqs - len(self._seqs))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    def can_admit(self, num_prompt_tokens: int) -> bool:
+        bm = self.block_manager
+        with self._lock:
+            claimed = sum(bm.blocks_for(s.num_tokens) - len(s.block_table) for s in self.scheduler.waiting)
+            return self.free_seq_slots > 0 and bm.blocks_for(num_prompt_tokens + 1) + claimed <= bm.num_free_blocks
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs or self._pending)
+
+    # --- requests -----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        tenant: str | None = None,
+        prior_output_token_ids: Seq[int] = (),
+    ) -> None:
+        params = params or SamplingParams()
+        prompt, prior = list(prompt_token_ids), list(prior_output_token_ids)
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        if len(prompt) + len(prior) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt) + len(prior)} tokens leaves no room (max_model_len {self.max_model_len})"
+            )
+        if params.seed is None:  # a fixed seed per request makes a crash-resumed request continue identically
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
+        with self._lock:
+            if request_id in self._seqs:
+                raise ValueError(f"request {request_id!r} is already in the engine")
+            detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop, prior_output_token_ids=prior)
+            seq = Sequence(
+                request_id, prompt, params, arrival=self._arrivals, priority=priority, deadline=deadline,
+                tenant=tenant, prior_output_token_ids=prior, detokenizer=detok,
+            )  # fmt: skip
+            self._arrivals += 1
+            if len(prior) >= params.max_new_tokens:
+                self._pending.append(EngineEvent(request_id, len(prior), -1, "", finish_reason="length"))
+                return
+            self._seqs[request_id] = seq
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            seq = self._seqs.pop(request_id, None)
+            if seq is None:
+                return False
+            self.scheduler.remove(seq)
+            self.sampler.release(request_id)
+            seq.status = SequenceStatus.FINISHED
+            return True
+
+    # --- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[EngineEvent]:
+        with self._lock:
+            started = time.perf_counter()
+            events, self._pending = self._pending, []
+            batch = self.scheduler.schedule()
+            for seq in batch.expired:
+                events.append(EngineEvent(seq.request_id, seq.num_output_tokens, -1, "", finish_reason="expired"))
+                self.stats.expired += 1
+                self._drop(seq)
+            for seq in batch.preempted:
+                self.sampler.release(seq.request_id)
+            if batch.seqs:
+                events += self._run(batch.seqs, batch.num_new_tokens)
+            self.stats.steps += 1
+            self.stats.batch_tokens = batch.num_tokens
+            self.stats.batch_seqs = len(batch.seqs)
+            self.stats.step_time_s += time.perf_counter() - started
+            return events
+
+    def _run(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[EngineEvent]:
+        sample = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, num_new_tokens, strict=True)]
+        started = time.perf_counter()
+        logits = self.runner.run(seqs, num_new_tokens, sample)
+        self.stats.forward_time_s += time.perf_counter() - started
+        sampling: list[Sequence] = []
+        for seq, n, s in zip(seqs, num_new_tokens, sample, strict=True):
+            seq.num_computed_tokens += n
+            self.block_manager.register_computed(seq)
+            if s:
+                sampling.append(seq)
+        if not sampling:
+            return []
+        rows = [
+            SamplingRow(s.request_id, s.params, s.prompt_token_ids, s.output_token_ids, s.num_output_tokens)
+            for s in sampling
+        ]
+        out = self.sampler.sample(logits, rows)
+        events = []
+        for i, seq in enumerate(sampling):
+            logprob = out.logprobs[i] if out.logprobs is not None else None
+            top = out.top_logprobs[i] if out.top_logprobs is not None and seq.params.logprobs else None
+            events.append(self._on_token(seq, out.token_ids[i], logprob, top))
+        self.stats.generated_tokens += len(sampling)
+        return events
+
+    def _on_token(
+        self, seq: Sequence, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None
+    ) -> EngineEvent:
+        seq.append_token(token_id)
+        seq.status = SequenceStatus.DECODING
+        params = seq.params
+        finish: FinishReason | None = None
+        if token_id in self.eos_token_ids and not params.ignore_eos:
+            finish = "eos_token"
+        elif token_id in params.stop_token_ids:
+            finish = "stop_sequence"
+        text, stopped = seq.detokenizer.add(token_id)
+        if finish is None and stopped:
+            finish = "stop_sequence"
+        if finish is None and (seq.num_output_tokens >= params.max_new_tokens or seq.num_tokens >= self.max_model_len):
+            finish = "length"
+        if finish is not None and not stopped:
+            text += seq.detokenizer.finish()
+        top_named = [(t, self.tokenizer.decode([t]), lp) for t, lp in top] if top is not None else None
+        event = EngineEvent(
+            seq.request_id, seq.num_output_tokens - 1, token_id, text, logprob, top_named, finish,
+            token_id in self.special_token_ids,
+        )  # fmt: skip
+        if finish is not None:
+            seq.finish_reason = finish
+            self._drop(seq)
+        return event
+
+    def _drop(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        self.sampler.release(seq.request_id)
+        self._seqs.pop(seq.request_id, None)
+        seq.status = SequenceStatus.FINISHED
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return ids

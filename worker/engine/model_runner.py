@@ -1,0 +1,149 @@
+"""Tensors in, logits out: owns the model and its paged KV cache and runs one forward per step
+over the flattened ragged batch (input_ids and position_ids of shape (1, T))."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from worker.engine import attention
+from worker.engine.attention.metadata import AttentionMetadata, PrefillChunk
+from worker.engine.sequence import Sequence
+
+
+def kv_geometry(model: Any) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a Hugging Face causal LM."""
+    config = model.config.get_text_config()
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return config.num_hidden_layers, num_kv_heads, head_dim
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        num_blocks: int,
+        block_size: int,
+        attention_backend: str = "auto",
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        num_layers, num_kv_heads, head_dim = kv_geometry(model)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(num_layers)
+        ]
+        self.backend = attention.make_backend(attention_backend, self.device)
+        attention.register()
+        model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
+
+    @staticmethod
+    def kv_bytes_per_block(model: Any, block_size: int, dtype: torch.dtype) -> int:
+        num_layers, num_kv_heads, head_dim = kv_geometry(model)
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], num_new_tokens: list[int], sample: list[bool]) -> torch.Tensor:
+        """Computes K/V for each sequence's next ``num_new_tokens`` tokens; returns logits [S, V] for
+        the sequences flagged in ``sample`` (in their order), at their last position only."""
+        order = sorted(range(len(seqs)), key=lambda i: num_new_tokens[i] != 1)  # decodes first, stable
+        meta, input_ids, positions, last_rows = self._prepare(
+            [seqs[i] for i in order], [num_new_tokens[i] for i in order]
+        )
+        row_of = dict(zip(order, last_rows, strict=True))
+        keep = torch.tensor([row_of[i] for i in range(len(seqs)) if sample[i]], device=self.device)
+        out = self.model(
+            input_ids=input_ids.unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
+            use_cache=False,
+            logits_to_keep=keep,
+            inflightq_meta=meta,
+        )
+        return out.logits[0]
+
+    def _prepare(
+        self, seqs: list[Sequence], num_new_tokens: list[int]
+    ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, list[int]]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        last_rows: list[int] = []
+        prefills: list[PrefillChunk] = []
+        num_decodes = 0
+        dev = self.device
+        for seq, n in zip(seqs, num_new_tokens, strict=True):
+            start, ctx = seq.num_computed_tokens, seq.num_computed_tokens + n
+            row = len(ids)
+            ids.extend(seq.token_ids[start:ctx])
+            pos.extend(range(start, ctx))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, ctx))
+            last_rows.append(row + n - 1)
+            if n == 1:
+                num_decodes += 1
+            elif start == 0:
+                prefills.append(PrefillChunk(row, row + n, ctx, None, None))
+            else:
+                ctx_slots = self._context_slots(table, ctx)
+                q_pos = torch.arange(start, ctx, device=dev).unsqueeze(1)
+                mask = torch.arange(ctx, device=dev).unsqueeze(0) <= q_pos
+                prefills.append(PrefillChunk(row, row + n, ctx, ctx_slots, mask))
+        meta = AttentionMetadata(
+            backend=self.backend,
+            kv_caches=self.kv_caches,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decodes=num_decodes,
+            prefills=prefills,
+        )
+        if num_decodes and not self.backend.needs_flat_views:
+            self._decode_views(meta, seqs[:num_decodes])
+        if self.backend.needs_flat_views:
+            self._flat_views(meta, seqs, num_new_tokens)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        return meta, input_ids, positions, last_rows
+
+    def _context_slots(self, table: list[int], ctx: int) -> torch.Tensor:
+        bs = self.block_size
+        blocks = torch.tensor(table[: -(-ctx // bs)], dtype=torch.long, device=self.device)
+        return (blocks.unsqueeze(1) * bs + torch.arange(bs, device=self.device)).flatten()[:ctx]
+
+    def _decode_views(self, meta: AttentionMetadata, seqs: list[Sequence]) -> None:
+        bs = self.block_size
+        lens = [s.num_computed_tokens + 1 for s in seqs]
+        max_blocks = -(-max(lens) // bs)
+        tables = torch.tensor(
+            [s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks])) for s in seqs],
+            dtype=torch.long,
+            device=self.device,
+        )
+        length = max_blocks * bs
+        meta.decode_slots = (tables.unsqueeze(2) * bs + torch.arange(bs, device=self.device)).view(len(seqs), length)
+        context = torch.tensor(lens, device=self.device).unsqueeze(1)
+        meta.decode_mask = (torch.arange(length, device=self.device).unsqueeze(0) < context).view(
+            len(seqs), 1, 1, length
+        )
+
+    def _flat_views(self, meta: AttentionMetadata, seqs: list[Sequence], num_new_tokens: list[int]) -> None:
+        lens = [s.num_computed_tokens + n for s, n in zip(seqs, num_new_tokens, strict=True)]
+        max_blocks = max(len(s.block_table) for s in seqs)
+        rows = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
+        meta.block_tables = torch.tensor(rows, dtype=torch.int32, device=self.device)
+        meta.context_lens = torch.tensor(lens, dtype=torch.int32, device=self.device)
+        cu = [0]
+        for n in num_new_tokens:
+            cu.append(cu[-1] + n)
+        meta.cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=self.device)
+        meta.max_query_len = max(num_new_tokens)
+        meta.max_context_len = max(lens)

@@ -1,0 +1,57 @@
+"""What the engine hands out: per-token events (streaming), whole results (offline) and counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["length", "eos_token", "stop_sequence", "expired"]
+
+
+@dataclass
+class EngineEvent:
+    request_id: str
+    index: int  # position among generated tokens; continues after prior tokens on resume
+    token_id: int  # -1 when the event only reports an end (expiry, or held-back text on finish)
+    text: str  # text delta safe to show now
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, str, float]] | None = None
+    finish_reason: FinishReason | None = None
+    special: bool = False
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, str, float]]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineStats:
+    """Counters since start; cumulative unless named for the last step. The worker's metrics read these."""
+
+    steps: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached (counted in tokens, not blocks)
+    preemptions: int = 0
+    expired: int = 0
+    forward_time_s: float = 0.0  # model forward incl. logits, summed over steps
+    step_time_s: float = 0.0  # whole step() wall time, summed
+    generated_tokens: int = 0
+    batch_tokens: int = 0  # tokens in the last step's forward
+    batch_seqs: int = 0  # sequences in the last step's forward
+    num_running: int = 0
+    num_waiting: int = 0
+
+    @property
+    def forward_share(self) -> float:
+        return self.forward_time_s / self.step_time_s if self.step_time_s else 0.0
