@@ -1,0 +1,78 @@
+"""Queue metrics, read from Redis when Prometheus scrapes the API's /metrics.
+
+The queue is shared by every API replica and worker, so nobody owns a counter of it: each
+scrape asks Redis (a handful of pipelined reads per model). Every API replica exports the
+same values; aggregate them with max(), not sum()."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import redis
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from shared.client import QueueClient
+from shared.settings import Settings
+
+
+class QueueCollector(Collector):
+    def __init__(self, settings: Settings, *, timeout_s: float = 1.0) -> None:
+        self.settings = settings
+        # Short timeouts and no retries: a scrape must answer even while Redis is away.
+        connection = redis.Redis.from_url(
+            settings.redis_url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
+        self.client = QueueClient(settings, client=connection)
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return list(self._families())
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        up, depth, oldest, workers, dead = self._families()
+        try:
+            models = sorted({*self.settings.served_models, *self.client.models()})
+            beats = self.client.live_workers()
+            for model in models:
+                for priority, waiting in self.client.queue_depth(model).items():
+                    depth.add_metric([model, str(priority)], waiting)
+                oldest.add_metric([model], self.client.oldest_waiting_age_s(model))
+                workers.add_metric([model], sum(1 for beat in beats if beat.model == model))
+                dead.add_metric([model], self.client.redis.xlen(self.client.keys.dead_letters(model)))
+        except (redis.RedisError, OSError):
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield from (up, depth, oldest, workers, dead)
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, ...]:
+        return (
+            GaugeMetricFamily("inflightq_queue_redis_up", "1 when the API's scrape could read the queue from Redis."),
+            GaugeMetricFamily(
+                "inflightq_queue_depth",
+                "Requests waiting in Redis that no worker has taken yet, by model and priority.",
+                labels=["model", "priority"],
+            ),
+            GaugeMetricFamily(
+                "inflightq_queue_oldest_waiting_age_seconds",
+                "Age of the oldest request no worker has taken yet (0 when none waits).",
+                labels=["model"],
+            ),
+            GaugeMetricFamily(
+                "inflightq_workers_live", "Workers whose heartbeat is fresh, by the model they serve.", labels=["model"]
+            ),
+            GaugeMetricFamily(
+                "inflightq_queue_dead_letters",
+                "Entries in a model's dead-letter stream (requests given up after too many deliveries).",
+                labels=["model"],
+            ),
+        )
+
+
+def register_queue_metrics(registry: CollectorRegistry, settings: Settings) -> QueueCollector:
+    collector = QueueCollector(settings)
+    registry.register(collector)
+    return collector
