@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
+from shared.lifecycle import RequestStatus
+
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 
 
@@ -163,3 +165,53 @@ class WorkerHeartbeat(WireModel):
     started_at: float
     updated_at: float = Field(default_factory=time.time)
     draining: bool = False
+
+
+class RequestInfo(BaseModel):
+    """A request's record as ``client.status`` reads it from the request hash."""
+
+    id: str
+    status: RequestStatus
+    model: str
+    priority: int = 0
+    submitted_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    worker: str | None = None
+    attempt: int = 0
+    deliveries: int = 0
+    result: FinalResult | None = None
+    error: ErrorEvent | None = None
+
+    @classmethod
+    def from_hash(cls, fields: dict[str, str]) -> RequestInfo:
+        def number(name: str) -> float | None:
+            value = fields.get(name)
+            return float(value) if value not in (None, "") else None
+
+        return cls(
+            id=fields.get("id", ""),
+            status=RequestStatus(fields.get("status", RequestStatus.QUEUED)),
+            model=fields.get("model", ""),
+            priority=int(fields.get("priority") or 0),
+            submitted_at=number("submitted_at"),
+            started_at=number("started_at"),
+            finished_at=number("finished_at"),
+            worker=fields.get("worker") or None,
+            attempt=int(fields.get("attempt") or 0),
+            deliveries=int(fields.get("deliveries") or 0),
+            result=FinalResult.model_validate_json(fields["result"]) if fields.get("result") else None,
+            error=ErrorEvent.model_validate_json(fields["error"]) if fields.get("error") else None,
+        )
+
+
+class DeadLetter(WireModel):
+    """What the dead-letter stream of a model holds: the raw entry and why it was dropped."""
+
+    reason: str
+    stream: str
+    entry_id: str
+    request_id: str | None = None
+    worker: str | None = None
+    raw: str = Field("", description="The stream entry's fields, as JSON, exactly as read.")
+    at: float = Field(default_factory=time.time)

@@ -1,0 +1,148 @@
+"""What the sync and the asyncio client share: building a request, the fields of its hash,
+and putting a stream of events back in order.
+
+Kept free of I/O so both clients (and tests) use the same rules."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+from shared.errors import ValidationError
+from shared.lifecycle import RequestStatus
+from shared.schemas import (
+    DoneEvent,
+    ErrorEvent,
+    QueuedRequest,
+    RequestInfo,
+    SamplingSpec,
+    TokenEvent,
+    parse_event,
+)
+from shared.settings import Settings
+from shared.transitions import LOG_FIELD
+
+AnyEvent = TokenEvent | DoneEvent | ErrorEvent
+
+# How long a follower waits on pub/sub before it re-reads the replay log and the hash: the
+# safety net for a lost pub/sub message or a dropped connection, not the normal path.
+IDLE_CHECK_S = 1.0
+
+
+def build_request(
+    settings: Settings,
+    model: str,
+    prompt_token_ids: list[int],
+    sampling: SamplingSpec | None,
+    *,
+    priority: int | None,
+    deadline: float | None,
+    tenant: str | None,
+    request_id: str | None,
+) -> QueuedRequest:
+    sampling = sampling or SamplingSpec(max_new_tokens=settings.default_max_new_tokens)
+    if sampling.seed is None and sampling.temperature > 0:
+        # A fixed seed makes a taken-over request reproduce the tokens it would have produced.
+        sampling = sampling.model_copy(update={"seed": random.getrandbits(63)})
+    fields: dict[str, object] = {
+        "model": model,
+        "prompt_token_ids": prompt_token_ids,
+        "sampling": sampling,
+        "priority": settings.default_priority if priority is None else priority,
+        "deadline": deadline,
+        "tenant": tenant,
+    }
+    if request_id is not None:
+        fields["id"] = request_id
+    request = QueuedRequest(**fields)  # type: ignore[arg-type]
+    return normalize(settings, request)
+
+
+def normalize(settings: Settings, request: QueuedRequest) -> QueuedRequest:
+    if request.priority >= settings.priority_levels:
+        raise ValidationError(
+            f"priority must be between 0 and {settings.priority_levels - 1}, got {request.priority}", field="priority"
+        )
+    return request
+
+
+def hash_fields(request: QueuedRequest) -> dict[str, str]:
+    return {
+        "id": request.id,
+        "status": RequestStatus.QUEUED.value,
+        "model": request.model,
+        "priority": str(request.priority),
+        "submitted_at": repr(request.submitted_at),
+        "attempt": str(request.attempt),
+        "deliveries": "0",
+    }
+
+
+def log_maxlen(settings: Settings) -> int:
+    """Replay logs keep every event of the longest allowed generation (resume needs them all)."""
+    return settings.max_new_tokens + 16
+
+
+def terminal_from_info(info: RequestInfo) -> AnyEvent | None:
+    """The terminal event a final request's hash implies (used when its log has expired)."""
+    if info.result is not None:
+        return DoneEvent(request_id=info.id, result=info.result)
+    if info.error is not None:
+        return info.error
+    if info.status.is_final:
+        return ErrorEvent(request_id=info.id, error_type="generation", message=f"request {info.status.value}")
+    return None
+
+
+def parse_log_entry(fields: dict[str, str]) -> AnyEvent | None:
+    raw = fields.get(LOG_FIELD)
+    if raw is None:
+        return None
+    try:
+        return parse_event(raw)
+    except ValueError:
+        return None
+
+
+@dataclass
+class EventSequencer:
+    """Puts events from the replay log and from pub/sub into one ordered, duplicate-free stream.
+
+    Token events are keyed by index: anything below the next expected index was already
+    delivered (a taken-over request may republish, pub/sub and the log overlap). A live event
+    ahead of the next index means the follower missed something; ``gap`` tells the caller to
+    read the log first."""
+
+    next_index: int = 0
+    last_log_id: str = "0-0"
+    finished: bool = False
+    gap: bool = False
+
+    def accept(self, event: AnyEvent, *, from_log: bool) -> list[AnyEvent]:
+        if self.finished:
+            return []
+        if isinstance(event, TokenEvent):
+            if event.index < self.next_index:
+                return []
+            if event.index > self.next_index and not from_log:
+                self.gap = True
+                return []
+            # A hole inside the log itself (trimmed log) cannot be filled: move on past it.
+            self.next_index = event.index + 1
+            return [event]
+        self.finished = True
+        return [event]
+
+
+def deadline_from(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def remaining(deadline: float | None) -> float:
+    if deadline is None:
+        return IDLE_CHECK_S
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("timed out waiting for the request's events")
+    return min(IDLE_CHECK_S, left)

@@ -1,0 +1,120 @@
+"""Every change of a request's status, as one atomic Lua script each.
+
+The request hash (``keys.request``) is the record; these scripts are the only writers of its
+``status`` field, so the lifecycle in ``shared/lifecycle.py`` holds however clients and
+workers race:
+
+- ``enqueue`` (client, a MULTI, no script needed): hash ``queued``, then XADD, then wake-up.
+- ``CANCEL`` (client): queued -> cancelled at once (a worker that reads the entry later skips
+  it); running -> ``cancel_requested`` is set and the cancel channel tells the running worker,
+  which moves it to cancelled at its next step. The flag also stops a takeover from resuming it.
+- ``START`` (worker): queued -> running, or running -> running on takeover (attempt + 1).
+  Counts deliveries so a request that keeps killing workers is dead-lettered.
+- ``FINISH`` (worker): running/queued -> done | failed | cancelled | expired, stores the result
+  or error, appends the terminal event to the replay log, publishes it, and XACKs + XDELs the
+  stream entry, all at once: no reader ever sees a final status without its terminal event.
+- ``REFRESH`` (worker): keeps a live worker's pending entries idle-free (XCLAIM JUSTID), only
+  for entries it still owns, and reports the ones another worker took over.
+
+Scripts name every key they touch in KEYS, and all keys share the prefix's hash tag, so they
+stay legal on Redis Cluster."""
+
+from __future__ import annotations
+
+# Hash fields written by these scripts and by enqueue.
+STATUS = "status"
+CANCEL_REQUESTED = "cancel_requested"
+DELIVERIES = "deliveries"
+ATTEMPT = "attempt"
+
+# Field name of the one JSON document in a priority-stream entry and in a replay-log entry.
+STREAM_FIELD = "request"
+LOG_FIELD = "e"
+
+# KEYS: request hash, replay log, token channel, cancel channel.
+# ARGV: request id, terminal event JSON, now, ttl, log maxlen.
+# Returns 1 cancelled while queued, 2 cancel sent to the running worker, 0 already final, -1 unknown.
+CANCEL = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return -1 end
+if status == 'queued' then
+  redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished_at', ARGV[3], 'error', ARGV[2],
+             'cancel_requested', '1')
+  redis.call('EXPIRE', KEYS[1], ARGV[4])
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'e', ARGV[2])
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+  redis.call('PUBLISH', KEYS[3], ARGV[2])
+  return 1
+end
+if status == 'running' then
+  redis.call('HSET', KEYS[1], 'cancel_requested', '1')
+  redis.call('PUBLISH', KEYS[4], ARGV[1])
+  return 2
+end
+return 0
+"""
+
+# KEYS: request hash.
+# ARGV: worker name, now, max deliveries, ttl, then (for a hash that vanished, e.g. a Redis
+# restart without persistence) id, model, priority, submitted_at.
+# Returns {verdict, deliveries, attempt}; verdict is 'run', 'cancel', 'poison', or the final status.
+START = """
+local h = redis.call('HMGET', KEYS[1], 'status', 'cancel_requested')
+local status = h[1]
+if not status then
+  redis.call('HSET', KEYS[1], 'id', ARGV[5], 'model', ARGV[6], 'priority', ARGV[7],
+             'submitted_at', ARGV[8], 'status', 'queued', 'attempt', '0')
+  status = 'queued'
+end
+if status ~= 'queued' and status ~= 'running' then return {status, 0, 0} end
+if h[2] == '1' then return {'cancel', 0, 0} end
+local deliveries = redis.call('HINCRBY', KEYS[1], 'deliveries', 1)
+if deliveries > tonumber(ARGV[3]) then return {'poison', deliveries, 0} end
+local attempt
+if status == 'running' then
+  attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+else
+  attempt = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0')
+  redis.call('HSET', KEYS[1], 'started_at', ARGV[2])
+end
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return {'run', deliveries, attempt}
+"""
+
+# KEYS: request hash, replay log, token channel, priority stream.
+# ARGV: status, terminal event JSON, 'result' or 'error', its JSON, now, ttl, group, entry id
+# ('' when there is no entry), log maxlen.
+# Returns 1 when this call moved the request to its final status, 0 when it already was final.
+FINISH = """
+local current = redis.call('HGET', KEYS[1], 'status')
+local applied = 0
+if (not current) or current == 'queued' or current == 'running' then
+  redis.call('HSET', KEYS[1], 'status', ARGV[1], 'finished_at', ARGV[5], ARGV[3], ARGV[4])
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[9], '*', 'e', ARGV[2])
+  redis.call('PUBLISH', KEYS[3], ARGV[2])
+  applied = 1
+end
+redis.call('EXPIRE', KEYS[1], ARGV[6])
+redis.call('EXPIRE', KEYS[2], ARGV[6])
+if ARGV[8] ~= '' then
+  redis.call('XACK', KEYS[4], ARGV[7], ARGV[8])
+  redis.call('XDEL', KEYS[4], ARGV[8])
+end
+return applied
+"""
+
+# KEYS: priority stream.  ARGV: group, worker name, entry ids...
+# Returns the ids this worker no longer owns (another worker took them over, or Redis lost them).
+REFRESH = """
+local lost = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    table.insert(lost, ARGV[i])
+  end
+end
+return lost
+"""

@@ -1,0 +1,199 @@
+"""The queue client against a real Redis, with this test playing the worker's part by hand."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import redis
+
+from shared.async_client import AsyncQueueClient
+from shared.client import QueueClient
+from shared.errors import CancelledError, NotFoundError, OverloadedError, ValidationError
+from shared.keys import CONSUMER_GROUP, Keys
+from shared.lifecycle import RequestStatus
+from shared.schemas import (
+    DoneEvent,
+    ErrorEvent,
+    FinalResult,
+    QueuedRequest,
+    SamplingSpec,
+    Timings,
+    TokenEvent,
+    Usage,
+)
+from shared.settings import Settings
+from shared.transitions import LOG_FIELD, STREAM_FIELD
+
+MODEL = "m"
+
+
+@pytest.fixture
+def client_settings(redis_url: str, key_prefix: str) -> Settings:
+    return Settings(redis_url=redis_url, key_prefix=key_prefix, max_queue_depth=3)
+
+
+@pytest.fixture
+def client(client_settings: Settings):
+    with QueueClient(client_settings) as queue:
+        yield queue
+
+
+def emit(r: redis.Redis, keys: Keys, event: TokenEvent | DoneEvent | ErrorEvent, *, log: bool = True) -> None:
+    """What a worker's publisher does for one event: log first, then publish."""
+    if log:
+        r.xadd(keys.replay_log(event.request_id), {LOG_FIELD: event.to_json()})
+    r.publish(keys.tokens_channel(event.request_id), event.to_json())
+
+
+def token(request_id: str, index: int) -> TokenEvent:
+    return TokenEvent(request_id=request_id, index=index, token_id=100 + index, text=f"t{index}")
+
+
+def done(request_id: str, n: int) -> DoneEvent:
+    result = FinalResult(
+        request_id=request_id,
+        model=MODEL,
+        text="".join(f"t{i}" for i in range(n)),
+        token_ids=[100 + i for i in range(n)],
+        finish_reason="length",
+        usage=Usage(prompt_tokens=1, completion_tokens=n, total_tokens=n + 1),
+        timings=Timings(submitted_at=time.time()),
+    )
+    return DoneEvent(request_id=request_id, result=result)
+
+
+def test_submit_writes_the_queued_hash_then_the_stream_entry_and_a_wakeup(client, redis_client, keys) -> None:
+    request_id = client.submit(MODEL, [1, 2, 3], SamplingSpec(max_new_tokens=4, temperature=0.7), priority=2)
+    info = client.status(request_id)
+    assert info is not None and info.status is RequestStatus.QUEUED and info.priority == 2
+    entries = redis_client.xrange(keys.stream(MODEL, 2))
+    queued = QueuedRequest.model_validate_json(entries[0][1][STREAM_FIELD])
+    assert queued.id == request_id and queued.prompt_token_ids == [1, 2, 3]
+    assert queued.sampling.seed is not None, "sampled requests get a seed so a takeover reproduces them"
+    assert redis_client.llen(keys.notify(MODEL)) == 1
+    assert client.queue_depth(MODEL) == {0: 0, 1: 0, 2: 1, 3: 0}
+    assert client.oldest_waiting_age_s(MODEL) >= 0.0
+
+
+def test_greedy_requests_keep_no_seed_and_bad_priority_is_rejected(client, redis_client, keys) -> None:
+    request_id = client.submit(MODEL, [1], priority=0)
+    queued = QueuedRequest.model_validate_json(redis_client.xrange(keys.stream(MODEL, 0))[0][1][STREAM_FIELD])
+    assert queued.id == request_id and queued.sampling.seed is None
+    with pytest.raises(ValidationError):
+        client.submit(MODEL, [1], priority=4)
+
+
+def test_submit_past_the_queue_depth_is_overloaded_but_taken_work_does_not_count(client, redis_client, keys) -> None:
+    for _ in range(3):
+        client.submit(MODEL, [1], priority=1)
+    with pytest.raises(OverloadedError):
+        client.submit(MODEL, [1], priority=0)
+    redis_client.xreadgroup(CONSUMER_GROUP, "w", {keys.stream(MODEL, 1): ">"}, count=1)
+    assert client.queue_depth(MODEL)[1] == 2
+    client.submit(MODEL, [1], priority=0)
+
+
+def test_stream_replays_the_log_then_follows_live_without_duplicates(client, redis_client, keys) -> None:
+    request_id = client.submit(MODEL, [1])
+    for i in range(3):
+        emit(redis_client, keys, token(request_id, i))
+
+    def worker() -> None:
+        time.sleep(0.3)
+        emit(redis_client, keys, token(request_id, 1))  # a taken-over request may republish
+        for i in range(3, 6):
+            emit(redis_client, keys, token(request_id, i))
+        emit(redis_client, keys, done(request_id, 6))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    events = list(client.stream(request_id, timeout=10))
+    thread.join()
+    assert [e.index for e in events[:-1]] == [0, 1, 2, 3, 4, 5]
+    assert isinstance(events[-1], DoneEvent)
+
+
+def test_stream_fills_a_missed_live_event_from_the_log(client, redis_client, keys) -> None:
+    request_id = client.submit(MODEL, [1])
+
+    def worker() -> None:
+        time.sleep(0.3)
+        redis_client.xadd(keys.replay_log(request_id), {LOG_FIELD: token(request_id, 0).to_json()})
+        emit(redis_client, keys, token(request_id, 1))
+        emit(redis_client, keys, done(request_id, 2))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    events = list(client.stream(request_id, timeout=10))
+    thread.join()
+    assert [e.index for e in events[:-1]] == [0, 1]
+
+
+def test_stream_from_index_skips_what_the_caller_has(client, redis_client, keys) -> None:
+    request_id = client.submit(MODEL, [1])
+    for i in range(4):
+        emit(redis_client, keys, token(request_id, i))
+    emit(redis_client, keys, done(request_id, 4))
+    events = list(client.stream(request_id, from_index=2, timeout=5))
+    assert [e.index for e in events[:-1]] == [2, 3]
+
+
+def test_cancel_of_a_queued_request_is_final_at_once(client) -> None:
+    request_id = client.submit(MODEL, [1])
+    assert client.cancel(request_id) is True
+    info = client.status(request_id)
+    assert info is not None and info.status is RequestStatus.CANCELLED
+    events = list(client.stream(request_id, timeout=5))
+    assert isinstance(events[-1], ErrorEvent) and events[-1].error_type == "cancelled"
+    with pytest.raises(CancelledError):
+        client.result(request_id, timeout=5)
+    assert client.cancel(request_id) is False
+
+
+def test_unknown_requests_are_not_found(client) -> None:
+    assert client.status("nope") is None
+    with pytest.raises(NotFoundError):
+        client.result("nope", timeout=2)
+    with pytest.raises(NotFoundError):
+        list(client.stream("nope", timeout=2))
+    with pytest.raises(NotFoundError):
+        client.cancel("nope")
+
+
+def test_result_waits_for_the_done_event(client, redis_client, keys) -> None:
+    request_id = client.submit(MODEL, [1])
+    threading.Timer(0.3, lambda: emit(redis_client, keys, done(request_id, 2))).start()
+    assert client.result(request_id, timeout=10).token_ids == [100, 101]
+    with pytest.raises(TimeoutError):
+        client.result(client.submit(MODEL, [1]), timeout=0.5)
+
+
+def test_async_client_has_the_same_behaviour(client_settings, redis_client, keys) -> None:
+    async def scenario() -> None:
+        async with AsyncQueueClient(client_settings) as queue:
+            assert await queue.ping()
+            request_id = await queue.submit(MODEL, [5, 6], priority=0)
+            assert (await queue.queue_depth(MODEL))[0] == 1
+            emit(redis_client, keys, token(request_id, 0))
+
+            async def worker() -> None:
+                await asyncio.sleep(0.3)
+                emit(redis_client, keys, token(request_id, 0))
+                emit(redis_client, keys, token(request_id, 1))
+                emit(redis_client, keys, done(request_id, 2))
+
+            task = asyncio.create_task(worker())
+            events = [event async for event in queue.stream(request_id, timeout=10)]
+            await task
+            assert [e.index for e in events[:-1]] == [0, 1]
+            assert (await queue.result(request_id)).text == "t0t1"
+            other = await queue.submit(MODEL, [1])
+            assert await queue.cancel(other)
+            info = await queue.status(other)
+            assert info is not None and info.status is RequestStatus.CANCELLED
+            assert await queue.live_workers() == []
+
+    asyncio.run(scenario())
