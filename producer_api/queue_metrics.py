@@ -76,3 +76,17 @@ def register_queue_metrics(registry: CollectorRegistry, settings: Settings) -> Q
     collector = QueueCollector(settings)
     registry.register(collector)
     return collector
+
+
+_registries: dict[tuple[str, str, tuple[str, ...]], CollectorRegistry] = {}
+
+
+def queue_registry(settings: Settings) -> CollectorRegistry:
+    """One registry per queue (Redis, prefix, models), made on first use; several apps in one
+    process (tests) each see their own queue. Its collect() blocks on Redis: call it in a thread."""
+    key = (settings.redis_url, settings.key_prefix, tuple(settings.served_models))
+    if key not in _registries:
+        registry = CollectorRegistry(auto_describe=True)
+        register_queue_metrics(registry, settings)
+        _registries[key] = registry
+    return _registries[key]
