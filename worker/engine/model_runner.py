@@ -61,7 +61,7 @@ class ModelRunner:
             [seqs[i] for i in order], [num_new_tokens[i] for i in order]
         )
         row_of = dict(zip(order, last_rows, strict=True))
-        keep = torch.tensor([row_of[i] for i in range(len(seqs)) if sample[i]], device=self.device)
+        keep = torch.tensor([row_of[i] for i in range(len(seqs)) if sample[i]], dtype=torch.long, device=self.device)
         out = self.model(
             input_ids=input_ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),

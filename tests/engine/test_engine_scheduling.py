@@ -1,0 +1,175 @@
+"""The streaming core: priorities, preemption, aging, deadlines, abort, resume, admission info."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from tests.engine.conftest import reference, run_to_end
+from worker.engine import EngineEvent, SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+
+def prompt(seed: int, n: int = 12) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 40_000) for _ in range(n)]
+
+
+def finish_order(events: list[EngineEvent]) -> list[str]:
+    return [e.request_id for e in events if e.finish_reason is not None]
+
+
+def step_all(engine: Any, max_steps: int = 1000) -> list[EngineEvent]:
+    out: list[EngineEvent] = []
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        out += engine.step()
+    return out
+
+
+def test_urgent_request_overtakes_earlier_less_urgent_ones(make_engine: Any) -> None:
+    engine = make_engine(max_num_seqs=1)
+    engine.add_request("late-1", prompt(1), GREEDY, priority=5)
+    engine.add_request("late-2", prompt(2), GREEDY, priority=5)
+    engine.add_request("urgent", prompt(3), GREEDY, priority=0)
+    assert finish_order(step_all(engine)) == ["urgent", "late-1", "late-2"]
+
+
+def test_urgent_request_preempts_a_less_urgent_running_one(make_engine: Any, tiny_ref: Any) -> None:
+    engine = make_engine(max_num_seqs=1)
+    params = SamplingParams(max_new_tokens=10)
+    engine.add_request("background", prompt(4), params, priority=5)
+    events = [e for _ in range(4) for e in engine.step()]
+    assert [e.request_id for e in events] == ["background"] * 4
+    engine.add_request("urgent", prompt(5), params, priority=0)
+    events += step_all(engine)
+    assert engine.stats.preemptions == 1
+    assert finish_order(events) == ["urgent", "background"]
+    tokens = [e.token_id for e in events if e.request_id == "background"]
+    assert tokens == reference(tiny_ref, prompt(4), 10)  # recomputed after preemption, same continuation
+    assert [e.index for e in events if e.request_id == "background"] == list(range(10))
+
+
+def test_aging_stops_starvation(make_engine: Any) -> None:
+    def first_token_step(aging_steps: int | None) -> int | None:
+        engine = make_engine(max_num_seqs=1, aging_steps=aging_steps)
+        engine.add_request("patient", prompt(6), GREEDY, priority=3)
+        for step in range(80):
+            # A steady stream of urgent work that alone would keep the engine busy forever.
+            engine.add_request(f"hot-{step}", prompt(100 + step), SamplingParams(max_new_tokens=1), priority=0)
+            if any(e.request_id == "patient" for e in engine.step()):
+                return step
+        return None
+
+    assert first_token_step(aging_steps=None) is None
+    started = first_token_step(aging_steps=4)
+    assert started is not None and started < 30
+
+
+def test_blocks_running_short_preempt_the_least_urgent_newest(make_engine: Any, tiny_ref: Any) -> None:
+    engine = make_engine(num_kv_blocks=12, block_size=4, enable_prefix_caching=False)
+    params = SamplingParams(max_new_tokens=12)
+    engine.add_request("a", prompt(7, 10), params, priority=1)
+    engine.add_request("b", prompt(8, 10), params, priority=1)
+    engine.add_request("c", prompt(9, 10), params, priority=2)
+    preempted: list[str] = []
+    events: list[EngineEvent] = []
+    while engine.has_unfinished():
+        before = {s.request_id for s in engine.scheduler.running}
+        events += engine.step()
+        after = {s.request_id for s in engine.scheduler.running} | set(finish_order(events))
+        preempted += sorted(before - after)
+    assert engine.stats.preemptions > 0
+    assert preempted[0] == "c"  # least urgent goes first
+    for rid, seed in (("a", 7), ("b", 8), ("c", 9)):
+        assert [e.token_id for e in events if e.request_id == rid] == reference(tiny_ref, prompt(seed, 10), 12)
+
+
+def test_requests_past_their_deadline_expire(make_engine: Any) -> None:
+    now = [1000.0]
+    engine = make_engine(max_num_seqs=1, clock=lambda: now[0])
+    engine.add_request("running", prompt(10), SamplingParams(max_new_tokens=50), deadline=1010.0)
+    engine.add_request("waiting", prompt(11), SamplingParams(max_new_tokens=50), deadline=1005.0)
+    engine.step()
+    engine.step()
+    now[0] = 1006.0
+    events = engine.step()
+    expired = [e for e in events if e.finish_reason == "expired"]
+    assert [(e.request_id, e.token_id, e.index) for e in expired] == [("waiting", -1, 0)]
+    now[0] = 1011.0
+    events = engine.step()
+    assert [(e.request_id, e.finish_reason, e.index) for e in events] == [("running", "expired", 3)]
+    assert not engine.has_unfinished()
+    assert engine.num_free_blocks == engine.num_total_blocks
+    assert engine.stats.expired == 2
+
+
+def test_abort_frees_every_block(make_engine: Any) -> None:
+    engine = make_engine(block_size=4)
+    for i in range(5):
+        engine.add_request(f"r{i}", prompt(20 + i, 30), SamplingParams(max_new_tokens=100))
+    engine.step()
+    engine.step()
+    assert engine.num_free_blocks < engine.num_total_blocks
+    assert all(engine.abort(f"r{i}") for i in range(5))
+    assert not engine.abort("r0") and not engine.abort("never-added")
+    assert engine.num_free_blocks == engine.num_total_blocks
+    assert not engine.has_unfinished() and engine.step() == []
+
+
+def test_resume_with_prior_output_continues_identically(make_engine: Any) -> None:
+    for params in (SamplingParams(max_new_tokens=16), SamplingParams(max_new_tokens=16, temperature=1.0, seed=7)):
+        engine = make_engine()
+        engine.add_request("full", prompt(30), params)
+        full = run_to_end(engine)["full"]
+        tokens = [e.token_id for e in full]
+        engine.add_request("resumed", prompt(30), params, prior_output_token_ids=tokens[:6])
+        resumed = run_to_end(engine)["resumed"]
+        assert [e.index for e in resumed] == list(range(6, len(tokens)))
+        assert [e.token_id for e in resumed] == tokens[6:]
+        assert "".join(e.text for e in resumed) == "".join(e.text for e in full[6:])
+        assert resumed[-1].finish_reason == full[-1].finish_reason
+
+
+def test_events_stream_every_token_with_text(make_engine: Any) -> None:
+    engine = make_engine()
+    engine.add_request("r", prompt(31), SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=2))
+    events = run_to_end(engine)["r"]
+    assert [e.index for e in events] == list(range(8))
+    assert [e.finish_reason for e in events] == [None] * 7 + ["length"]
+    text = engine.tokenizer.decode([e.token_id for e in events], skip_special_tokens=True)
+    assert "".join(e.text for e in events) == text
+    assert all(e.logprob is not None and e.top_logprobs is not None and len(e.top_logprobs) == 2 for e in events)
+
+
+def test_unseeded_requests_get_a_seed_so_a_resume_can_replay(make_engine: Any) -> None:
+    engine = make_engine()
+    engine.add_request("r", prompt(32), SamplingParams(max_new_tokens=2, temperature=1.0))
+    assert engine._seqs["r"].params.seed is not None
+    run_to_end(engine)
+
+
+def test_admission_info(make_engine: Any) -> None:
+    engine = make_engine(max_num_seqs=2, num_kv_blocks=10, block_size=4)
+    assert engine.free_seq_slots == 2 and engine.num_free_blocks == engine.num_total_blocks == 10
+    assert engine.can_admit(30) and not engine.can_admit(40)
+    engine.add_request("a", prompt(40, 20), GREEDY)
+    assert engine.free_seq_slots == 1
+    assert not engine.can_admit(20)  # a's prompt already claims 6 of the 10 blocks
+    assert engine.can_admit(12)
+    engine.add_request("b", prompt(41, 4), GREEDY)
+    assert engine.free_seq_slots == 0 and not engine.can_admit(1)
+    run_to_end(engine)
+    assert engine.free_seq_slots == 2
+
+
+def test_stats_count_steps_and_time(make_engine: Any) -> None:
+    engine = make_engine()
+    engine.add_request("r", prompt(50), GREEDY)
+    run_to_end(engine)
+    stats = engine.stats
+    assert stats.steps == 6 and stats.generated_tokens == 6
+    assert 0 < stats.forward_time_s <= stats.step_time_s
+    assert stats.num_running == 1 and stats.batch_tokens == 1  # as scheduled in the last step
