@@ -1,0 +1,387 @@
+"""One run of a batch: input lines -> lowest-priority queue requests -> output and error files.
+
+A run is safe to repeat at any point (RQ retry, a crashed batch worker, two workers racing):
+
+- one run at a time holds the batch's lease; a second one waits for a dead holder's lease to
+  lapse, or leaves when the holder is alive;
+- a line's queue request id is made once per custom_id (SET NX), and a request already in
+  Redis is never submitted again, so a re-run picks up where the last one stopped;
+- a line's outcome is written once (HSETNX) and counted only then;
+- output and error files have ids derived from the batch id, so rewriting them is harmless.
+
+The runner knows nothing of the OpenAI body formats: ``LineHandler`` turns a line's body into
+a queue request and a result into a response body (``worker/batch_job.py`` supplies the one
+the API routes use)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from shared.batch_store import MAX_BATCH_LINES, BatchErrorItem, BatchObject, BatchStatus, BatchStore
+from shared.client import QueueClient
+from shared.errors import InflightqError, NotFoundError, error_from_type
+from shared.schemas import FinalResult, SamplingSpec
+
+log = logging.getLogger("inflightq.batch")
+
+LEASE_TTL_S = 10.0
+POLL_S = 0.2
+# How long a cancelled batch waits for its running requests to stop before writing its files.
+CANCEL_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    model: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+
+
+class LineHandler(Protocol):
+    def prepare(self, endpoint: str, body: dict[str, Any], model: str | None) -> PreparedRequest:
+        """Validate a line's body and build its queue request; raise InflightqError when invalid."""
+        ...
+
+    def response_body(self, endpoint: str, request_id: str, result: FinalResult) -> dict[str, Any]:
+        """The body the endpoint would have answered (chat.completion or text_completion)."""
+        ...
+
+
+@dataclass
+class InputLine:
+    line_no: int  # 1-based, as an editor shows it
+    raw: str
+    custom_id: str | None = None
+    body: dict[str, Any] | None = None
+    error: str | None = None
+
+
+@dataclass
+class Pending:
+    line: InputLine
+    request_id: str
+
+
+@dataclass
+class _Progress:
+    pending: dict[str, Pending] = field(default_factory=dict)
+    progressed: bool = False
+
+
+def parse_lines(content: bytes, endpoint: str) -> list[InputLine]:
+    """Every non-blank line with its envelope checked; a bad line carries its error, not an exception."""
+    text = content.decode("utf-8")
+    lines: list[InputLine] = []
+    seen: set[str] = set()
+    for n, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        line = InputLine(line_no=n, raw=raw)
+        lines.append(line)
+        try:
+            doc = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            line.error = f"line {n} is not valid JSON: {exc.msg}"
+            continue
+        if not isinstance(doc, dict):
+            line.error = f"line {n} must be a JSON object"
+            continue
+        custom_id = doc.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id:
+            line.error = f"line {n}: custom_id must be a non-empty string"
+            continue
+        line.custom_id = custom_id
+        if custom_id in seen:
+            line.error = f"line {n}: custom_id {custom_id!r} is used by an earlier line"
+            continue
+        seen.add(custom_id)
+        if doc.get("method", "POST") != "POST":
+            line.error = f"line {n}: method must be POST"
+        elif doc.get("url") != endpoint:
+            line.error = f"line {n}: url must be the batch's endpoint {endpoint}, not {doc.get('url')!r}"
+        elif not isinstance(doc.get("body"), dict):
+            line.error = f"line {n}: body must be a JSON object"
+        else:
+            line.body = doc["body"]
+    return lines
+
+
+def _line_id() -> str:
+    return "batch_req_" + uuid.uuid4().hex
+
+
+def output_line(custom_id: str, request_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": _line_id(),
+        "custom_id": custom_id,
+        "response": {"status_code": 200, "request_id": request_id, "body": body},
+        "error": None,
+    }
+
+
+def failed_response_line(custom_id: str | None, request_id: str | None, err: InflightqError) -> dict[str, Any]:
+    """A request the API would have refused or that failed: the HTTP answer it would have had."""
+    body = {"error": {"message": err.message, "type": err.error_type, "param": err.field, "code": err.error_type}}
+    return {
+        "id": _line_id(),
+        "custom_id": custom_id,
+        "response": {"status_code": err.http_status, "request_id": request_id, "body": body},
+        "error": None,
+    }
+
+
+def batch_error_line(custom_id: str | None, code: str, message: str, line_no: int | None = None) -> dict[str, Any]:
+    """A line that never became a request (unparseable), or one the batch stopped (cancel, expiry)."""
+    error: dict[str, Any] = {"code": code, "message": message}
+    if line_no is not None:
+        error["line"] = line_no
+    return {"id": _line_id(), "custom_id": custom_id, "response": None, "error": error}
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        store: BatchStore,
+        client: QueueClient,
+        handler: LineHandler,
+        batch_id: str,
+        *,
+        window: int | None = None,
+        lease_ttl_s: float = LEASE_TTL_S,
+        poll_s: float = POLL_S,
+    ) -> None:
+        self.store = store
+        self.client = client
+        self.handler = handler
+        self.batch_id = batch_id
+        settings = store.settings
+        # Requests of this batch in the queue at once: enough to keep workers full, few enough that
+        # interactive requests never meet a full queue (429) because of a batch.
+        self.window = window or max(1, min(256, settings.max_queue_depth // 4))
+        self.priority = settings.priority_levels - 1
+        self.lease_ttl_s = lease_ttl_s
+        self.poll_s = poll_s
+        self.token = uuid.uuid4().hex
+
+    # Entry -----------------------------------------------------------------------------
+    def run(self) -> BatchStatus:
+        if not self._take_lease():
+            log.info("batch %s is being run by another live job; leaving it", self.batch_id)
+            return self.store.status(self.batch_id)
+        try:
+            return self._run_leased()
+        finally:
+            self.store.release_lease(self.batch_id, self.token)
+
+    def _take_lease(self) -> bool:
+        # A crashed run's lease lapses within its TTL; a live one keeps renewing it.
+        deadline = time.monotonic() + self.lease_ttl_s * 1.5
+        while not self.store.acquire_lease(self.batch_id, self.token, self.lease_ttl_s):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(self.poll_s)
+        return True
+
+    def _keep_lease(self) -> None:
+        if not self.store.renew_lease(self.batch_id, self.token, self.lease_ttl_s):
+            raise RuntimeError(f"lost the lease of batch {self.batch_id}; another run owns it now")
+
+    def _run_leased(self) -> BatchStatus:
+        batch = self.store.get(self.batch_id)
+        if batch.status.is_final:
+            return batch.status
+        if batch.status == BatchStatus.VALIDATING:
+            self.store.move(self.batch_id, BatchStatus.IN_PROGRESS, allowed_from=(BatchStatus.VALIDATING,))
+            batch = self.store.get(self.batch_id)
+            if batch.status.is_final:
+                return batch.status
+        try:
+            content = self.store.files.content(batch.input_file_id)
+            lines = parse_lines(content, batch.endpoint)
+        except (NotFoundError, UnicodeDecodeError) as exc:
+            return self._fail(f"the input file cannot be read: {exc}", code="invalid_file")
+        if not lines:
+            return self._fail("the input file holds no requests", code="empty_file")
+        if len(lines) > MAX_BATCH_LINES:
+            return self._fail(f"the input file holds {len(lines)} requests; at most {MAX_BATCH_LINES}", "too_many")
+        self.store.set_fields(self.batch_id, total=len(lines))
+        if batch.status == BatchStatus.IN_PROGRESS:
+            self._process(batch, lines)
+        return self._finish(lines)
+
+    # The loop --------------------------------------------------------------------------
+    def _process(self, batch: BatchObject, lines: list[InputLine]) -> None:
+        done = self.store.recorded_lines(self.batch_id)
+        todo: Iterator[InputLine] = (line for line in lines if line.line_no not in done)
+        progress = _Progress()
+        exhausted = False
+        while True:
+            self._keep_lease()
+            status = self.store.status(self.batch_id)
+            if status != BatchStatus.IN_PROGRESS:
+                self._stop_pending(progress, status)
+                return
+            if batch.expires_at is not None and time.time() >= batch.expires_at:
+                self.store.move(self.batch_id, BatchStatus.EXPIRED, allowed_from=(BatchStatus.IN_PROGRESS,))
+                self._stop_pending(progress, BatchStatus.EXPIRED)
+                return
+            progress.progressed = False
+            while not exhausted and len(progress.pending) < self.window:
+                line = next(todo, None)
+                if line is None:
+                    exhausted = True
+                    break
+                self._start(batch, line, progress)
+            self._collect(progress)
+            if exhausted and not progress.pending:
+                return
+            if not progress.progressed:
+                time.sleep(self.poll_s)
+
+    def _start(self, batch: BatchObject, line: InputLine, progress: _Progress) -> None:
+        progress.progressed = True
+        if line.error is not None or line.body is None or line.custom_id is None:
+            self._record(line, batch_error_line(line.custom_id, "invalid_request", line.error or "", line.line_no))
+            return
+        try:
+            prepared = self.handler.prepare(batch.endpoint, line.body, batch.model)
+        except InflightqError as err:
+            self._record(line, failed_response_line(line.custom_id, None, err))
+            return
+        request_id, _ = self.store.claim_request_id(self.batch_id, line.custom_id)
+        # A request id claimed by an earlier run may already be queued, running or done: never twice.
+        if self.client.status(request_id) is None:
+            self.client.submit(
+                prepared.model,
+                prepared.prompt_token_ids,
+                prepared.sampling,
+                priority=self.priority,
+                deadline=float(batch.expires_at) if batch.expires_at else None,
+                request_id=request_id,
+                check_depth=False,
+            )
+        progress.pending[request_id] = Pending(line, request_id)
+
+    def _collect(self, progress: _Progress) -> None:
+        if not progress.pending:
+            return
+        ids = list(progress.pending)
+        pipe = self.client.redis.pipeline(transaction=False)
+        for request_id in ids:
+            pipe.hget(self.client.keys.request(request_id), "status")
+        statuses = pipe.execute()
+        for request_id, status in zip(ids, statuses, strict=True):
+            if status is None or status in ("done", "failed", "cancelled", "expired"):
+                self._settle(progress.pending.pop(request_id), BatchStatus.IN_PROGRESS)
+                progress.progressed = True
+
+    def _settle(self, pending: Pending, batch_status: BatchStatus) -> None:
+        """Record the outcome of a request that is final (or that the batch gave up on)."""
+        line, request_id = pending.line, pending.request_id
+        assert line.custom_id is not None
+        info = self.client.status(request_id)
+        if info is None:
+            self._record(line, batch_error_line(line.custom_id, "request_lost", f"request {request_id} vanished"))
+        elif info.result is not None:
+            body = self.handler.response_body(self.store.get(self.batch_id).endpoint, request_id, info.result)
+            self._record(line, output_line(line.custom_id, request_id, body), ok=True)
+        elif info.status.is_final and info.error is not None and batch_status == BatchStatus.IN_PROGRESS:
+            err = error_from_type(info.error.error_type, info.error.message)
+            self._record(line, failed_response_line(line.custom_id, request_id, err))
+        else:
+            code = "batch_expired" if batch_status == BatchStatus.EXPIRED else "batch_cancelled"
+            self._record(line, batch_error_line(line.custom_id, code, f"the batch was {batch_status.value} first"))
+
+    def _stop_pending(self, progress: _Progress, status: BatchStatus) -> None:
+        """Cancel what this run still has in the queue, and wait a little for running ones to stop."""
+        requests = dict(progress.pending)
+        for request_id in requests:
+            try:
+                self.client.cancel(request_id)
+            except NotFoundError:
+                pass
+        deadline = time.monotonic() + CANCEL_GRACE_S
+        while progress.pending and time.monotonic() < deadline:
+            self._keep_lease()
+            before = len(progress.pending)
+            self._collect_stopped(progress, status)
+            if len(progress.pending) == before:
+                time.sleep(self.poll_s)
+        for pending in list(progress.pending.values()):
+            self._settle(pending, status)
+        progress.pending.clear()
+
+    def _collect_stopped(self, progress: _Progress, status: BatchStatus) -> None:
+        for request_id in list(progress.pending):
+            info = self.client.status(request_id)
+            if info is None or info.status.is_final:
+                self._settle(progress.pending.pop(request_id), status)
+
+    def _record(self, line: InputLine, doc: dict[str, Any], *, ok: bool = False) -> None:
+        self.store.record_outcome(self.batch_id, line.line_no, doc, ok=ok)
+
+    # Endings ---------------------------------------------------------------------------
+    def _fail(self, message: str, code: str) -> BatchStatus:
+        self.store.set_errors(self.batch_id, [BatchErrorItem(code=code, message=message)])
+        self.store.move(
+            self.batch_id, BatchStatus.FAILED, allowed_from=(BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
+        )
+        self.store.move(self.batch_id, BatchStatus.CANCELLED, allowed_from=(BatchStatus.CANCELLING,))
+        return self.store.status(self.batch_id)
+
+    def _finish(self, lines: list[InputLine]) -> BatchStatus:
+        status = self.store.status(self.batch_id)
+        if status == BatchStatus.CANCELLING:
+            # Requests started by a run that died before it saw the cancel are still in the queue.
+            self._cancel_leftovers(lines, BatchStatus.CANCELLING)
+        elif status == BatchStatus.EXPIRED:
+            self._cancel_leftovers(lines, BatchStatus.EXPIRED)
+        else:
+            self.store.move(self.batch_id, BatchStatus.FINALIZING, allowed_from=(BatchStatus.IN_PROGRESS,))
+        self._write_files()
+        self.store.move(self.batch_id, BatchStatus.COMPLETED, allowed_from=(BatchStatus.FINALIZING,))
+        self.store.move(self.batch_id, BatchStatus.CANCELLED, allowed_from=(BatchStatus.CANCELLING,))
+        return self.store.status(self.batch_id)
+
+    def _cancel_leftovers(self, lines: list[InputLine], status: BatchStatus) -> None:
+        done = self.store.recorded_lines(self.batch_id)
+        claimed = self.store.request_ids(self.batch_id)
+        progress = _Progress()
+        for line in lines:
+            if line.line_no not in done and line.custom_id in claimed and line.body is not None:
+                progress.pending[claimed[line.custom_id]] = Pending(line, claimed[line.custom_id])
+        self._stop_pending(progress, status)
+
+    def _write_files(self) -> None:
+        outputs: list[str] = []
+        errors: list[str] = []
+        for _, ok, doc in self.store.outcomes(self.batch_id):
+            (outputs if ok else errors).append(json.dumps(doc, separators=(",", ":")))
+        fields: dict[str, str | int] = {}
+        if outputs or not errors:
+            out = self.store.files.put(
+                _jsonl(outputs),
+                filename=f"{self.batch_id}_output.jsonl",
+                purpose="batch_output",
+                file_id=f"file-{self.batch_id}-output",
+            )
+            fields["output_file_id"] = out.id
+        if errors:
+            err = self.store.files.put(
+                _jsonl(errors),
+                filename=f"{self.batch_id}_error.jsonl",
+                purpose="batch_output",
+                file_id=f"file-{self.batch_id}-error",
+            )
+            fields["error_file_id"] = err.id
+        self.store.set_fields(self.batch_id, **fields)
+
+
+def _jsonl(rows: list[str]) -> bytes:
+    return ("\n".join(rows) + "\n").encode() if rows else b""
