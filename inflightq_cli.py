@@ -4,6 +4,8 @@ Each subcommand imports its part lazily, so ``inflightq status`` never loads tor
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
 
 app = typer.Typer(help="inflightq: Redis-backed LLM serving with continuous batching.", no_args_is_help=True)
@@ -34,6 +36,103 @@ def up(
     from shared.supervisor import run_stack
 
     raise typer.Exit(run_stack(get_settings(), workers=workers, host=host, port=port))
+
+
+# Batches (OpenAI Batch API over RQ) ------------------------------------------------------
+batch_app = typer.Typer(help="Batches of OpenAI requests, run at the lowest priority.", no_args_is_help=True)
+app.add_typer(batch_app, name="batch")
+
+if TYPE_CHECKING:
+    from shared.batch_store import BatchObject, BatchStore
+
+
+def _batch_store() -> BatchStore:
+    import redis
+
+    from shared.batch_store import BatchStore
+    from shared.settings import get_settings
+
+    settings = get_settings()
+    return BatchStore(settings, redis.Redis.from_url(settings.redis_url))
+
+
+@app.command("batch-worker")
+def batch_worker(
+    name: str | None = typer.Option(None, help="Worker name (default: batch-<random>)."),
+    recover_every: int = typer.Option(15, min=1, help="Seconds between checks for batches whose run died."),
+    burst: bool = typer.Option(False, help="Exit once the queue is empty (tests, one-off runs)."),
+) -> None:
+    """Run batch jobs from RQ (JSON serializer): feed lines to the queue, collect results, write files."""
+    import logging
+
+    from shared.batch_queue import run_batch_worker
+    from shared.settings import get_settings
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    raise typer.Exit(run_batch_worker(get_settings(), name=name, recover_every_s=recover_every, burst=burst))
+
+
+@batch_app.command("submit")
+def batch_submit(
+    file: str = typer.Argument(..., help="JSONL file: one OpenAI request per line (custom_id, method, url, body)."),
+    endpoint: str = typer.Option("/v1/chat/completions", help="/v1/chat/completions or /v1/completions."),
+    model: str | None = typer.Option(None, help="Run every line on this model, whatever the line names."),
+    wait: bool = typer.Option(False, "--wait", help="Show progress and wait until the batch ends."),
+    output: str | None = typer.Option(None, help="With --wait: write the output file here."),
+) -> None:
+    """Upload FILE and create a batch; prints its id (and, with --wait, its output file id)."""
+    from pathlib import Path
+
+    from shared.batch_queue import create_batch
+
+    store = _batch_store()
+    path = Path(file)
+    uploaded = store.files.put(path.read_bytes(), filename=path.name, purpose="batch")
+    batch = create_batch(store.settings, store, input_file_id=uploaded.id, endpoint=endpoint, model=model)
+    print(batch.id, flush=True)
+    if not wait:
+        return
+    batch = _follow(store, batch.id)
+    print(batch.model_dump_json(indent=2, exclude_none=True))
+    if output and batch.output_file_id:
+        Path(output).write_bytes(store.files.content(batch.output_file_id))
+    raise typer.Exit(0 if batch.status == "completed" else 1)
+
+
+def _follow(store: BatchStore, batch_id: str) -> BatchObject:
+    """A progress bar over the batch's request counts until it is final."""
+    import time
+
+    from tqdm import tqdm
+
+    batch = store.get(batch_id)
+    with tqdm(total=batch.request_counts.total or None, unit="req", desc=batch_id[:18]) as bar:
+        while True:
+            batch = store.get(batch_id)
+            counts = batch.request_counts
+            bar.total = counts.total or bar.total
+            bar.n = counts.completed + counts.failed
+            bar.set_postfix(status=batch.status.value, failed=counts.failed, refresh=False)
+            bar.refresh()
+            if batch.status.is_final:
+                return batch
+            time.sleep(0.5)
+
+
+@batch_app.command("status")
+def batch_status(batch_id: str = typer.Argument(..., help="The batch id (batch_...).")) -> None:
+    """Print a batch as /v1/batches/{id} shows it."""
+    store = _batch_store()
+    print(store.get(batch_id).model_dump_json(indent=2, exclude_none=True))
+
+
+@batch_app.command("cancel")
+def batch_cancel(batch_id: str = typer.Argument(..., help="The batch id (batch_...).")) -> None:
+    """Cancel a batch: its queued requests are dropped, finished ones stay in the output file."""
+    from shared.batch_queue import cancel_batch
+
+    store = _batch_store()
+    print(cancel_batch(store.settings, store, batch_id).model_dump_json(indent=2, exclude_none=True))
 
 
 if __name__ == "__main__":
