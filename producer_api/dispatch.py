@@ -1,0 +1,265 @@
+"""The API's use of the queue client: admit (a live worker, queue depth), submit, follow events,
+and cancel whatever a client walked away from.
+
+Routes stay thin: they translate bodies into ``Submission``s and events into their wire shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Request
+
+from producer_api import metrics
+from shared.errors import CancelledError, ExpiredError, UnavailableError, error_from_type
+from shared.schemas import DoneEvent, ErrorEvent, FinalResult, SamplingSpec, TokenEvent, WorkerHeartbeat
+from shared.settings import Settings
+
+AnyEvent = TokenEvent | DoneEvent | ErrorEvent
+T = TypeVar("T")
+
+# A live worker seen this recently is trusted without asking Redis again.
+_LIVE_CACHE_S = 1.0
+# Beyond a request's own deadline, how long we wait for the worker's "expired" event.
+_DEADLINE_GRACE_S = 5.0
+_CANCEL_TIMEOUT_S = 2.0
+
+
+@dataclass
+class Submission:
+    model: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    priority: int
+    deadline: float | None = None
+    tenant: str | None = None
+
+
+@dataclass
+class Generation:
+    """A finished request as the non-streaming routes need it: its tokens (with logprobs) and result."""
+
+    request_id: str
+    tokens: list[TokenEvent] = field(default_factory=list)
+    result: FinalResult | None = None
+
+
+class ClientDisconnected(CancelledError):
+    def __init__(self) -> None:
+        super().__init__("the client disconnected")
+
+
+class Dispatcher:
+    def __init__(self, settings: Settings, client: Any) -> None:
+        self.settings = settings
+        self.client = client
+        self._live: dict[str, tuple[float, list[WorkerHeartbeat]]] = {}
+
+    async def live_workers(self, model: str | None = None) -> list[WorkerHeartbeat]:
+        workers = await self.client.live_workers(model)
+        return [w for w in workers if not w.draining]
+
+    async def wait_for_worker(self, model: str) -> list[WorkerHeartbeat]:
+        """Live workers of ``model``, waiting up to no_worker_wait_s for one to appear, else 503."""
+        cached = self._live.get(model)
+        if cached and time.monotonic() - cached[0] < _LIVE_CACHE_S:
+            return cached[1]
+        give_up = time.monotonic() + self.settings.no_worker_wait_s
+        while True:
+            workers = await self.live_workers(model)
+            if workers:
+                self._live[model] = (time.monotonic(), workers)
+                return workers
+            left = give_up - time.monotonic()
+            if left <= 0:
+                raise UnavailableError(f"no live worker serves model {model!r}")
+            await asyncio.sleep(min(0.25, left))
+
+    def device_of(self, model: str, worker: str | None) -> str:
+        for heartbeat in self._live.get(model, (0.0, []))[1]:
+            if heartbeat.name == worker:
+                return heartbeat.device
+        return "unknown"
+
+    async def submit(self, sub: Submission, *, need_worker: bool = True) -> str:
+        if need_worker:
+            await self.wait_for_worker(sub.model)
+        request_id: str = await self.client.submit(
+            sub.model,
+            sub.prompt_token_ids,
+            sub.sampling,
+            priority=sub.priority,
+            deadline=sub.deadline,
+            tenant=sub.tenant,
+        )
+        metrics.SUBMITTED.labels(sub.model, str(sub.priority)).inc()
+        metrics.PROMPT_TOKENS.labels(sub.model).inc(len(sub.prompt_token_ids))
+        return request_id
+
+    async def submit_all(self, subs: list[Submission]) -> list[str]:
+        """All or nothing: if one of n choices is refused (429), the accepted ones are cancelled."""
+        ids: list[str] = []
+        try:
+            for sub in subs:
+                ids.append(await self.submit(sub))
+        except BaseException:
+            for request_id in ids:
+                await self.cancel_quietly(request_id)
+            raise
+        return ids
+
+    async def cancel_quietly(self, request_id: str) -> None:
+        # Shielded: this runs while the surrounding task is being cancelled (client gone).
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_CANCEL_TIMEOUT_S):
+            try:
+                await self.client.cancel(request_id)
+            except Exception:  # best effort: the deadline or the result TTL cleans up otherwise
+                pass
+
+    async def events(
+        self,
+        request_id: str,
+        *,
+        route: str,
+        model: str,
+        started: float,
+        from_index: int = 0,
+        deadline: float | None = None,
+        cancel_if_unfinished: bool = True,
+    ) -> AsyncIterator[AnyEvent]:
+        """The request's events until its terminal one; cancels the request if the consumer stops early."""
+        timeout = None if deadline is None else max(0.0, deadline - time.time()) + _DEADLINE_GRACE_S
+        finished = False
+        last_token_at: float | None = None
+        stream = self.client.stream(request_id, from_index=from_index, timeout=timeout)
+        try:
+            try:
+                async for event in stream:
+                    if isinstance(event, TokenEvent):
+                        now = time.perf_counter()
+                        if last_token_at is None:
+                            metrics.TIME_TO_FIRST_TOKEN.labels(route).observe(now - started)
+                        else:
+                            metrics.INTER_TOKEN_LATENCY.labels(route).observe(now - last_token_at)
+                        last_token_at = now
+                        metrics.GENERATED_TOKENS.labels(model).inc()
+                    else:
+                        finished = True
+                        if isinstance(event, DoneEvent):
+                            metrics.QUEUE_TIME.labels(model).observe(event.result.timings.queue_time_s)
+                    yield event
+                    if finished:
+                        return
+            except TimeoutError:
+                raise ExpiredError("the request's deadline passed before it finished") from None
+            if not finished:
+                raise UnavailableError("the token stream ended before the request finished")
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+            if not finished and cancel_if_unfinished:
+                metrics.CANCELLED_ON_DISCONNECT.inc()
+                await self.cancel_quietly(request_id)
+
+    async def collect(self, request_id: str, **kwargs: Any) -> Generation:
+        """Follows a request to its end; raises its error if it failed."""
+        generation = Generation(request_id)
+        async with contextlib.aclosing(self.events(request_id, **kwargs)) as events:
+            async for event in events:
+                if isinstance(event, TokenEvent):
+                    generation.tokens.append(event)
+                elif isinstance(event, DoneEvent):
+                    generation.result = event.result
+                else:
+                    raise as_error(event)
+        return generation
+
+    async def collect_all(self, request_ids: list[str], **kwargs: Any) -> list[Generation]:
+        """n choices at once; the first failure cancels the others (their cleanup cancels their requests)."""
+        tasks = [asyncio.ensure_future(self.collect(request_id, **kwargs)) for request_id in request_ids]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def cancel_unfinished(dispatcher: Dispatcher, request_ids: list[str]) -> AsyncIterator[set[str]]:
+    """For stream bodies: whatever has not reached its terminal event when the body ends (client
+    gone, error mid-way) is cancelled. The caller adds finished request ids to the yielded set."""
+    finished: set[str] = set()
+    try:
+        yield finished
+    finally:
+        for request_id in request_ids:
+            if request_id not in finished:
+                metrics.CANCELLED_ON_DISCONNECT.inc()
+                await dispatcher.cancel_quietly(request_id)
+
+
+def as_error(event: ErrorEvent) -> Exception:
+    if event.error_type == "cancelled":
+        return CancelledError(event.message)
+    return error_from_type(event.error_type, event.message)
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T], poll_s: float = 0.25) -> T:
+    """Runs ``work``; if the HTTP client goes away first, cancels it (its cleanup cancels the request)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleaves n choices' streams as events arrive, tagged with the choice index."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, T] | tuple[int, BaseException] | None] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                async for item in stream:
+                    await queue.put((i, item))
+        except Exception as exc:
+            await queue.put((i, exc))
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(tasks)
+        while open_streams:
+            item = await queue.get()
+            if item is None:
+                open_streams -= 1
+                continue
+            if isinstance(item[1], BaseException):
+                raise item[1]
+            yield item  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task

@@ -1,0 +1,111 @@
+"""Pure ASGI middleware: request metrics (outermost, so it times everything) and the body-size
+limit (before any route reads a byte). Pure ASGI, not BaseHTTPMiddleware, so streams pass through
+unbuffered and a client's disconnect still reaches the route."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from producer_api import metrics
+from producer_api.errors import error_response
+from shared.errors import PayloadTooLargeError
+
+
+def route_template(app: Any, scope: Scope) -> str:
+    """The matched route's path template, so metric labels stay few (no job ids in them)."""
+    for route in getattr(app, "routes", []):
+        match, _ = route.matches(scope)
+        if match == Match.FULL:
+            return getattr(route, "path", "unmatched")
+    return "unmatched"
+
+
+class MetricsMiddleware:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        state["arrived"] = time.perf_counter()
+        route = route_template(scope.get("app") or self._router(), scope)
+        status = {"code": 500}
+
+        async def send_and_record(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        metrics.REQUESTS_IN_FLIGHT.inc()
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            metrics.REQUESTS_IN_FLIGHT.dec()
+            error_type = state.get("error_type", "") if status["code"] >= 400 else ""
+            metrics.REQUESTS.labels(route, str(status["code"]), error_type).inc()
+            metrics.REQUEST_DURATION.labels(route).observe(time.perf_counter() - state["arrived"])
+
+    def _router(self) -> Any:
+        app = self.app
+        while not hasattr(app, "routes") and hasattr(app, "app"):
+            app = app.app
+        return app
+
+
+class BodyLimitMiddleware:
+    """413 past ``max_bytes``, by Content-Length or, when that is absent or lies, by counting the body.
+
+    The body is read here in full (at most max_bytes) and replayed to the app; later receive()
+    calls go to the server so the app still hears a disconnect."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await self._reject(scope, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # disconnected while sending the body: nothing to answer
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._reject(scope, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: Scope, send: Send) -> None:
+        error = PayloadTooLargeError(f"request body is larger than {self.max_bytes} bytes")
+        response = error_response(scope["path"], error, scope.setdefault("state", {}))
+        response.headers["connection"] = "close"  # the unread rest of the body must not be parsed as a request
+        await response(scope, _no_body, send)
+
+
+async def _no_body() -> Message:
+    return {"type": "http.disconnect"}

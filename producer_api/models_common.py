@@ -1,0 +1,57 @@
+"""Fields every route accepts besides its own: scheduling (priority, deadline) and vLLM-style extensions."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RequestOptions(BaseModel):
+    """Mixed into every generation request body."""
+
+    priority: int | None = Field(
+        None, ge=0, description="0 is the most urgent; at most priority_levels - 1. Clamped to the API key's ceiling."
+    )
+    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token (vLLM extension).")
+    timeout: float | None = Field(
+        None, gt=0, description="Seconds from now after which the request is dropped (expired)."
+    )
+    deadline: float | None = Field(None, gt=0, description="Unix time after which the request is dropped (expired).")
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorBody(BaseModel):
+    """TGI's error body (TGI routes and the jobs API)."""
+
+    error: str
+    error_type: str
+    field: str | None = None
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorBody(BaseModel):
+    error: OpenAIErrorDetail
+
+
+TGI_ERRORS: dict[int | str, dict[str, object]] = {
+    status: {"model": ErrorBody, "description": text}
+    for status, text in (
+        (401, "missing or invalid API key"),
+        (413, "body larger than max_body_bytes"),
+        (422, "validation failed; the body names the field"),
+        (424, "generation failed"),
+        (429, "overloaded (queue too deep) or rate_limited (API key budget)"),
+        (503, "Redis unreachable or no live worker for the model"),
+    )
+}
+OPENAI_ERRORS: dict[int | str, dict[str, object]] = {
+    status: {"model": OpenAIErrorBody, "description": spec["description"]} for status, spec in TGI_ERRORS.items()
+}

@@ -1,0 +1,95 @@
+"""Bodies of the async jobs API (/v1/jobs): submit now, collect or stream later.
+
+Sampling fields carry the engine's SamplingParams names (as shared.schemas.SamplingSpec does)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from producer_api.models_common import RequestOptions, StrictModel
+from producer_api.models_openai import ChatMessage
+from shared.lifecycle import RequestStatus
+
+
+class JobRequest(RequestOptions, StrictModel):
+    model: str | None = Field(None, description="A served model; the default model when omitted.")
+    prompt: str | list[int] | None = Field(None, description="Text, or token ids.", examples=["Once upon a time"])
+    messages: list[ChatMessage] | None = Field(None, description="Chat messages (the model's chat template).")
+    max_new_tokens: int | None = Field(None, ge=1, examples=[64])
+    temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 means greedy.")
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    typical_p: float = Field(1.0, gt=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    tenant: str | None = Field(None, max_length=128, description="Ignored when an API key names the tenant.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _one_input(self) -> JobRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class JobCreated(StrictModel):
+    id: str
+    object: Literal["job"] = "job"
+    status: RequestStatus
+    model: str
+    priority: int
+    prompt_tokens: int
+    max_new_tokens: int
+
+
+class JobUsage(StrictModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class JobResult(StrictModel):
+    generated_text: str
+    token_ids: list[int]
+    finish_reason: Literal["length", "eos_token", "stop_sequence"]
+    usage: JobUsage
+    queue_time_s: float
+    inference_time_s: float
+
+
+class JobError(StrictModel):
+    error: str
+    error_type: str
+
+
+class Job(StrictModel):
+    id: str
+    object: Literal["job"] = "job"
+    status: RequestStatus
+    model: str | None = None
+    priority: int | None = None
+    submitted_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    worker: str | None = None
+    attempt: int | None = None
+    result: JobResult | None = None
+    error: JobError | None = None
+
+
+class JobCancelled(StrictModel):
+    id: str
+    object: Literal["job"] = "job"
+    cancelled: bool = Field(description="False when the job had already finished.")

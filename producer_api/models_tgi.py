@@ -1,0 +1,126 @@
+"""Request and response bodies of TGI's API (/generate, /generate_stream, /, /tokenize, /info).
+
+Field names and shapes follow TGI so huggingface_hub's InferenceClient parses them unchanged."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from producer_api.models_common import RequestOptions, StrictModel
+
+FinishReason = Literal["length", "eos_token", "stop_sequence"]
+
+
+class GenerateParameters(RequestOptions, StrictModel):
+    best_of: int | None = Field(None, ge=1, le=1, description="Only 1 is supported.")
+    decoder_input_details: bool = Field(False, description="Return the prompt tokens (without logprobs).")
+    details: bool = Field(False, description="Return tokens, logprobs, finish reason and seed.")
+    do_sample: bool = Field(False, description="Sample instead of greedy decoding.")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    grammar: Any | None = Field(None, description="Not supported; must be null.")
+    adapter_id: str | None = Field(None, description="Not supported; must be null.")
+    max_new_tokens: int | None = Field(None, ge=1, examples=[32])
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    return_full_text: bool = Field(False, description="Prepend the prompt to generated_text.")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: list[str] = Field(default_factory=list, description="Stop sequences (not included in the output).")
+    temperature: float | None = Field(None, gt=0.0, le=100.0)
+    top_k: int | None = Field(None, gt=0)
+    top_n_tokens: int | None = Field(None, ge=0, le=20, description="Most likely alternatives per token.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    truncate: int | None = Field(None, ge=1, description="Keep only the last `truncate` prompt tokens.")
+    typical_p: float | None = Field(None, gt=0.0, le=1.0)
+    watermark: bool = Field(False, description="Not supported; must be false.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # TGI (serde Option) reads null as "not given"; so do we.
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class GenerateRequest(StrictModel):
+    inputs: str = Field(min_length=1, examples=["What is Deep Learning?"])
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+    stream: bool = Field(False, description="Only read by POST /: true streams like /generate_stream.")
+
+
+class Token(StrictModel):
+    id: int
+    text: str
+    logprob: float | None
+    special: bool
+
+
+class PrefillToken(StrictModel):
+    id: int
+    text: str
+    logprob: float | None = None
+
+
+class Details(StrictModel):
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None
+    prefill: list[PrefillToken]
+    tokens: list[Token]
+    top_tokens: list[list[Token]] | None = None
+    best_of_sequences: None = None
+
+
+class GenerateResponse(StrictModel):
+    generated_text: str
+    details: Details | None = None
+
+
+class StreamDetails(StrictModel):
+    finish_reason: FinishReason
+    generated_tokens: int
+    input_length: int
+    seed: int | None
+
+
+class StreamResponse(StrictModel):
+    """One SSE event of /generate_stream; the last carries generated_text and details."""
+
+    index: int
+    token: Token
+    top_tokens: list[Token] | None = None
+    generated_text: str | None = None
+    details: StreamDetails | None = None
+
+
+class SimpleToken(StrictModel):
+    id: int
+    text: str
+    start: int
+    stop: int
+
+
+class Info(StrictModel):
+    model_id: str
+    model_sha: str | None = None
+    model_pipeline_tag: str = "text-generation"
+    models: list[str]
+    max_best_of: int = 1
+    max_stop_sequences: int
+    max_input_tokens: int
+    max_total_tokens: int
+    max_new_tokens: int
+    max_queue_depth: int
+    priority_levels: int
+    default_priority: int
+    router: str = "inflightq"
+    version: str
+    sha: str | None = None
+    docker_label: str | None = None
+
+
+class Health(StrictModel):
+    status: Literal["ok", "unavailable"]
+    redis: bool
+    workers: dict[str, int] = Field(description="Live workers per served model.")

@@ -1,0 +1,188 @@
+"""Async jobs: submit now (202), poll, stream with Last-Event-ID resume, cancel.
+
+Jobs do not wait for a live worker: a queued job is what scales a worker pool up from zero
+(KEDA on stream lag). Leaving a job's stream does not cancel the job; DELETE does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Depends, Header, Path, Query, Request
+from fastapi.responses import JSONResponse, Response
+
+from producer_api import sse, tgi_format
+from producer_api.auth import ApiKey, authenticate
+from producer_api.dispatch import Submission
+from producer_api.models_common import TGI_ERRORS, ErrorBody
+from producer_api.models_jobs import Job, JobCancelled, JobCreated, JobError, JobRequest, JobResult, JobUsage
+from producer_api.models_tgi import StreamResponse
+from producer_api.state import AppState, arrival, state_of
+from producer_api.tokenization import enforce_limits
+from producer_api.validation import check_stops, resolve_deadline, resolve_priority, sampling_spec
+from shared.errors import NotFoundError, ValidationError
+from shared.lifecycle import RequestStatus
+from shared.schemas import RequestInfo
+
+router = APIRouter(prefix="/v1/jobs", tags=["Jobs"])
+
+_NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorBody, "description": "no such job"}}
+JobId = Path(min_length=1, max_length=128, description="The id POST /v1/jobs returned.")
+
+
+async def prompt_ids(st: AppState, model: str, body: JobRequest) -> tuple[list[int], str]:
+    if body.messages is not None:
+        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        return await anyio.to_thread.run_sync(st.tokenizers.apply_chat_template, model, messages), "messages"
+    if isinstance(body.prompt, str):
+        return await anyio.to_thread.run_sync(st.tokenizers.encode, model, body.prompt), "prompt"
+    vocab = len(st.tokenizers.get(model))
+    ids = list(body.prompt or [])
+    if any(not 0 <= t < vocab for t in ids):
+        raise ValidationError(f"prompt holds token ids outside the vocabulary (0..{vocab - 1})", field="prompt")
+    return ids, "prompt"
+
+
+@router.post(
+    "",
+    status_code=202,
+    response_model=JobCreated,
+    responses=TGI_ERRORS,
+    summary="Submit a job; answers at once with its id",
+)
+async def create_job(request: Request, body: JobRequest, key: ApiKey | None = Depends(authenticate)) -> JSONResponse:
+    st = state_of(request)
+    settings = st.settings
+    model = body.model or settings.model
+    st.tokenizers.get(model)
+    check_stops(settings, body.stop)
+    priority = resolve_priority(settings, body.priority, key)
+    deadline = resolve_deadline(body)
+    ids, field = await prompt_ids(st, model, body)
+    ids, max_new_tokens = enforce_limits(
+        settings, ids, body.max_new_tokens, prompt_field=field, max_new_tokens_field="max_new_tokens"
+    )
+    spec = sampling_spec(
+        max_new_tokens=max_new_tokens,
+        **body.model_dump(
+            include={
+                "temperature",
+                "top_k",
+                "top_p",
+                "min_p",
+                "typical_p",
+                "repetition_penalty",
+                "frequency_penalty",
+                "presence_penalty",
+                "seed",
+                "stop",
+                "stop_token_ids",
+                "ignore_eos",
+                "logprobs",
+            }
+        ),
+    )
+    tenant = key.key_id if key else body.tenant
+    request_id = await st.dispatcher.submit(Submission(model, ids, spec, priority, deadline, tenant), need_worker=False)
+    created = JobCreated(
+        id=request_id,
+        status=RequestStatus.QUEUED,
+        model=model,
+        priority=priority,
+        prompt_tokens=len(ids),
+        max_new_tokens=max_new_tokens,
+    )
+    return JSONResponse(
+        created.model_dump(mode="json"), status_code=202, headers={"location": f"/v1/jobs/{request_id}"}
+    )
+
+
+def job_of(info: RequestInfo) -> Job:
+    result = None
+    if info.result is not None:
+        r = info.result
+        result = JobResult(
+            generated_text=r.text,
+            token_ids=r.token_ids,
+            finish_reason=r.finish_reason,
+            usage=JobUsage(**r.usage.model_dump()),
+            queue_time_s=r.timings.queue_time_s,
+            inference_time_s=r.timings.inference_time_s,
+        )
+    error = JobError(error=info.error.message, error_type=info.error.error_type) if info.error else None
+    return Job(
+        id=info.id,
+        status=info.status,
+        model=info.model or None,
+        priority=info.priority,
+        submitted_at=info.submitted_at,
+        started_at=info.started_at,
+        finished_at=info.finished_at,
+        worker=info.worker,
+        attempt=info.attempt,
+        result=result,
+        error=error,
+    )
+
+
+async def find(st: AppState, job_id: str) -> RequestInfo:
+    info = await st.dispatcher.client.status(job_id)
+    if info is None:
+        raise NotFoundError(f"no job {job_id!r} (unknown, or its result expired)", field="id")
+    return info
+
+
+@router.get(
+    "/{job_id}", response_model=Job, responses={**TGI_ERRORS, **_NOT_FOUND}, summary="A job's status and result"
+)
+async def get_job(request: Request, job_id: str = JobId, key: ApiKey | None = Depends(authenticate)) -> Job:
+    return job_of(await find(state_of(request), job_id))
+
+
+@router.get(
+    "/{job_id}/stream",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "Server-sent events in /generate_stream's shape, each with `id: <token index>`; send "
+            "`Last-Event-ID` (or `?last_event_id=`) to resume after that token. Ends after the job's last event.",
+            "content": {"text/event-stream": {"schema": StreamResponse.model_json_schema()}},
+        },
+        **TGI_ERRORS,
+        **_NOT_FOUND,
+    },
+    summary="Stream a job's tokens (resumable)",
+)
+async def stream_job(
+    request: Request,
+    job_id: str = JobId,
+    last_event_id: str | None = Header(None, description="Resume after this token index."),
+    last_event_id_query: str | None = Query(
+        None, alias="last_event_id", description="Same, for EventSource-less clients."
+    ),
+    key: ApiKey | None = Depends(authenticate),
+) -> Response:
+    st = state_of(request)
+    info = await find(st, job_id)
+    resume_after = sse.parse_last_event_id(last_event_id if last_event_id is not None else last_event_id_query)
+    events = st.dispatcher.events(
+        job_id,
+        route="/v1/jobs/{job_id}/stream",
+        model=info.model,
+        started=arrival(request),
+        from_index=0 if resume_after is None else resume_after + 1,
+        cancel_if_unfinished=False,
+    )
+    special = st.tokenizers.special_ids(info.model) if info.model in st.settings.served_models else frozenset()
+    body = tgi_format.stream_events(events, path=request.url.path, seed=None, special_ids=special, with_ids=True)
+    return sse.response(body, "/v1/jobs/{job_id}/stream", headers={"x-request-id": job_id})
+
+
+@router.delete("/{job_id}", response_model=JobCancelled, responses={**TGI_ERRORS, **_NOT_FOUND}, summary="Cancel a job")
+async def cancel_job(request: Request, job_id: str = JobId, key: ApiKey | None = Depends(authenticate)) -> JobCancelled:
+    st = state_of(request)
+    try:
+        cancelled = await st.dispatcher.client.cancel(job_id)
+    except NotFoundError:
+        raise NotFoundError(f"no job {job_id!r} (unknown, or its result expired)", field="id") from None
+    return JobCancelled(id=job_id, cancelled=bool(cancelled))

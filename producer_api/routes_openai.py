@@ -1,0 +1,448 @@
+"""OpenAI's routes: /v1/completions, /v1/chat/completions (stream or not, n choices), /v1/models."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from producer_api import sse
+from producer_api.auth import ApiKey, authenticate
+from producer_api.dispatch import Generation, Submission, as_error, cancel_unfinished, merge, unless_disconnected
+from producer_api.errors import sse_error_payload
+from producer_api.models_common import OPENAI_ERRORS
+from producer_api.models_openai import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+)
+from producer_api.state import AppState, arrival, state_of
+from producer_api.tokenization import enforce_limits
+from producer_api.validation import check_stops, derived, resolve_deadline, resolve_priority, sampling_spec
+from shared.errors import ValidationError
+from shared.schemas import ErrorEvent, FinalResult, TokenEvent
+
+router = APIRouter(prefix="/v1", tags=["OpenAI"])
+
+
+def _stream_doc(chunk_name: str) -> dict[int | str, dict[str, Any]]:
+    return {
+        200: {
+            "description": f"JSON, or with `stream: true` server-sent events of {chunk_name} objects ending with "
+            "`data: [DONE]` (a usage chunk first when `stream_options.include_usage`).",
+        },
+        **OPENAI_ERRORS,
+    }
+
+
+@dataclass
+class Plan:
+    model: str
+    prompts: list[list[int]]  # one per prompt; each becomes n submissions
+    submissions: list[Submission]  # prompt-major: choice index = prompt * n + j
+    n: int
+
+
+def openai_finish_reason(result: FinalResult) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def usage(prompts: list[list[int]], results: list[FinalResult]) -> dict[str, int]:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(r.usage.completion_tokens for r in results)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def build_plan(
+    st: AppState,
+    body: SamplingFields,
+    key: ApiKey | None,
+    prompts: list[list[int]],
+    *,
+    prompt_field: str,
+    max_tokens: int | None,
+    max_tokens_field: str,
+    logprobs: int | None,
+) -> Plan:
+    settings = st.settings
+    stops = check_stops(settings, body.stop_list)
+    priority = resolve_priority(settings, body.priority, key)
+    deadline = resolve_deadline(body)
+    limited: list[list[int]] = []
+    max_new: int = 1
+    for ids in prompts:
+        ids, max_new = enforce_limits(
+            settings, ids, max_tokens, prompt_field=prompt_field, max_new_tokens_field=max_tokens_field
+        )
+        limited.append(ids)
+    spec = sampling_spec(
+        max_new_tokens=max_new,
+        temperature=1.0 if body.temperature is None else body.temperature,  # OpenAI's default is 1
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        seed=body.seed,
+        stop=stops,
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+    )
+    tenant = key.key_id if key else None
+    subs = [
+        Submission(body.model, ids, derived(spec, j), priority, deadline, tenant)
+        for ids in limited
+        for j in range(body.n)
+    ]
+    return Plan(body.model, limited, subs, body.n)
+
+
+def reject_unsupported(**fields: Any) -> None:
+    for name, value in fields.items():
+        if value:
+            raise ValidationError(f"{name} is not supported by this server", field=name)
+
+
+# Completions ------------------------------------------------------------------------------------
+
+
+async def completion_prompts(st: AppState, body: CompletionRequest) -> list[list[int]]:
+    prompt = body.prompt
+    vocab = len(st.tokenizers.get(body.model))
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise ValidationError("prompt must not be empty", field="prompt")
+    out: list[list[int]] = []
+    for item in prompt:
+        if isinstance(item, str):
+            out.append(await anyio.to_thread.run_sync(st.tokenizers.encode, body.model, item))
+        else:
+            ids = [item] if isinstance(item, int) else list(item)
+            if any(not 0 <= t < vocab for t in ids):
+                raise ValidationError(f"prompt holds token ids outside the vocabulary (0..{vocab - 1})", field="prompt")
+            out.append(ids)
+    if len(out) * body.n > 64:
+        raise ValidationError("prompts x n must be at most 64", field="n")
+    return out
+
+
+def completion_logprobs(gen: Generation, offset: int, top: int) -> dict[str, Any]:
+    offsets, at = [], offset
+    for t in gen.tokens:
+        offsets.append(at)
+        at += len(t.text)
+    return {
+        "tokens": [t.text for t in gen.tokens],
+        "token_logprobs": [t.logprob for t in gen.tokens],
+        "top_logprobs": [{x.text: x.logprob for x in t.top_logprobs or []} for t in gen.tokens] if top else None,
+        "text_offset": offsets,
+    }
+
+
+@router.post(
+    "/completions",
+    response_model=Completion,
+    responses=_stream_doc("text_completion"),
+    summary="Completions (OpenAI)",
+)
+async def completions(
+    request: Request, body: CompletionRequest, key: ApiKey | None = Depends(authenticate)
+) -> Response:
+    st = state_of(request)
+    st.tokenizers.get(body.model)  # unknown model -> 422 before any work
+    reject_unsupported(suffix=body.suffix, logit_bias=body.logit_bias)
+    if body.best_of is not None and body.best_of != body.n:
+        raise ValidationError("best_of must equal n (no server-side ranking)", field="best_of")
+    prompts = await completion_prompts(st, body)
+    plan = build_plan(
+        st,
+        body,
+        key,
+        prompts,
+        prompt_field="prompt",
+        max_tokens=body.max_tokens,
+        max_tokens_field="max_tokens",
+        logprobs=body.logprobs,
+    )
+    ids = await st.dispatcher.submit_all(plan.submissions)
+    echoes = [st.tokenizers.decode(body.model, p) if body.echo else "" for p in plan.prompts]
+    response_id, created = f"cmpl-{ids[0]}", int(time.time())
+    follow = {"route": "/v1/completions", "model": body.model, "started": arrival(request), "deadline": None}
+    follow["deadline"] = plan.submissions[0].deadline
+    if body.stream:
+        return sse.response(
+            completion_stream(st, request, body, plan, ids, echoes, response_id, created, follow),
+            "/v1/completions",
+            headers={"x-request-id": ids[0]},
+        )
+    gens = await unless_disconnected(request, st.dispatcher.collect_all(ids, **follow))
+    results = [g.result for g in gens if g.result is not None]
+    choices = []
+    for i, gen in enumerate(gens):
+        assert gen.result is not None
+        echo = echoes[i // plan.n]
+        choices.append(
+            {
+                "index": i,
+                "text": echo + gen.result.text,
+                "logprobs": completion_logprobs(gen, len(echo), body.logprobs or 0)
+                if body.logprobs is not None
+                else None,
+                "finish_reason": openai_finish_reason(gen.result),
+            }
+        )
+    payload = {
+        "id": response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": body.model,
+        "choices": choices,
+        "usage": usage(plan.prompts, results),
+        "system_fingerprint": None,
+    }
+    return JSONResponse(payload, headers={"x-request-id": ids[0]})
+
+
+async def completion_stream(
+    st: AppState,
+    request: Request,
+    body: CompletionRequest,
+    plan: Plan,
+    ids: list[str],
+    echoes: list[str],
+    response_id: str,
+    created: int,
+    follow: dict[str, Any],
+) -> AsyncIterator[str]:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    offsets = [len(echoes[i // plan.n]) for i in range(len(ids))]
+
+    def chunk(index: int, text: str, logprobs: Any = None, finish: str | None = None) -> str:
+        data: dict[str, Any] = {
+            "id": response_id,
+            "object": "text_completion",
+            "created": created,
+            "model": body.model,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        }
+        if include_usage:
+            data["usage"] = None
+        return sse.event(data)
+
+    results: list[FinalResult] = []
+    try:
+        async with cancel_unfinished(st.dispatcher, ids) as finished:
+            for i in range(len(ids)):
+                if echoes[i // plan.n]:
+                    yield chunk(i, echoes[i // plan.n])
+            streams = [st.dispatcher.events(rid, **follow) for rid in ids]
+            async with contextlib.aclosing(merge(streams)) as merged:
+                async for index, event in merged:
+                    if isinstance(event, TokenEvent):
+                        logprobs = None
+                        if body.logprobs is not None:
+                            gen = Generation(event.request_id, [event])
+                            logprobs = completion_logprobs(gen, offsets[index], body.logprobs)
+                        offsets[index] += len(event.text)
+                        yield chunk(index, event.text, logprobs)
+                        continue
+                    finished.add(event.request_id)
+                    if isinstance(event, ErrorEvent):
+                        yield sse.event(sse_error_payload(request.url.path, as_error(event)))
+                        return
+                    results.append(event.result)
+                    yield chunk(index, "", None, openai_finish_reason(event.result))
+    except Exception as exc:
+        yield sse.event(sse_error_payload(request.url.path, exc))
+        return
+    if include_usage:
+        yield sse.event(
+            {
+                "id": response_id,
+                "object": "text_completion",
+                "created": created,
+                "model": body.model,
+                "choices": [],
+                "usage": usage(plan.prompts, results),
+            }
+        )
+    yield sse.DONE
+
+
+# Chat -------------------------------------------------------------------------------------------
+
+
+def chat_logprobs(tokens: list[TokenEvent]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": t.text,
+                "logprob": t.logprob,
+                "bytes": list(t.text.encode()),
+                "top_logprobs": [
+                    {"token": x.text, "logprob": x.logprob, "bytes": list(x.text.encode())}
+                    for x in t.top_logprobs or []
+                ],
+            }
+            for t in tokens
+        ]
+    }
+
+
+@router.post(
+    "/chat/completions",
+    response_model=ChatCompletion,
+    responses=_stream_doc("chat.completion.chunk"),
+    summary="Chat completions (OpenAI; the model's chat template)",
+)
+async def chat_completions(
+    request: Request, body: ChatCompletionRequest, key: ApiKey | None = Depends(authenticate)
+) -> Response:
+    st = state_of(request)
+    st.tokenizers.get(body.model)
+    reject_unsupported(tools=body.tools, logit_bias=body.logit_bias)
+    if body.response_format and body.response_format.get("type") not in (None, "text"):
+        raise ValidationError("only response_format {'type': 'text'} is supported", field="response_format")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ValidationError("top_logprobs needs logprobs: true", field="top_logprobs")
+    messages = [{"role": m.role, "content": m.text} for m in body.messages]
+    prompt = await anyio.to_thread.run_sync(st.tokenizers.apply_chat_template, body.model, messages)
+    max_tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    plan = build_plan(
+        st,
+        body,
+        key,
+        [prompt],
+        prompt_field="messages",
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        max_tokens_field=max_tokens_field,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+    )
+    ids = await st.dispatcher.submit_all(plan.submissions)
+    response_id, created = f"chatcmpl-{ids[0]}", int(time.time())
+    follow = {
+        "route": "/v1/chat/completions",
+        "model": body.model,
+        "started": arrival(request),
+        "deadline": plan.submissions[0].deadline,
+    }
+    if body.stream:
+        return sse.response(
+            chat_stream(st, request, body, plan, ids, response_id, created, follow),
+            "/v1/chat/completions",
+            headers={"x-request-id": ids[0]},
+        )
+    gens = await unless_disconnected(request, st.dispatcher.collect_all(ids, **follow))
+    choices = []
+    for i, gen in enumerate(gens):
+        assert gen.result is not None
+        choices.append(
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": gen.result.text},
+                "logprobs": chat_logprobs(gen.tokens) if body.logprobs else None,
+                "finish_reason": openai_finish_reason(gen.result),
+            }
+        )
+    payload = {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": body.model,
+        "choices": choices,
+        "usage": usage(plan.prompts, [g.result for g in gens if g.result is not None]),
+        "system_fingerprint": None,
+    }
+    return JSONResponse(payload, headers={"x-request-id": ids[0]})
+
+
+async def chat_stream(
+    st: AppState,
+    request: Request,
+    body: ChatCompletionRequest,
+    plan: Plan,
+    ids: list[str],
+    response_id: str,
+    created: int,
+    follow: dict[str, Any],
+) -> AsyncIterator[str]:
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> str:
+        data: dict[str, Any] = {
+            "id": response_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": body.model,
+            "system_fingerprint": None,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        }
+        if include_usage:
+            data["usage"] = None
+        return sse.event(data)
+
+    results: list[FinalResult] = []
+    try:
+        async with cancel_unfinished(st.dispatcher, ids) as finished:
+            for i in range(len(ids)):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            streams = [st.dispatcher.events(rid, **follow) for rid in ids]
+            async with contextlib.aclosing(merge(streams)) as merged:
+                async for index, event in merged:
+                    if isinstance(event, TokenEvent):
+                        logprobs = chat_logprobs([event]) if body.logprobs else None
+                        yield chunk(index, {"content": event.text}, logprobs)
+                        continue
+                    finished.add(event.request_id)
+                    if isinstance(event, ErrorEvent):
+                        yield sse.event(sse_error_payload(request.url.path, as_error(event)))
+                        return
+                    results.append(event.result)
+                    yield chunk(index, {}, None, openai_finish_reason(event.result))
+    except Exception as exc:
+        yield sse.event(sse_error_payload(request.url.path, exc))
+        return
+    if include_usage:
+        yield sse.event(
+            {
+                "id": response_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": body.model,
+                "system_fingerprint": None,
+                "choices": [],
+                "usage": usage(plan.prompts, results),
+            }
+        )
+    yield sse.DONE
+
+
+# Models -----------------------------------------------------------------------------------------
+
+
+@router.get("/models", response_model=ModelList, responses=OPENAI_ERRORS, summary="Models with live workers")
+async def list_models(request: Request, key: ApiKey | None = Depends(authenticate)) -> ModelList:
+    st = state_of(request)
+    live = await st.dispatcher.live_workers()
+    served = set(st.settings.served_models)
+    cards: dict[str, ModelCard] = {}
+    for heartbeat in live:
+        if heartbeat.model in served and heartbeat.model not in cards:
+            cards[heartbeat.model] = ModelCard(id=heartbeat.model, created=int(heartbeat.started_at))
+    return ModelList(data=list(cards.values()))

@@ -1,0 +1,48 @@
+"""Operations: /health (Redis reachable, live workers per model) and /metrics (Prometheus)."""
+
+from __future__ import annotations
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from producer_api import metrics
+from producer_api.models_tgi import Health
+from producer_api.queue_metrics import queue_registry
+from producer_api.state import state_of
+
+router = APIRouter(tags=["Operations"])
+
+
+@router.get(
+    "/health",
+    response_model=Health,
+    responses={503: {"model": Health, "description": "Redis is unreachable"}},
+    summary="Liveness and readiness",
+    description="200 while Redis answers. Workers may scale to zero, so none live is reported, not an error.",
+)
+async def health(request: Request) -> JSONResponse:
+    st = state_of(request)
+    workers: dict[str, int] = {}
+    try:
+        ok = bool(await st.redis.ping())
+        live = await st.dispatcher.live_workers()
+        for model in st.settings.served_models:
+            workers[model] = sum(1 for w in live if w.model == model)
+    except Exception:
+        ok = False
+    body = Health(status="ok" if ok else "unavailable", redis=ok, workers=workers)
+    return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
+
+
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}},
+    summary="Prometheus metrics (inflightq_api_*, and the queue's inflightq_queue_* read from Redis)",
+)
+async def metrics_route(request: Request) -> Response:
+    # The queue's gauges are read from Redis at scrape time (blocking, short timeouts): in a thread.
+    queue = await anyio.to_thread.run_sync(generate_latest, queue_registry(state_of(request).settings))
+    return Response(generate_latest(metrics.REGISTRY) + queue, media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,217 @@
+"""TGI's routes: POST / (compat), /generate, /generate_stream, /tokenize, /info."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from producer_api import sse, tgi_format
+from producer_api.auth import ApiKey, authenticate
+from producer_api.dispatch import Dispatcher, Submission, unless_disconnected
+from producer_api.models_common import TGI_ERRORS
+from producer_api.models_tgi import GenerateRequest, GenerateResponse, Info, SimpleToken, StreamResponse
+from producer_api.state import arrival, state_of
+from producer_api.timing import tgi_headers
+from producer_api.tokenization import enforce_limits
+from producer_api.validation import check_stops, resolve_deadline, resolve_priority, sampling_spec
+from shared.errors import ValidationError
+
+router = APIRouter(tags=["TGI"])
+
+_STREAM_DOC: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Server-sent events, one `data:` line per token (a StreamResponse); the last event "
+        "carries `generated_text` and `details`. Errors after the stream began arrive as "
+        '`data: {"error": ..., "error_type": ...}`.',
+        "content": {"text/event-stream": {"schema": StreamResponse.model_json_schema()}},
+    },
+    **TGI_ERRORS,
+}
+
+
+@dataclass
+class TgiPlan:
+    submission: Submission
+    body: GenerateRequest
+    validated: float
+
+
+async def plan(request: Request, body: GenerateRequest, key: ApiKey | None) -> TgiPlan:
+    st = state_of(request)
+    settings = st.settings
+    p = body.parameters
+    if p.grammar is not None:
+        raise ValidationError("grammar-constrained decoding is not supported", field="parameters.grammar")
+    if p.adapter_id is not None:
+        raise ValidationError("adapters are not supported", field="parameters.adapter_id")
+    if p.watermark:
+        raise ValidationError("watermarking is not supported", field="parameters.watermark")
+    check_stops(settings, p.stop, "parameters.stop")
+    priority = resolve_priority(settings, p.priority, key)
+    deadline = resolve_deadline(p)
+    model = settings.model
+    ids = await anyio.to_thread.run_sync(st.tokenizers.encode, model, body.inputs)
+    ids, max_new_tokens = enforce_limits(
+        settings,
+        ids,
+        p.max_new_tokens,
+        prompt_field="inputs",
+        max_new_tokens_field="parameters.max_new_tokens",
+        truncate=p.truncate,
+    )
+    # As TGI: any warper (temperature, top-k/p, typical-p) turns sampling on, not only do_sample.
+    sample = p.do_sample or any(v is not None for v in (p.temperature, p.top_k, p.top_p, p.typical_p, p.min_p))
+    spec = sampling_spec(
+        max_new_tokens=max_new_tokens,
+        temperature=(p.temperature or 1.0) if sample else 0.0,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        typical_p=p.typical_p,
+        repetition_penalty=p.repetition_penalty,
+        frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty,
+        seed=p.seed,
+        stop=p.stop,
+        ignore_eos=p.ignore_eos,
+        # TGI always reports each token's logprob, so always ask for it (top-n only when asked).
+        logprobs=p.top_n_tokens or 0,
+    )
+    submission = Submission(model, ids, spec, priority, deadline, key.key_id if key else None)
+    return TgiPlan(submission, body, time.perf_counter())
+
+
+async def generate(request: Request, body: GenerateRequest, key: ApiKey | None, route: str) -> tuple[dict, dict]:
+    st = state_of(request)
+    tgi = await plan(request, body, key)
+    dispatcher: Dispatcher = st.dispatcher
+    sub = tgi.submission
+    request_id = await dispatcher.submit(sub)
+    generation = await unless_disconnected(
+        request,
+        dispatcher.collect(request_id, route=route, model=sub.model, started=arrival(request), deadline=sub.deadline),
+    )
+    result = generation.result
+    assert result is not None  # collect() raises unless the request finished with a result
+    p = body.parameters
+    prefix = body.inputs if p.return_full_text else ""
+    payload: dict[str, Any] = {"generated_text": prefix + result.text}
+    if p.details:
+        special = st.tokenizers.special_ids(sub.model)
+        payload["details"] = {
+            "finish_reason": result.finish_reason,
+            "generated_tokens": result.usage.completion_tokens,
+            "seed": sub.sampling.seed,
+            "prefill": prefill(request, sub) if p.decoder_input_details else [],
+            "tokens": [tgi_format.token(t) for t in generation.tokens],
+            "top_tokens": [tgi_format.top_tokens(t, special) or [] for t in generation.tokens]
+            if p.top_n_tokens
+            else None,
+            "best_of_sequences": None,
+        }
+    headers = tgi_headers(
+        arrived=arrival(request),
+        validated=tgi.validated,
+        finished=time.perf_counter(),
+        result=result,
+        device=dispatcher.device_of(sub.model, result.worker),
+        prompt_chars=len(body.inputs),
+    )
+    return payload, headers
+
+
+def prefill(request: Request, sub: Submission) -> list[dict[str, Any]]:
+    # Prompt logprobs are not computed by the engine; TGI also leaves the first one null.
+    tokenizer = state_of(request).tokenizers.get(sub.model)
+    texts = tokenizer.convert_ids_to_tokens(sub.prompt_token_ids)
+    return [{"id": i, "text": t, "logprob": None} for i, t in zip(sub.prompt_token_ids, texts, strict=True)]
+
+
+async def generate_stream(request: Request, body: GenerateRequest, key: ApiKey | None, route: str) -> Response:
+    st = state_of(request)
+    tgi = await plan(request, body, key)
+    sub = tgi.submission
+    request_id = await st.dispatcher.submit(sub)
+    events = st.dispatcher.events(
+        request_id, route=route, model=sub.model, started=arrival(request), deadline=sub.deadline
+    )
+    body_stream = tgi_format.stream_events(
+        events,
+        path=request.url.path,
+        seed=sub.sampling.seed,
+        special_ids=st.tokenizers.special_ids(sub.model),
+        prefix=body.inputs if body.parameters.return_full_text else "",
+    )
+    return sse.response(body_stream, route, headers={"x-request-id": request_id})
+
+
+@router.post(
+    "/generate",
+    response_model=GenerateResponse,
+    responses=TGI_ERRORS,
+    summary="Generate text (TGI)",
+    description="Answers when generation ends, with TGI's timing headers (x-queue-time, x-inference-time, ...).",
+)
+async def generate_route(
+    request: Request, body: GenerateRequest, key: ApiKey | None = Depends(authenticate)
+) -> JSONResponse:
+    payload, headers = await generate(request, body, key, "/generate")
+    return JSONResponse(payload, headers=headers)
+
+
+@router.post(
+    "/generate_stream",
+    response_class=Response,
+    responses=_STREAM_DOC,
+    summary="Generate text as a token stream (TGI, SSE)",
+)
+async def generate_stream_route(
+    request: Request, body: GenerateRequest, key: ApiKey | None = Depends(authenticate)
+) -> Response:
+    return await generate_stream(request, body, key, "/generate_stream")
+
+
+@router.post(
+    "/",
+    response_model=list[GenerateResponse],
+    responses={**_STREAM_DOC, 200: {"description": "A one-element list (stream false) or SSE (stream true)."}},
+    summary="TGI's compat route: /generate or /generate_stream by the body's `stream`",
+)
+async def compat_route(request: Request, body: GenerateRequest, key: ApiKey | None = Depends(authenticate)) -> Response:
+    if body.stream:
+        return await generate_stream(request, body, key, "/")
+    payload, headers = await generate(request, body, key, "/")
+    return JSONResponse([payload], headers=headers)
+
+
+@router.post("/tokenize", response_model=list[SimpleToken], responses=TGI_ERRORS, summary="Tokenize inputs (TGI)")
+async def tokenize_route(
+    request: Request, body: GenerateRequest, key: ApiKey | None = Depends(authenticate)
+) -> list[SimpleToken]:
+    st = state_of(request)
+    tokens = await anyio.to_thread.run_sync(st.tokenizers.tokenize, st.settings.model, body.inputs)
+    return [SimpleToken(id=t.id, text=t.text, start=t.start, stop=t.stop) for t in tokens]
+
+
+@router.get("/info", response_model=Info, summary="Model and limits (TGI)")
+async def info_route(request: Request) -> Info:
+    from importlib.metadata import version
+
+    settings = state_of(request).settings
+    return Info(
+        model_id=settings.model,
+        models=settings.served_models,
+        max_stop_sequences=settings.max_stop_sequences,
+        max_input_tokens=settings.max_input_tokens,
+        max_total_tokens=settings.max_total_tokens,
+        max_new_tokens=settings.max_new_tokens,
+        max_queue_depth=settings.max_queue_depth,
+        priority_levels=settings.priority_levels,
+        default_priority=settings.default_priority,
+        version=version("inflightq"),
+    )

@@ -1,0 +1,35 @@
+"""What the app holds for its lifetime, in one object on ``app.state``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+from shared.settings import Settings
+
+if TYPE_CHECKING:
+    from producer_api.auth import ApiKey, RateLimiter
+    from producer_api.dispatch import Dispatcher
+    from producer_api.tokenization import Tokenizers
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    tokenizers: Tokenizers
+    dispatcher: Dispatcher
+    api_keys: list[ApiKey]
+    rate_limiter: RateLimiter
+    redis: Any  # redis.asyncio.Redis for the rate limiter and health checks
+
+
+def state_of(request: Request) -> AppState:
+    return request.app.state.inflightq  # type: ignore[no-any-return]
+
+
+def arrival(request: Request) -> float:
+    """perf_counter() when the request arrived (set by the outermost middleware)."""
+    return float(request.scope.get("state", {}).get("arrived", time.perf_counter()))
