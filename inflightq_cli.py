@@ -135,5 +135,28 @@ def batch_cancel(batch_id: str = typer.Argument(..., help="The batch id (batch_.
     print(cancel_batch(store.settings, store, batch_id).model_dump_json(indent=2, exclude_none=True))
 
 
+@app.command("api")
+def api(
+    host: str | None = typer.Option(None, help="Address to bind; default INFLIGHTQ_API_HOST."),
+    port: int | None = typer.Option(None, help="Port to bind; default INFLIGHTQ_API_PORT."),
+    log_level: str = typer.Option("info", help="uvicorn log level."),
+) -> None:
+    """Serve the HTTP API (TGI- and OpenAI-compatible routes, async jobs) over the Redis queue."""
+    import uvicorn
+
+    from producer_api.app import create_app
+    from shared.settings import get_settings
+
+    settings = get_settings()
+    uvicorn.run(
+        create_app(settings),
+        host=host or settings.api_host,
+        port=settings.api_port if port is None else port,
+        log_level=log_level,
+        # Our own middleware caps bodies; uvicorn's access log never sees credentials (headers are not logged).
+        timeout_graceful_shutdown=10,
+    )
+
+
 if __name__ == "__main__":
     app()
