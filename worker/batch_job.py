@@ -95,7 +95,7 @@ class ApiLineHandler:
         )
         spec = sampling_spec(
             max_new_tokens=max_new,
-            temperature=request.temperature,
+            temperature=1.0 if request.temperature is None else request.temperature,  # OpenAI's default, as the API
             top_p=request.top_p,
             top_k=request.top_k,
             min_p=request.min_p,
@@ -168,6 +168,9 @@ def _completion_prompt(tokenizers: Any, request: Any) -> list[int]:
         prompt = prompt[0]  # one prompt in a list is still one request
     if isinstance(prompt, str):
         return list(tokenizers.encode(request.model, prompt))
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        vocab = len(tokenizers.get(request.model))
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ValidationError(f"prompt holds token ids outside the vocabulary (0..{vocab - 1})", field="prompt")
         return list(prompt)
     raise ValidationError("a batch line takes one prompt (a string or a list of token ids)", field="prompt")
