@@ -9,7 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
-from worker.engine.sampler import Sampler, SamplerOutput, SamplingRow, _filter_top_p, _filter_typical_p
+from worker.engine.sampler import NUM_CANDIDATES, Sampler, SamplerOutput, SamplingRow
+from worker.engine.sampling_filters import _top_p_full, _typical_p_full, filter_candidates, filter_full
 from worker.engine.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -28,10 +29,12 @@ def row(
     return SamplingRow(rid, params, prompt or [], output, len(output) if index is None else index)
 
 
-def draw_many(logits_row: torch.Tensor, params: SamplingParams, n: int, seed0: int = 0) -> Counter[int]:
-    """n independent draws from one logits row: n rows with seeds seed0.. in one batch."""
-    sampler = Sampler(logits_row.shape[-1], torch.device("cpu"))
-    rows = [row(SamplingParams(**{**vars(params), "seed": seed0 + i}), rid=str(i)) for i in range(n)]
+def draw_many(
+    logits_row: torch.Tensor, params: SamplingParams, n: int, num_candidates: int = NUM_CANDIDATES
+) -> Counter[int]:
+    """n independent draws from one logits row: n rows with seeds 0.. in one batch."""
+    sampler = Sampler(logits_row.shape[-1], torch.device("cpu"), num_candidates)
+    rows = [row(SamplingParams(**{**vars(params), "seed": i}), rid=str(i)) for i in range(n)]
     out = sampler.sample(logits_row.expand(n, -1).clone(), rows)
     return Counter(out.token_ids)
 
@@ -43,6 +46,13 @@ def chi_square(counts: Counter[int], probs: torch.Tensor, n: int) -> float:
 @pytest.fixture
 def sampler() -> Sampler:
     return Sampler(VOCAB, torch.device("cpu"))
+
+
+@pytest.fixture(params=[NUM_CANDIDATES, 2], ids=["candidates", "few-candidates"])
+def num_candidates(request: pytest.FixtureRequest) -> int:
+    """Filters run on each row's top-K candidates when exact, else on the whole vocabulary:
+    with K = 2 most of these cases take the whole-vocabulary path."""
+    return request.param
 
 
 # -- greedy ------------------------------------------------------------------------------------
@@ -104,45 +114,49 @@ def test_temperature_reshapes_the_distribution() -> None:
         assert chi_square(counts, other, n) > 200
 
 
-def test_top_k_one_equals_greedy() -> None:
+def test_top_k_one_equals_greedy(num_candidates: int) -> None:
     logits = torch.randn(50, VOCAB, generator=torch.Generator().manual_seed(3))
     rows = [row(SamplingParams(temperature=5.0, top_k=1, seed=i), rid=str(i)) for i in range(50)]
-    assert Sampler(VOCAB, torch.device("cpu")).sample(logits, rows).token_ids == logits.argmax(-1).tolist()
+    assert (
+        Sampler(VOCAB, torch.device("cpu"), num_candidates).sample(logits, rows).token_ids == logits.argmax(-1).tolist()
+    )
 
 
-def test_top_k_keeps_only_the_k_most_likely() -> None:
+def test_top_k_keeps_only_the_k_most_likely(num_candidates: int) -> None:
     logits = torch.linspace(0.0, 1.0, VOCAB)  # nearly flat: without top_k, draws spread everywhere
-    counts = draw_many(logits, SamplingParams(temperature=1.0, top_k=3), 600)
+    counts = draw_many(logits, SamplingParams(temperature=1.0, top_k=3), 600, num_candidates)
     assert set(counts) == {VOCAB - 1, VOCAB - 2, VOCAB - 3}
-    assert len(draw_many(logits, SamplingParams(temperature=1.0), 600)) > 20
+    assert len(draw_many(logits, SamplingParams(temperature=1.0), 600, num_candidates)) > 20
 
 
-def test_tiny_top_p_equals_greedy() -> None:
+def test_tiny_top_p_equals_greedy(num_candidates: int) -> None:
     logits = torch.randn(50, VOCAB, generator=torch.Generator().manual_seed(4))
     rows = [row(SamplingParams(temperature=5.0, top_p=1e-6, seed=i), rid=str(i)) for i in range(50)]
-    assert Sampler(VOCAB, torch.device("cpu")).sample(logits, rows).token_ids == logits.argmax(-1).tolist()
+    assert (
+        Sampler(VOCAB, torch.device("cpu"), num_candidates).sample(logits, rows).token_ids == logits.argmax(-1).tolist()
+    )
 
 
-def test_top_p_keeps_the_smallest_set_reaching_the_mass() -> None:
+def test_top_p_keeps_the_smallest_set_reaching_the_mass(num_candidates: int) -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    counts = draw_many(probs.log(), SamplingParams(temperature=1.0, top_p=0.75), 1000)
+    counts = draw_many(probs.log(), SamplingParams(temperature=1.0, top_p=0.75), 1000, num_candidates)
     assert set(counts) == {0, 1}  # 0.5 < 0.75 <= 0.8
-    assert set(draw_many(probs.log(), SamplingParams(temperature=1.0, top_p=0.85), 1000)) == {0, 1, 2}
+    assert set(draw_many(probs.log(), SamplingParams(temperature=1.0, top_p=0.85), 1000, num_candidates)) == {0, 1, 2}
 
 
-def test_min_p_drops_tokens_below_a_share_of_the_best() -> None:
+def test_min_p_drops_tokens_below_a_share_of_the_best(num_candidates: int) -> None:
     probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.1])
-    counts = draw_many(probs.log(), SamplingParams(temperature=1.0, min_p=0.5), 1000)
+    counts = draw_many(probs.log(), SamplingParams(temperature=1.0, min_p=0.5), 1000, num_candidates)
     assert set(counts) == {0, 1}  # threshold 0.2
-    assert set(draw_many(probs.log(), SamplingParams(temperature=1.0), 1000)) == {0, 1, 2, 3, 4}
+    assert set(draw_many(probs.log(), SamplingParams(temperature=1.0), 1000, num_candidates)) == {0, 1, 2, 3, 4}
 
 
-def test_typical_p_keeps_the_most_typical_tokens_not_the_most_likely() -> None:
+def test_typical_p_keeps_the_most_typical_tokens_not_the_most_likely(num_candidates: int) -> None:
     # Entropy 1.09 nats; surprise of token 0 is 0.92, of tokens 1 and 2 is 1.20: tokens 1 and 2
     # are the typical ones, so typical_p=0.5 drops the most likely token.
     probs = torch.tensor([0.4, 0.3, 0.3])
-    assert set(draw_many(probs.log(), SamplingParams(temperature=1.0, typical_p=0.5), 500)) == {1, 2}
-    assert set(draw_many(probs.log(), SamplingParams(temperature=1.0), 500)) == {0, 1, 2}
+    assert set(draw_many(probs.log(), SamplingParams(temperature=1.0, typical_p=0.5), 500, num_candidates)) == {1, 2}
+    assert set(draw_many(probs.log(), SamplingParams(temperature=1.0), 500, num_candidates)) == {0, 1, 2}
 
 
 def reference_keep(probs: list[float], mass: float, key: list[float]) -> set[int]:
@@ -163,17 +177,47 @@ def test_top_p_and_typical_p_match_a_plain_reference(trial: int) -> None:
     entropy = -sum(p * math.log(p) for p in probs)
     for mass in (0.3, 0.6, 0.9):
         x = logits.clone()
-        _filter_top_p(x, torch.tensor([[mass]], dtype=torch.float64))
+        _top_p_full(x, torch.tensor([[mass]], dtype=torch.float64))
         assert set(torch.isfinite(x[0]).nonzero().flatten().tolist()) == reference_keep(
             probs, mass, [-p for p in probs]
         )
         x = logits.clone()
-        _filter_typical_p(x, torch.tensor([[mass]], dtype=torch.float64))
+        _typical_p_full(x, torch.tensor([[mass]], dtype=torch.float64))
         typical_key = [abs(-math.log(p) - entropy) for p in probs]
         assert set(torch.isfinite(x[0]).nonzero().flatten().tolist()) == reference_keep(probs, mass, typical_key)
 
 
-def test_sampling_follows_the_processed_distribution() -> None:
+def test_filtering_the_candidates_equals_filtering_the_whole_vocabulary() -> None:
+    """Rows the candidate path calls exact get the very distribution the full path gives."""
+    gen = torch.Generator().manual_seed(8)
+    combos = [
+        SamplingParams(temperature=1.0, top_k=10),
+        SamplingParams(temperature=1.0, top_k=40),
+        SamplingParams(temperature=1.0, top_p=0.8),
+        SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=1.0, typical_p=0.7),
+        SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05, typical_p=0.9),
+        SamplingParams(temperature=1.0, top_p=0.95, typical_p=0.5),
+        SamplingParams(temperature=1.0, min_p=0.02, typical_p=0.95),
+    ]
+    exact_seen = inexact_seen = 0
+    for scale in (1.0, 3.0, 6.0):
+        logits = torch.randn(len(combos), 500, dtype=torch.float64, generator=gen) * scale
+        cands = filter_candidates(logits, combos, 32)
+        full = logits.clone()
+        filter_full(full, combos)
+        for i, exact in enumerate(cands.exact):
+            if not exact:
+                inexact_seen += 1
+                continue
+            exact_seen += 1
+            from_cands = torch.zeros(500, dtype=torch.float64)
+            from_cands[cands.token_ids[i]] = torch.softmax(cands.logits[i], -1)
+            assert torch.allclose(from_cands, torch.softmax(full[i], -1), atol=1e-12), combos[i]
+    assert exact_seen > 8 and inexact_seen > 2  # both verdicts were exercised
+
+
+def test_sampling_follows_the_processed_distribution(num_candidates: int) -> None:
     logits = torch.tensor([1.0, 0.8, 0.6, 0.4, 0.2, 0.0, -3.0, -4.0])
     params = SamplingParams(temperature=0.7, top_k=6, top_p=0.9)
     n = 3000
@@ -185,7 +229,7 @@ def test_sampling_follows_the_processed_distribution() -> None:
     before = probs[order].cumsum(0) - probs[order]
     x[order[before >= 0.9]] = NEG
     expected = torch.softmax(x, -1)
-    counts = draw_many(logits, params, n)
+    counts = draw_many(logits, params, n, num_candidates)
     assert chi_square(counts, expected, n) < 25.0
 
 

@@ -9,21 +9,27 @@ greedy and a sampled request report the same numbers for the same model state.
 
 Seeded draws: a row's randomness comes from a generator seeded with a hash of (seed, index), so
 its token depends only on its own logits, seed and position, never on its neighbours in the
-batch, and a request resumed at index k after a crash draws exactly what it would have."""
+batch, and a request resumed at index k after a crash draws exactly what it would have. A draw
+is an exponential race, argmax(p_i / E_i) with E_i ~ Exp(1): the noise is per row, the argmax
+one batched op."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from worker.engine.penalties import PenaltyTracker
+from worker.engine.sampling_filters import filter_candidates, filter_full, has_filter
 from worker.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 
-# Filters work in place on a [rows, vocab] block of logits, given a [rows, 1] block of their parameter.
-_RowFilter = Callable[[torch.Tensor, torch.Tensor], None]
+# Rows with top_k / top_p / min_p / typical_p are filtered and drawn among their top-K tokens
+# when that is exact (sampling_filters.py); 256 holds the top_p = 0.95 nucleus of a chat model
+# at ordinary temperatures, and a topk of 256 costs a tenth of a full sort.
+NUM_CANDIDATES = 256
 
 
 @dataclass
@@ -52,68 +58,60 @@ def derive_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-class _PenaltyState:
-    """Token counts of a request, kept as rows of the sampler's dense buffers so a step updates
-    them with the newly drawn token instead of rebuilding them from Python lists."""
-
-    __slots__ = ("num_counted", "slot")
-
-    def __init__(self, slot: int) -> None:
-        self.slot = slot
-        self.num_counted = 0  # output tokens already folded into the slot's counts
-
-
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+    def __init__(self, vocab_size: int, device: torch.device | str, num_candidates: int = NUM_CANDIDATES) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.num_candidates = num_candidates
         self._generator = torch.Generator(device=self.device)
-        # Per-request penalty state: output token counts and a "seen in prompt or output" mask.
-        self._states: dict[str, _PenaltyState] = {}
-        self._free_slots: list[int] = []
-        self._counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=self.device)
-        self._seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)
+        self._penalties = PenaltyTracker(vocab_size, self.device)
 
     def release(self, request_id: str) -> None:
-        state = self._states.pop(request_id, None)
-        if state is not None:
-            self._free_slots.append(state.slot)
+        self._penalties.release(request_id)
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if logits.shape[-1] != self.vocab_size:
             logits = logits[:, : self.vocab_size]  # models pad their embedding past the tokenizer's vocab
-        plain = True
+        if logits.element_size() < 4:
+            logits = logits.float()  # half-precision argmax is 3x slower than convert + argmax on CPU
         for row in rows:
             p = row.params
             if p.temperature != 0.0 or p.logprobs is not None or p.needs_history:
-                plain = False
-                break
-        if plain:
-            # The engine step is bound by overhead: all-greedy batches pay one argmax and nothing else.
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
-        return self._sample_general(logits, rows)
+                return self._sample_general(logits, rows)
+        # The engine step is bound by overhead: all-greedy batches pay one argmax and nothing else.
+        return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
 
     def _sample_general(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        # Half-precision logits are processed in fp32; fp64 stays fp64 so exact tests stay exact.
-        work_dtype = torch.float32 if logits.element_size() < 4 else logits.dtype
-        raw = logits.to(work_dtype)
+        # fp64 stays fp64 so exact greedy tests stay exact; everything else is fp32 by now.
         want_logprobs = any(r.params.logprobs is not None for r in rows)
-        logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
+        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
-        x = raw.clone()
+        x = logits
         penalized = [i for i, r in enumerate(rows) if r.params.needs_history]
         if penalized:
-            self._apply_penalties(x, [rows[i] for i in penalized], penalized)
+            x = logits.clone()
+            chosen_rows = [rows[i] for i in penalized]
+            self._penalties.apply(
+                x,
+                penalized,
+                [r.request_id for r in chosen_rows],
+                [r.params for r in chosen_rows],
+                [r.prompt_token_ids for r in chosen_rows],
+                [r.output_token_ids for r in chosen_rows],
+            )
 
-        tokens = x.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
-        if sampled:
-            tokens[sampled] = self._draw(x[sampled], [rows[i] for i in sampled])
+        if len(sampled) == len(rows):
+            tokens = self._draw(x, rows)
+        else:
+            tokens = x.argmax(dim=-1)
+            if sampled:
+                tokens[sampled] = self._draw(x[sampled], [rows[i] for i in sampled])
         token_list = tokens.tolist()
 
         if logprobs is None:
             return SamplerOutput(token_list, None, None)
-        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
         top_n = max(r.params.logprobs or 0 for r in rows)
         top: list[list[tuple[int, float]]] = [[] for _ in rows]
         if top_n > 0:
@@ -124,152 +122,45 @@ class Sampler:
                 top[i] = list(zip(all_ids[i][:n], all_values[i][:n], strict=True))
         return SamplerOutput(token_list, chosen, top)
 
-    # -- penalties -------------------------------------------------------------------------
-
-    def _apply_penalties(self, x: torch.Tensor, rows: list[SamplingRow], positions: list[int]) -> None:
-        slots = self._update_counts(rows)
-        slot_t = torch.tensor(slots, device=self.device)
-        pos_t = torch.tensor(positions, device=x.device)
-        counts = self._counts.index_select(0, slot_t).to(x.dtype)
-        seen = self._seen.index_select(0, slot_t)
-        rep = torch.tensor([r.params.repetition_penalty for r in rows], dtype=x.dtype, device=x.device)[:, None]
-        freq = torch.tensor([r.params.frequency_penalty for r in rows], dtype=x.dtype, device=x.device)[:, None]
-        pres = torch.tensor([r.params.presence_penalty for r in rows], dtype=x.dtype, device=x.device)[:, None]
-        sub = x.index_select(0, pos_t)
-        # HF: a seen token's logit is divided by the penalty when positive, multiplied when negative,
-        # so a penalty > 1 always makes it less likely.
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-        # OpenAI: subtract frequency * count and presence * [count > 0], output tokens only.
-        sub = sub - freq * counts - pres * (counts > 0).to(x.dtype)
-        x.index_copy_(0, pos_t, sub)
-
-    def _update_counts(self, rows: list[SamplingRow]) -> list[int]:
-        """Brings each row's counts up to date with its output so far; returns the rows' slots."""
-        slots: list[int] = []
-        new_slots: list[int] = []
-        new_tokens: list[int] = []
-        for row in rows:
-            state = self._states.get(row.request_id)
-            out = row.output_token_ids
-            if state is None or state.num_counted > len(out):
-                # First sight, or the output shrank under us (a resumed request): rebuild from lists.
-                if state is None:
-                    state = _PenaltyState(self._take_slot())
-                    self._states[row.request_id] = state
-                self._counts[state.slot].zero_()
-                self._seen[state.slot].zero_()
-                if len(row.prompt_token_ids):
-                    prompt = torch.as_tensor(list(row.prompt_token_ids), dtype=torch.long, device=self.device)
-                    self._seen[state.slot, prompt] = True
-                state.num_counted = 0
-            if state.num_counted < len(out):
-                fresh = list(out[state.num_counted :])
-                new_tokens.extend(fresh)
-                new_slots.extend([state.slot] * len(fresh))
-                state.num_counted = len(out)
-            slots.append(state.slot)
-        if new_tokens:
-            slot_t = torch.tensor(new_slots, dtype=torch.long, device=self.device)
-            tok_t = torch.tensor(new_tokens, dtype=torch.long, device=self.device)
-            ones = torch.ones(len(new_tokens), dtype=self._counts.dtype, device=self.device)
-            self._counts.index_put_((slot_t, tok_t), ones, accumulate=True)
-            self._seen[slot_t, tok_t] = True
-        return slots
-
-    def _take_slot(self) -> int:
-        if not self._free_slots:
-            # Grow by doubling: penalty buffers cost vocab_size * 5 bytes per slot, so only
-            # requests that use penalties ever hold one.
-            old = self._counts.shape[0]
-            new = max(4, old * 2)
-            grow = new - old
-            self._counts = torch.cat([self._counts, self._counts.new_zeros(grow, self.vocab_size)])
-            self._seen = torch.cat([self._seen, self._seen.new_zeros(grow, self.vocab_size)])
-            self._free_slots.extend(range(new - 1, old - 1, -1))
-        return self._free_slots.pop()
-
-    # -- temperature, filters, draw ----------------------------------------------------------
-
-    def _draw(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Draws one token per row of ``x`` (processed logits of rows with temperature > 0)."""
+    def _draw(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """One token per row of ``x`` (logits after penalties, rows with temperature > 0)."""
         params = [r.params for r in rows]
-        temp = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
-        x = x / temp[:, None]
+        temperature = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
+        x = x / temperature[:, None]
+        tokens = torch.empty(len(rows), dtype=torch.long, device=x.device)
 
-        top_k = [p.top_k for p in params]
-        if any(0 < k < x.shape[1] for k in top_k):
-            _filter_top_k(x, top_k)
-        self._filter_rows(x, [p.top_p for p in params], 1.0, _filter_top_p)
-        self._filter_rows(x, [p.min_p for p in params], 0.0, _filter_min_p)
-        self._filter_rows(x, [p.typical_p for p in params], 1.0, _filter_typical_p)
+        pending = [i for i, p in enumerate(params) if has_filter(p, self.vocab_size)]
+        full = [i for i, p in enumerate(params) if not has_filter(p, self.vocab_size)]
+        # Flat distributions overflow the first candidate set; a 16x larger one still costs a
+        # fraction of a full sort, which is left for what overflows both.
+        for num_candidates in (self.num_candidates, self.num_candidates * 16):
+            if not pending or num_candidates >= self.vocab_size:
+                break
+            sub = x if len(pending) == len(rows) else x[pending]
+            cands = filter_candidates(sub, [params[i] for i in pending], num_candidates)
+            exact = [j for j, ok in enumerate(cands.exact) if ok]
+            if exact:
+                chosen = self._race(cands.logits[exact], [rows[pending[j]] for j in exact])
+                tokens[[pending[j] for j in exact]] = cands.token_ids[exact].gather(1, chosen[:, None])[:, 0]
+            pending = [pending[j] for j, ok in enumerate(cands.exact) if not ok]
+        full += pending
+        if full:
+            sub = x[full]
+            filter_full(sub, [params[i] for i in full])
+            tokens[full] = self._race(sub, [rows[i] for i in full])
+        return tokens
 
-        probs = torch.softmax(x, dim=-1)
-        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) is a draw from p, and it lets each
-        # row take its noise from its own generator while the argmax stays one batched op.
+    def _race(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Index of a draw from softmax(logits) per row, each row with its own noise."""
+        probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs)
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), x.shape[1], dtype=x.dtype, device=x.device).exponential_()
+            noise[unseeded] = torch.rand(len(unseeded), probs.shape[1], dtype=probs.dtype, device=probs.device)
         for i, row in enumerate(rows):
             seed = row.params.seed
             if seed is not None:
                 self._generator.manual_seed(derive_seed(seed, row.index))
-                noise[i].exponential_(generator=self._generator)
-        return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
-
-    @staticmethod
-    def _filter_rows(x: torch.Tensor, values: list[float], neutral: float, fn: _RowFilter) -> None:
-        """Applies ``fn`` to the rows whose value is not the neutral one; leaves the rest untouched
-        (a cumulative sum over a full row can round past 1.0 and drop tail tokens by accident)."""
-        active = [i for i, v in enumerate(values) if v != neutral]
-        if not active:
-            return
-        if len(active) == x.shape[0]:
-            fn(x, torch.tensor(values, dtype=x.dtype, device=x.device)[:, None])
-            return
-        idx = torch.tensor(active, device=x.device)
-        sub = x.index_select(0, idx)
-        fn(sub, torch.tensor([values[i] for i in active], dtype=x.dtype, device=x.device)[:, None])
-        x.index_copy_(0, idx, sub)
-
-
-def _filter_top_k(x: torch.Tensor, top_k: list[int]) -> None:
-    """Keeps each row's k largest logits (ties at the k-th value kept too, as HF does)."""
-    vocab = x.shape[1]
-    ks = [k if 0 < k < vocab else vocab for k in top_k]
-    k_max = max(ks)
-    values = x.topk(k_max, dim=-1).values
-    kth = values.gather(1, torch.tensor(ks, device=x.device)[:, None] - 1)
-    x.masked_fill_(x < kth, float("-inf"))
-
-
-def _filter_top_p(x: torch.Tensor, top_p: torch.Tensor) -> None:
-    """Keeps the smallest set of most likely tokens whose probability reaches top_p."""
-    sorted_logits, order = x.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
-    drop_sorted = before >= top_p
-    drop_sorted[:, 0] = False  # the most likely token always stays
-    x.masked_fill_(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
-
-
-def _filter_min_p(x: torch.Tensor, min_p: torch.Tensor) -> None:
-    """Drops tokens less likely than min_p times the most likely one."""
-    probs = x.softmax(dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p
-    x.masked_fill_(probs < threshold, float("-inf"))
-
-
-def _filter_typical_p(x: torch.Tensor, typical_p: torch.Tensor) -> None:
-    """Locally typical sampling: keep the tokens whose surprise is closest to the entropy until
-    their mass reaches typical_p."""
-    logp = x.log_softmax(dim=-1)
-    p = logp.exp()
-    entropy = -(p * logp).nan_to_num().sum(dim=-1, keepdim=True)
-    distance = (-logp - entropy).abs()  # inf for already-dropped tokens: they sort last
-    _, order = distance.sort(dim=-1)
-    sorted_p = p.gather(1, order)
-    before = sorted_p.cumsum(dim=-1) - sorted_p
-    drop_sorted = before >= typical_p
-    drop_sorted[:, 0] = False
-    x.masked_fill_(drop_sorted.scatter(1, order, drop_sorted), float("-inf"))
+                noise[i].uniform_(generator=self._generator)
+        # -log(U) ~ Exp(1); U = 0 gives inf, which only makes that token lose.
+        return (probs / noise.log_().neg_()).argmax(dim=-1)
