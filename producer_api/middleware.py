@@ -5,9 +5,7 @@ unbuffered and a client's disconnect still reaches the route."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
-from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from producer_api import metrics
@@ -15,13 +13,11 @@ from producer_api.errors import error_response
 from shared.errors import PayloadTooLargeError
 
 
-def route_template(app: Any, scope: Scope) -> str:
-    """The matched route's path template, so metric labels stay few (no job ids in them)."""
-    for route in getattr(app, "routes", []):
-        match, _ = route.matches(scope)
-        if match == Match.FULL:
-            return getattr(route, "path", "unmatched")
-    return "unmatched"
+def route_template(scope: Scope) -> str:
+    """The matched route's path template (the router records it in the scope), so metric labels stay
+    few: no job ids in them. Requests refused before routing (404, 413) count as "unmatched"."""
+    route = scope.get("route")
+    return str(getattr(route, "path", "unmatched"))
 
 
 class MetricsMiddleware:
@@ -34,7 +30,6 @@ class MetricsMiddleware:
             return
         state = scope.setdefault("state", {})
         state["arrived"] = time.perf_counter()
-        route = route_template(scope.get("app") or self._router(), scope)
         status = {"code": 500}
 
         async def send_and_record(message: Message) -> None:
@@ -48,14 +43,9 @@ class MetricsMiddleware:
         finally:
             metrics.REQUESTS_IN_FLIGHT.dec()
             error_type = state.get("error_type", "") if status["code"] >= 400 else ""
+            route = route_template(scope)
             metrics.REQUESTS.labels(route, str(status["code"]), error_type).inc()
             metrics.REQUEST_DURATION.labels(route).observe(time.perf_counter() - state["arrived"])
-
-    def _router(self) -> Any:
-        app = self.app
-        while not hasattr(app, "routes") and hasattr(app, "app"):
-            app = app.app
-        return app
 
 
 class BodyLimitMiddleware:

@@ -1,0 +1,179 @@
+"""API test fixtures: an API server on a free port (uvicorn in a thread, so tests can give it any
+Settings), a fake worker heartbeat for admission without consumption, and a real worker process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import uvicorn
+
+from producer_api.app import create_app
+from producer_api.tokenization import Tokenizers
+from shared.keys import Keys
+from shared.model_source import load_tokenizer
+from shared.schemas import WorkerHeartbeat
+from shared.settings import Settings
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ApiServer:
+    def __init__(self, settings: Settings, tokenizer: Any) -> None:
+        self.settings = settings
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        tokenizers = Tokenizers(settings, {model: tokenizer for model in settings.served_models})
+        config = uvicorn.Config(
+            create_app(settings, tokenizers=tokenizers), host="127.0.0.1", port=self.port, log_level="warning"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> ApiServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the API server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=60, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir: Path) -> Any:
+    return load_tokenizer(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def start_api(tiny_tokenizer: Any) -> Iterator[Callable[[Settings], ApiServer]]:
+    """Starts API servers for any Settings; all are stopped at the end of the session."""
+    servers: list[ApiServer] = []
+
+    def start(settings: Settings) -> ApiServer:
+        server = ApiServer(settings, tiny_tokenizer).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def fake_heartbeat(redis_url: str, settings: Settings, name: str = "fake-worker") -> None:
+    """A live worker that never consumes: admission passes, the queue only grows (429 tests)."""
+    keys = Keys.for_prefix(settings.key_prefix)
+    now = time.time()
+    beat = WorkerHeartbeat(
+        name=name,
+        model=settings.model,
+        device="cpu",
+        dtype="float64",
+        max_num_seqs=1,
+        num_kv_blocks=1,
+        running=0,
+        waiting=0,
+        free_kv_blocks=1,
+        started_at=now,
+    )
+    r = redis.Redis.from_url(redis_url)
+    r.set(keys.worker(name), beat.model_dump_json(), ex=600)
+    r.zadd(keys.workers(), {name: now + 600})  # scored in the future: stays "fresh" for the test
+    r.close()
+
+
+class WorkerProcess:
+    def __init__(self, model_dir: Path, redis_url: str, prefix: str, log: Path) -> None:
+        env = {
+            **os.environ,
+            "INFLIGHTQ_REDIS_URL": redis_url,
+            "INFLIGHTQ_KEY_PREFIX": prefix,
+            "INFLIGHTQ_MODEL": str(model_dir),
+            "INFLIGHTQ_HEARTBEAT_TTL_S": "3",
+        }
+        self.log = log
+        self._log_file = log.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "inflightq_cli", "worker", "--model", str(model_dir), "--dtype", "float64"],
+            cwd=REPO,
+            env=env,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+        )
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log_file.close()
+
+
+@pytest.fixture(scope="module")
+def module_prefix(run_prefix: str) -> str:
+    return f"{run_prefix}-m{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture(scope="module")
+def live_api(
+    redis_url: str,
+    module_prefix: str,
+    tiny_model_dir: Path,
+    start_api: Callable[[Settings], ApiServer],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[ApiServer]:
+    """An API with one real worker (tiny model, float64) behind it, for the module."""
+    settings = Settings(
+        redis_url=redis_url,
+        key_prefix=module_prefix,
+        model=str(tiny_model_dir),
+        heartbeat_ttl_s=3,
+        no_worker_wait_s=60,
+        max_new_tokens=64,
+        default_max_new_tokens=16,
+    )
+    log = tmp_path_factory.mktemp("worker") / "worker.log"
+    worker = WorkerProcess(tiny_model_dir, redis_url, module_prefix, log)
+    try:
+        server = start_api(settings)
+        with server.client() as http:
+            deadline = time.monotonic() + 120
+            while True:
+                if worker.proc.poll() is not None:
+                    raise RuntimeError(f"worker exited: {log.read_text()[-3000:]}")
+                workers = http.get("/health").json()["workers"]
+                if workers.get(settings.model):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no worker heartbeat: {log.read_text()[-3000:]}")
+                time.sleep(0.25)
+        yield server
+    finally:
+        worker.stop()

@@ -1,0 +1,114 @@
+"""Load shedding: 429 overloaded past the queue depth limit; 503 when no worker serves the model
+(after no_worker_wait_s) or Redis is gone; never a hang."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+
+from shared.keys import Keys
+from shared.settings import Settings
+from tests.api.conftest import ApiServer, fake_heartbeat, free_port
+
+
+@pytest.fixture
+def make_settings(redis_url: str, key_prefix: str, tiny_model_dir: Path) -> Callable[..., Settings]:
+    def make(**overrides: object) -> Settings:
+        fields: dict[str, object] = {"redis_url": redis_url, "key_prefix": key_prefix, "model": str(tiny_model_dir)}
+        return Settings(**{**fields, **overrides})  # type: ignore[arg-type]
+
+    return make
+
+
+def test_queue_deeper_than_the_limit_is_429_overloaded(
+    make_settings: Callable[..., Settings], start_api: Callable[[Settings], ApiServer], redis_url: str
+) -> None:
+    settings = make_settings(max_queue_depth=1)
+    fake_heartbeat(redis_url, settings)  # "live", but consumes nothing: the queue only grows
+    api = start_api(settings)
+    with api.client() as http:
+        assert http.post("/v1/jobs", json={"prompt": "one", "max_new_tokens": 2}).status_code == 202
+        response = http.post("/generate", json={"inputs": "two", "parameters": {"max_new_tokens": 2}})
+        assert response.status_code == 429
+        assert response.json()["error_type"] == "overloaded"
+        assert response.headers["retry-after"]
+        response = http.post(
+            "/v1/chat/completions",
+            json={"model": settings.model, "messages": [{"role": "user", "content": "x"}], "stream": True},
+        )
+        assert response.status_code == 429
+        assert response.json()["error"]["code"] == "overloaded"
+        assert http.post("/v1/jobs", json={"prompt": "three"}).json()["error_type"] == "overloaded"
+
+
+def test_n_choices_past_the_limit_withdraw_the_accepted_ones(
+    make_settings: Callable[..., Settings],
+    start_api: Callable[[Settings], ApiServer],
+    redis_url: str,
+    redis_client: redis.Redis,
+    keys: Keys,
+) -> None:
+    settings = make_settings(max_queue_depth=2)
+    fake_heartbeat(redis_url, settings)
+    api = start_api(settings)
+    with api.client() as http:
+        body = {"model": settings.model, "prompt": "x", "n": 3, "max_tokens": 2}
+        assert http.post("/v1/completions", json=body).status_code == 429
+    statuses = [redis_client.hget(key, "status") for key in redis_client.scan_iter(match=keys.request("*"))]
+    assert statuses == ["cancelled", "cancelled"]
+
+
+def test_no_live_worker_is_503_after_the_wait(
+    make_settings: Callable[..., Settings], start_api: Callable[[Settings], ApiServer]
+) -> None:
+    api = start_api(make_settings(no_worker_wait_s=0.5))
+    with api.client() as http:
+        started = time.monotonic()
+        response = http.post("/generate", json={"inputs": "hi"})
+        waited = time.monotonic() - started
+        assert response.status_code == 503
+        assert response.json()["error_type"] == "unavailable"
+        assert 0.4 < waited < 5
+        chat = {"model": api.settings.model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        assert http.post("/v1/chat/completions", json=chat).json()["error"]["type"] == "service_unavailable"
+        assert http.get("/v1/models").json() == {"object": "list", "data": []}
+
+
+def test_jobs_are_accepted_without_a_worker(
+    make_settings: Callable[..., Settings], start_api: Callable[[Settings], ApiServer]
+) -> None:
+    # A queued job is what scales workers up from zero, so the jobs API does not wait for one.
+    api = start_api(make_settings(no_worker_wait_s=0))
+    with api.client() as http:
+        created = http.post("/v1/jobs", json={"prompt": "hi", "priority": 0})
+        assert created.status_code == 202
+        job = http.get(f"/v1/jobs/{created.json()['id']}").json()
+        assert job["status"] == "queued" and job["priority"] == 0
+        cancelled = http.delete(f"/v1/jobs/{job['id']}").json()
+        assert cancelled == {"id": job["id"], "object": "job", "cancelled": True}
+        assert http.get(f"/v1/jobs/{job['id']}").json()["status"] == "cancelled"
+
+
+def test_redis_unreachable_is_503_at_once(
+    make_settings: Callable[..., Settings], start_api: Callable[[Settings], ApiServer]
+) -> None:
+    api = start_api(make_settings(redis_url=f"redis://127.0.0.1:{free_port()}/0"))
+    with api.client() as http:
+        for method, path, body in (
+            ("POST", "/generate", {"inputs": "hi"}),
+            ("POST", "/generate_stream", {"inputs": "hi"}),
+            ("POST", "/v1/jobs", {"prompt": "hi"}),
+            ("GET", "/v1/jobs/abc", None),
+            ("POST", "/v1/completions", {"model": api.settings.model, "prompt": "hi"}),
+        ):
+            started = time.monotonic()
+            response = http.request(method, path, json=body)
+            assert response.status_code == 503, (path, response.text)
+            assert time.monotonic() - started < 5, path
+        assert http.get("/health").status_code == 503
+        # Validation still answers without Redis.
+        assert http.post("/generate", json={"inputs": ""}).status_code == 422

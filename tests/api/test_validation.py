@@ -1,0 +1,322 @@
+"""Everything wrong with a request is a 422 (or 413/404) JSON naming the problem, before anything
+is queued; nothing hostile gets a 5xx. No worker is needed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from shared.settings import Settings
+from tests.api.conftest import ApiServer
+
+
+@pytest.fixture(scope="module")
+def api(
+    redis_url: str, module_prefix: str, tiny_model_dir: Path, start_api: Callable[[Settings], ApiServer]
+) -> ApiServer:
+    settings = Settings(
+        redis_url=redis_url,
+        key_prefix=module_prefix,
+        model=str(tiny_model_dir),
+        max_input_tokens=32,
+        max_total_tokens=48,
+        max_new_tokens=24,
+        max_stop_sequences=2,
+        max_body_bytes=4096,
+        no_worker_wait_s=0.2,
+    )
+    return start_api(settings)
+
+
+@pytest.fixture
+def http(api: ApiServer) -> Iterator[httpx.Client]:
+    with api.client() as client:
+        yield client
+
+
+def tgi_error(response: httpx.Response, status: int = 422) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) >= {"error", "error_type"}, body
+    return body
+
+
+def openai_error(response: httpx.Response, status: int = 422) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    return error
+
+
+def test_malformed_json_is_422(http: httpx.Client) -> None:
+    body = tgi_error(http.post("/generate", content=b'{"inputs": "hi",', headers={"content-type": "application/json"}))
+    assert body["error_type"] == "validation"
+    assert "JSON" in body["error"]
+
+
+def test_missing_body_is_422(http: httpx.Client) -> None:
+    assert tgi_error(http.post("/generate"))["error_type"] == "validation"
+
+
+def test_wrong_type_names_the_field(http: httpx.Client) -> None:
+    body = tgi_error(http.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": "many"}}))
+    assert body["field"] == "parameters.max_new_tokens"
+
+
+def test_unknown_parameter_is_refused(http: httpx.Client) -> None:
+    body = tgi_error(http.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokenz": 3}}))
+    assert "max_new_tokenz" in body["error"]
+
+
+def test_prompt_over_max_input_tokens(http: httpx.Client) -> None:
+    body = tgi_error(http.post("/generate", json={"inputs": "word " * 100}))
+    assert body["field"] == "inputs"
+    assert "32" in body["error"]
+
+
+def test_prompt_plus_max_new_tokens_over_max_total(http: httpx.Client) -> None:
+    body = tgi_error(http.post("/generate", json={"inputs": "word " * 30, "parameters": {"max_new_tokens": 20}}))
+    assert body["field"] == "parameters.max_new_tokens"
+    assert "48" in body["error"]
+
+
+@pytest.mark.parametrize("value", [0, -1, 25])
+def test_max_new_tokens_not_positive_or_over_the_cap(http: httpx.Client, value: int) -> None:
+    body = tgi_error(http.post("/generate", json={"inputs": "hi", "parameters": {"max_new_tokens": value}}))
+    assert body["field"] == "parameters.max_new_tokens"
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("temperature", -0.5),
+        ("temperature", 0),
+        ("top_p", 1.5),
+        ("top_p", 0),
+        ("top_k", -3),
+        ("repetition_penalty", 0),
+        ("frequency_penalty", 3),
+        ("typical_p", 2),
+        ("seed", -1),
+        ("priority", -1),
+        ("priority", 9),
+        ("timeout", 0),
+        ("best_of", 2),
+        ("top_n_tokens", 100),
+    ],
+)
+def test_out_of_range_sampling_values(http: httpx.Client, name: str, value: float) -> None:
+    body = tgi_error(http.post("/generate", json={"inputs": "hi", "parameters": {name: value}}))
+    assert body["field"] == f"parameters.{name}" or body["field"] == name, body
+
+
+def test_deadline_in_the_past(http: httpx.Client) -> None:
+    body = tgi_error(http.post("/generate", json={"inputs": "hi", "parameters": {"deadline": 1000.0}}))
+    assert body["field"] == "deadline"
+
+
+def test_too_many_stop_sequences(http: httpx.Client) -> None:
+    body = tgi_error(http.post("/generate", json={"inputs": "hi", "parameters": {"stop": ["a", "b", "c"]}}))
+    assert body["field"] == "parameters.stop"
+
+
+def test_empty_stop_sequence(http: httpx.Client) -> None:
+    tgi_error(http.post("/generate_stream", json={"inputs": "hi", "parameters": {"stop": [""]}}))
+
+
+@pytest.mark.parametrize("feature", [{"grammar": {"type": "json", "value": {}}}, {"watermark": True}])
+def test_unsupported_tgi_features_are_refused_not_ignored(http: httpx.Client, feature: dict) -> None:
+    tgi_error(http.post("/generate", json={"inputs": "hi", "parameters": feature}))
+
+
+def test_empty_inputs(http: httpx.Client) -> None:
+    assert tgi_error(http.post("/", json={"inputs": ""}))["field"] == "inputs"
+
+
+def test_openai_unknown_model(http: httpx.Client) -> None:
+    error = openai_error(
+        http.post("/v1/chat/completions", json={"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]})
+    )
+    assert error["param"] == "model"
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] == "validation"
+
+
+def test_openai_bad_role(http: httpx.Client, api: ApiServer) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]
+    error = openai_error(http.post("/v1/chat/completions", json={"model": api.settings.model, "messages": messages}))
+    assert error["param"] == "messages.1.role"
+
+
+def test_openai_empty_messages(http: httpx.Client, api: ApiServer) -> None:
+    error = openai_error(http.post("/v1/chat/completions", json={"model": api.settings.model, "messages": []}))
+    assert error["param"] == "messages"
+
+
+def test_openai_wrong_types(http: httpx.Client, api: ApiServer) -> None:
+    body = {"model": api.settings.model, "prompt": "hi", "max_tokens": "ten"}
+    assert openai_error(http.post("/v1/completions", json=body))["param"] == "max_tokens"
+    body = {"model": api.settings.model, "prompt": "hi", "temperature": 3}
+    assert openai_error(http.post("/v1/completions", json=body))["param"] == "temperature"
+    body = {"model": api.settings.model, "prompt": "hi", "n": 0}
+    assert openai_error(http.post("/v1/completions", json=body))["param"] == "n"
+
+
+def test_openai_prompt_too_long(http: httpx.Client, api: ApiServer) -> None:
+    error = openai_error(http.post("/v1/completions", json={"model": api.settings.model, "prompt": "word " * 100}))
+    assert error["param"] == "prompt"
+
+
+def test_openai_max_tokens_over_the_cap(http: httpx.Client, api: ApiServer) -> None:
+    body = {"model": api.settings.model, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 99}
+    assert openai_error(http.post("/v1/chat/completions", json=body))["param"] == "max_completion_tokens"
+
+
+def test_openai_token_ids_outside_the_vocabulary(http: httpx.Client, api: ApiServer) -> None:
+    error = openai_error(http.post("/v1/completions", json={"model": api.settings.model, "prompt": [1, 10**9]}))
+    assert error["param"] == "prompt"
+
+
+def test_openai_too_many_stops(http: httpx.Client, api: ApiServer) -> None:
+    body = {"model": api.settings.model, "prompt": "hi", "stop": ["a", "b", "c"]}
+    assert openai_error(http.post("/v1/completions", json=body))["param"] == "stop"
+
+
+def test_openai_tools_are_refused(http: httpx.Client, api: ApiServer) -> None:
+    body = {
+        "model": api.settings.model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function"}],
+    }
+    assert openai_error(http.post("/v1/chat/completions", json=body))["param"] == "tools"
+
+
+def test_jobs_need_exactly_one_of_prompt_or_messages(http: httpx.Client) -> None:
+    tgi_error(http.post("/v1/jobs", json={"max_new_tokens": 3}))
+    tgi_error(http.post("/v1/jobs", json={"prompt": "a", "messages": [{"role": "user", "content": "b"}]}))
+
+
+def test_jobs_validate_sampling_fields(http: httpx.Client) -> None:
+    assert tgi_error(http.post("/v1/jobs", json={"prompt": "a", "top_p": 0}))["field"] == "top_p"
+    assert tgi_error(http.post("/v1/jobs", json={"prompt": "a", "model": "nope"}))["field"] == "model"
+    assert tgi_error(http.post("/v1/jobs", json={"prompt": "a", "max_new_tokens": 1000}))["field"] == "max_new_tokens"
+
+
+def test_body_over_the_limit_by_content_length_is_413(http: httpx.Client) -> None:
+    body = tgi_error(http.post("/generate", json={"inputs": "x" * 10_000}), status=413)
+    assert body["error_type"] == "payload_too_large"
+
+
+def test_body_over_the_limit_without_content_length_is_413(http: httpx.Client) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b'{"inputs": "'
+        for _ in range(10):
+            yield b"x" * 1000
+        yield b'"}'
+
+    # A generator body is sent chunked: no Content-Length, so the server must count.
+    response = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert openai_error(response, status=413)["code"] == "payload_too_large"
+
+
+def test_unknown_job_is_404_json(http: httpx.Client) -> None:
+    assert tgi_error(http.get("/v1/jobs/does-not-exist"), status=404)["error_type"] == "not_found"
+    assert tgi_error(http.delete("/v1/jobs/does-not-exist"), status=404)["error_type"] == "not_found"
+    assert tgi_error(http.get("/v1/jobs/does-not-exist/stream"), status=404)["error_type"] == "not_found"
+
+
+def test_unknown_route_is_404_json(http: httpx.Client) -> None:
+    assert tgi_error(http.get("/nope"), status=404)["error_type"] == "not_found"
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"[]",
+        b"null",
+        b'"a string"',
+        b'{"inputs": null}',
+        b'{"inputs": ["a"]}',
+        b'{"inputs": "hi", "parameters": []}',
+        b'{"inputs": "hi", "parameters": {"stop": "a"}}',
+        b'{"inputs": "\\ud800"}',
+        b"\xff\xfe\x00garbage",
+        b'{"inputs": "hi", "parameters": {"max_new_tokens": 1e309}}',
+        b'{"inputs": "hi", "parameters": {"seed": 99999999999999999999999}}',
+    ],
+)
+def test_hostile_bodies_never_5xx(http: httpx.Client, payload: bytes) -> None:
+    for path in (
+        "/generate",
+        "/generate_stream",
+        "/",
+        "/tokenize",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/jobs",
+    ):
+        response = http.post(path, content=payload, headers={"content-type": "application/json"})
+        assert 400 <= response.status_code < 500, (path, response.status_code, response.text)
+        assert "Traceback" not in response.text
+
+
+def test_tokenize_returns_tgi_tokens(http: httpx.Client) -> None:
+    tokens = http.post("/tokenize", json={"inputs": "hello world"}).json()
+    assert [t["text"] for t in tokens] == ["hello", " world"]
+    assert tokens[1]["start"] == 5 and tokens[1]["stop"] == 11
+
+
+def test_info_reports_limits(http: httpx.Client, api: ApiServer) -> None:
+    info = http.get("/info").json()
+    assert info["model_id"] == api.settings.model
+    assert info["max_input_tokens"] == 32
+    assert info["max_total_tokens"] == 48
+    assert info["max_stop_sequences"] == 2
+
+
+def test_health_is_ok_while_redis_answers(http: httpx.Client, api: ApiServer) -> None:
+    health = http.get("/health").json()
+    assert health == {"status": "ok", "redis": True, "workers": {api.settings.model: 0}}
+
+
+def test_metrics_expose_api_series(http: httpx.Client) -> None:
+    http.post("/generate", json={"inputs": ""})
+    text = http.get("/metrics").text
+    assert 'inflightq_api_requests_total{error_type="validation",route="/generate",status="422"}' in text
+    for name in (
+        "inflightq_api_request_duration_seconds",
+        "inflightq_api_time_to_first_token_seconds",
+        "inflightq_api_inter_token_latency_seconds",
+        "inflightq_api_generated_tokens_total",
+        "inflightq_api_streams_in_flight",
+    ):
+        assert name in text
+
+
+def test_openapi_documents_every_route_with_response_models(http: httpx.Client) -> None:
+    spec = http.get("/openapi.json").json()
+    paths = spec["paths"]
+    for path in (
+        "/",
+        "/generate",
+        "/generate_stream",
+        "/info",
+        "/health",
+        "/metrics",
+        "/tokenize",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/jobs",
+        "/v1/jobs/{job_id}",
+        "/v1/jobs/{job_id}/stream",
+    ):
+        assert path in paths, path
+    generate = paths["/generate"]["post"]
+    assert "GenerateResponse" in str(generate["responses"]["200"])
+    assert {"422", "429", "503"} <= set(generate["responses"])
+    assert "ChatCompletion" in str(paths["/v1/chat/completions"]["post"]["responses"]["200"])
+    assert http.get("/docs").status_code == 200
