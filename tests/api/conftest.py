@@ -156,7 +156,7 @@ def live_api(
         model=str(tiny_model_dir),
         heartbeat_ttl_s=3,
         no_worker_wait_s=60,
-        max_new_tokens=64,
+        max_new_tokens=2000,
         default_max_new_tokens=16,
     )
     log = tmp_path_factory.mktemp("worker") / "worker.log"
