@@ -158,5 +158,74 @@ def api(
     )
 
 
+# Worker and queue status ------------------------------------------------------------------
+@app.command("worker")
+def worker(
+    model: str | None = typer.Option(None, help="Model to serve; default INFLIGHTQ_MODEL."),
+    device: str | None = typer.Option(None, help="auto, cpu, cuda, cuda:N; default INFLIGHTQ_DEVICE."),
+    dtype: str | None = typer.Option(None, help="auto, float32, bfloat16, float16, float64; default INFLIGHTQ_DTYPE."),
+    name: str | None = typer.Option(None, help="Worker name (default: host-pid-random)."),
+    metrics_port: int | None = typer.Option(None, help="Serve Prometheus metrics on this port."),
+    max_num_seqs: int | None = typer.Option(None, min=1, help="Sequences run at once."),
+    max_num_batched_tokens: int | None = typer.Option(None, min=1, help="Tokens per engine step."),
+    num_kv_blocks: int | None = typer.Option(None, min=1, help="KV cache blocks (default: sized from memory)."),
+    block_size: int | None = typer.Option(None, min=1, help="Tokens per KV cache block."),
+) -> None:
+    """Serve one model from the Redis queue until SIGTERM (then drain and exit 0)."""
+    from shared.settings import get_settings
+    from worker.serve import run_worker
+
+    overrides = {
+        "model": model,
+        "device": device,
+        "dtype": dtype,
+        "metrics_port": metrics_port,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "num_kv_blocks": num_kv_blocks,
+        "block_size": block_size,
+    }
+    settings = get_settings().model_copy(update={k: v for k, v in overrides.items() if v is not None})
+    raise typer.Exit(run_worker(settings, name=name))
+
+
+@app.command("status")
+def status(model: list[str] | None = typer.Option(None, help="Only these models (default: every model seen).")) -> None:
+    """Print live workers and queue depth per model and priority."""
+    from shared.client import QueueClient
+    from shared.settings import get_settings
+
+    with QueueClient(get_settings()) as client:
+        if not client.ping():
+            print(f"redis at {client.settings.redis_url} does not answer")
+            raise typer.Exit(1)
+        workers = client.live_workers()
+        print(f"{len(workers)} live worker(s)")
+        for w in sorted(workers, key=lambda w: (w.model, w.name)):
+            state = " draining" if w.draining else ""
+            print(
+                f"  {w.name}  model={w.model} device={w.device} dtype={w.dtype} running={w.running}/{w.max_num_seqs}"
+                f" waiting={w.waiting} free_kv_blocks={w.free_kv_blocks}/{w.num_kv_blocks}{state}"
+            )
+        for name in model or sorted(set(client.models()) | {w.model for w in workers}):
+            depth = client.queue_depth(name)
+            shown = " ".join(f"p{p}={n}" for p, n in depth.items())
+            dead = client.redis.xlen(client.keys.dead_letters(name))
+            age = client.oldest_waiting_age_s(name)
+            print(f"queue {name}: {shown} (total {sum(depth.values())}, oldest {age:.1f}s, dead letters {dead})")
+
+
+@bench_app.command("transport")
+def bench_transport(
+    seconds: float = typer.Option(5.0, help="How long each measurement runs."),
+    batch: int = typer.Option(64, min=1, help="Token events per engine step (sequences in the batch)."),
+    out: str = typer.Option("bench/results", help="Directory for transport-*.json and .md."),
+) -> None:
+    """Token events/s one worker publishes (tiny random model) vs raw pipelined PUBLISH, same Redis, same run."""
+    from bench.transport import main
+
+    main(seconds=seconds, batch=batch, out_dir=out)
+
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,217 @@
+"""The worker service end to end: real worker processes, real Redis, the tiny model in float64."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+from shared.client import QueueClient
+from shared.keys import CONSUMER_GROUP
+from shared.lifecycle import RequestStatus
+from shared.schemas import DeadLetter, DoneEvent, ErrorEvent, SamplingSpec, TokenEvent
+from shared.transitions import STREAM_FIELD
+from tests.worker.conftest import greedy
+
+PROMPT = [1, 2, 3, 4, 5]
+
+
+def prompt(i: int) -> list[int]:
+    return [10 + i, 200 + 7 * i, 3000 + i, 42]
+
+
+def wait_for(predicate, timeout: float = 30.0, every: float = 0.05) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(every)
+    raise AssertionError("condition not met in time")
+
+
+def tokens_sent(client: QueueClient, request_id: str) -> int:
+    return client.redis.xlen(client.keys.replay_log(request_id))
+
+
+def test_a_worker_serves_a_request_and_stores_its_result(spawn_worker, client, reference) -> None:
+    spawn_worker("solo")
+    request_id = client.submit(client.settings.model, PROMPT, greedy(12))
+    result = client.result(request_id, timeout=30)
+    assert result.token_ids == reference(PROMPT, 12)
+    assert result.finish_reason == "length" and result.worker == "solo"
+    assert result.usage.completion_tokens == 12 and result.usage.prompt_tokens == len(PROMPT)
+    assert result.timings.started_at is not None and result.timings.first_token_at is not None
+    info = client.status(request_id)
+    assert info is not None and info.status is RequestStatus.DONE and info.attempt == 0
+    assert client.redis.ttl(client.keys.request(request_id)) > 0
+    stream = client.keys.stream(client.settings.model, 1)
+    assert client.redis.xpending(stream, CONSUMER_GROUP)["pending"] == 0, "finished entries are acknowledged"
+
+
+def test_strict_priority_order_when_the_batch_is_full(spawn_worker, client) -> None:
+    spawn_worker("one-seat", "--max-num-seqs", "1")
+    model = client.settings.model
+    blocker = client.submit(model, PROMPT, greedy(60), priority=3)
+    wait_for(lambda: tokens_sent(client, blocker) > 0)
+    # Submitted least urgent first: a FIFO worker would run them in this order.
+    ids = {p: client.submit(model, prompt(p), greedy(3), priority=p) for p in (3, 2, 1, 0)}
+    assert sum(client.queue_depth(model).values()) == 4, "what the worker cannot start stays in Redis"
+    for request_id in ids.values():
+        client.result(request_id, timeout=60)
+    started = {p: client.status(r).started_at for p, r in ids.items()}  # type: ignore[union-attr]
+    assert sorted(started, key=lambda p: started[p]) == [0, 1, 2, 3]
+
+
+def test_two_workers_share_one_queue(spawn_worker, client, reference) -> None:
+    spawn_worker("share-a", "--max-num-seqs", "2")
+    spawn_worker("share-b", "--max-num-seqs", "2")
+    ids = [client.submit(client.settings.model, prompt(i), greedy(24)) for i in range(8)]
+    results = [client.result(r, timeout=60) for r in ids]
+    assert {r.worker for r in results} == {"share-a", "share-b"}
+    for i, result in enumerate(results):
+        assert result.token_ids == reference(prompt(i), 24)
+
+
+def test_cancel_mid_generation_frees_the_slot_and_acknowledges(spawn_worker, client) -> None:
+    spawn_worker("canceller", "--max-num-seqs", "1")
+    model = client.settings.model
+    request_id = client.submit(model, PROMPT, greedy(1500))
+    events = client.stream(request_id, timeout=60)
+    seen = [next(events) for _ in range(3)]
+    assert client.cancel(request_id) is True
+    rest = list(events)
+    assert isinstance(rest[-1], ErrorEvent) and rest[-1].error_type == "cancelled"
+    assert [e.index for e in seen + rest[:-1]] == list(range(len(seen) + len(rest) - 1))
+    wait_for(lambda: client.status(request_id).status is RequestStatus.CANCELLED)  # type: ignore[union-attr]
+    assert client.redis.xpending(client.keys.stream(model, 1), CONSUMER_GROUP)["pending"] == 0
+    # The single seat is free again: the next request runs.
+    assert client.result(client.submit(model, PROMPT, greedy(2)), timeout=30).usage.completion_tokens == 2
+
+
+def test_deadlines_expire_queued_and_running_requests(spawn_worker, client) -> None:
+    spawn_worker("timekeeper", "--max-num-seqs", "1")
+    model = client.settings.model
+    running = client.submit(model, PROMPT, greedy(1000), deadline=time.time() + 1.5)
+    wait_for(lambda: tokens_sent(client, running) > 0)
+    queued = client.submit(model, PROMPT, greedy(2), deadline=time.time() + 0.5)
+    for request_id in (running, queued):
+        events = list(client.stream(request_id, timeout=30))
+        assert isinstance(events[-1], ErrorEvent) and events[-1].error_type == "expired"
+        info = client.status(request_id)
+        assert info is not None and info.status is RequestStatus.EXPIRED
+    assert client.status(running).error.index > 0  # type: ignore[union-attr]
+    assert client.status(queued).started_at is None, "a request past its deadline is never started"  # type: ignore[union-attr]
+
+
+def test_a_late_subscriber_gets_the_whole_stream(spawn_worker, client) -> None:
+    spawn_worker("storyteller")
+    request_id = client.submit(client.settings.model, PROMPT, greedy(40))
+    wait_for(lambda: tokens_sent(client, request_id) >= 10)
+    midway = list(client.stream(request_id, timeout=30))
+    after = list(client.stream(request_id, timeout=30))
+    assert midway == after
+    result = after[-1]
+    assert isinstance(result, DoneEvent)
+    tokens = [e for e in after if isinstance(e, TokenEvent)]
+    assert [e.index for e in tokens] == list(range(40))
+    assert [e.token_id for e in tokens] == result.result.token_ids
+    assert "".join(e.text for e in tokens) == result.result.text
+    assert tokens[-1].finish_reason == "length"
+
+
+def test_kill_9_mid_generation_is_taken_over_with_identical_output(spawn_worker, client, reference) -> None:
+    model = client.settings.model
+    victim = spawn_worker("victim", "--max-num-seqs", "2")
+    spawn_worker("survivor", "--max-num-seqs", "2")
+    n = 80
+    ids = [client.submit(model, prompt(i), greedy(n)) for i in range(4)]
+    streams: dict[str, list] = {r: [] for r in ids}
+
+    def follow(request_id: str) -> None:
+        streams[request_id] = list(client.stream(request_id, timeout=120))
+
+    followers = [threading.Thread(target=follow, args=(r,)) for r in ids]
+    for thread in followers:
+        thread.start()
+
+    def victim_is_mid_generation() -> bool:
+        infos = [client.status(r) for r in ids]
+        running = [i for i in infos if i and i.worker == "victim" and i.status is RequestStatus.RUNNING]
+        return any(5 < tokens_sent(client, i.id) < n for i in running)
+
+    wait_for(victim_is_mid_generation, timeout=60, every=0.01)
+    victim.signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+    for thread in followers:
+        thread.join(timeout=120)
+    taken_over = 0
+    for i, request_id in enumerate(ids):
+        events = streams[request_id]
+        tokens = [e for e in events if isinstance(e, TokenEvent)]
+        assert [e.index for e in tokens] == list(range(n)), "no gap, no duplicate"
+        assert isinstance(events[-1], DoneEvent)
+        assert events[-1].result.token_ids == [e.token_id for e in tokens] == reference(prompt(i), n)
+        info = client.status(request_id)
+        assert info is not None and info.status is RequestStatus.DONE
+        taken_over += info.attempt > 0
+        log = client.redis.xrange(client.keys.replay_log(request_id))
+        assert sum('"type":"done"' in fields["e"] for _, fields in log) == 1, "completed exactly once"
+    assert taken_over >= 1
+    assert client.redis.xpending(client.keys.stream(model, 1), CONSUMER_GROUP)["pending"] == 0
+
+
+def test_poison_entries_go_to_the_dead_letters_and_the_worker_keeps_serving(spawn_worker, client) -> None:
+    spawn_worker("sturdy")
+    model = client.settings.model
+    stream = client.keys.stream(model, 0)
+    client.ensure_groups(model)
+    client.redis.xadd(stream, {STREAM_FIELD: "{not json"})
+    client.redis.xadd(stream, {STREAM_FIELD: '{"id": "half-a-request", "model": "m"}'})
+    too_long = client.submit(model, [7] * 5000, greedy(2), priority=0)  # beyond the model's context
+    fine = client.submit(model, PROMPT, greedy(3), priority=0)
+    assert client.result(fine, timeout=30).usage.completion_tokens == 3
+    for request_id in ("half-a-request", too_long):
+        events = list(client.stream(request_id, timeout=30))
+        assert isinstance(events[-1], ErrorEvent) and events[-1].error_type == "generation"
+    assert client.status(too_long).status is RequestStatus.FAILED  # type: ignore[union-attr]
+    letters = [DeadLetter.model_validate_json(f["letter"]) for f in client.dead_letters(model)]
+    assert len(letters) == 3
+    assert {letter.request_id for letter in letters} == {None, "half-a-request", too_long}
+    assert all(letter.reason for letter in letters)
+    assert client.redis.xlen(stream) == 0 and client.redis.xpending(stream, CONSUMER_GROUP)["pending"] == 0
+
+
+def test_sigterm_drains_running_requests_and_exits_0(spawn_worker, client, reference) -> None:
+    worker = spawn_worker("drainer")
+    model = client.settings.model
+    request_id = client.submit(model, PROMPT, greedy(80))
+    wait_for(lambda: tokens_sent(client, request_id) > 0)
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 0
+    assert client.result(request_id, timeout=5).token_ids == reference(PROMPT, 80)
+    assert client.live_workers() == [], "a stopped worker takes its heartbeat with it"
+
+
+def test_sigterm_past_the_drain_timeout_hands_the_rest_back(spawn_worker, client, reference) -> None:
+    hurried = spawn_worker("hurried", env={"INFLIGHTQ_DRAIN_TIMEOUT_S": "0.3"})
+    model = client.settings.model
+    request_id = client.submit(model, PROMPT, greedy(300))
+    wait_for(lambda: tokens_sent(client, request_id) > 5)
+    hurried.signal(signal.SIGTERM)
+    assert hurried.wait(timeout=30) == 0
+    info = client.status(request_id)
+    assert info is not None and info.status is RequestStatus.RUNNING and info.worker == "hurried"
+    sent = tokens_sent(client, request_id)
+    assert sent < 300
+    spawn_worker("heir")
+    result = client.result(request_id, timeout=120)
+    assert result.worker == "heir" and result.token_ids == reference(PROMPT, 300)
+    assert client.status(request_id).attempt == 1  # type: ignore[union-attr]
+
+
+def test_sampled_requests_get_a_seed_and_resume_identically(spawn_worker, client) -> None:
+    spawn_worker("sampler")
+    spec = SamplingSpec(max_new_tokens=16, temperature=0.9, top_k=50, seed=1234, ignore_eos=True)
+    first = client.result(client.submit(client.settings.model, PROMPT, spec), timeout=30)
+    second = client.result(client.submit(client.settings.model, PROMPT, spec), timeout=30)
+    assert first.token_ids == second.token_ids

@@ -1,0 +1,67 @@
+"""The worker's Prometheus endpoint (``--metrics-port``): service counters and engine stats,
+read at scrape time so the engine loop does no metrics work."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from worker.service import WorkerService
+
+COUNTERS = {
+    "generated_tokens": "Tokens generated and published.",
+    "completed": "Requests finished with a result.",
+    "cancelled": "Requests cancelled (queued or running).",
+    "expired": "Requests past their deadline (queued or running).",
+    "taken_over": "Requests resumed from a dead or draining worker.",
+    "dead_lettered": "Entries sent to the dead-letter stream.",
+    "handed_back": "Requests handed back to the queue (drain, engine failure).",
+}
+
+
+class WorkerCollector:
+    def __init__(self, service: WorkerService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Metric]:
+        labels = {"worker": self.service.name, "model": self.service.model}
+        names, values = list(labels), list(labels.values())
+        for name, doc in COUNTERS.items():
+            family = CounterMetricFamily(f"inflightq_worker_{name}", doc, labels=names)
+            family.add_metric(values, self.service.counters[name])
+            yield family
+        engine = self.service.engine
+        stats = engine.stats
+        gauges = {
+            "running_requests": ("Sequences running in the engine.", stats.num_running),
+            "waiting_requests": ("Sequences admitted but waiting inside the engine.", stats.num_waiting),
+            "free_kv_blocks": ("Free KV cache blocks.", engine.num_free_blocks),
+            "kv_blocks": ("KV cache blocks in total.", engine.num_total_blocks),
+            "draining": ("1 while the worker drains after SIGTERM.", int(self.service.draining.is_set())),
+        }
+        for name, (doc, value) in gauges.items():
+            gauge = GaugeMetricFamily(f"inflightq_worker_{name}", doc, labels=names)
+            gauge.add_metric(values, value)
+            yield gauge
+        engine_counters = {
+            "engine_steps": ("Engine steps.", stats.steps),
+            "engine_preemptions": ("Sequences preempted for KV blocks.", stats.preemptions),
+            "engine_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
+            "engine_prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+            "engine_forward_seconds": ("Time in model forwards.", stats.forward_time_s),
+            "engine_step_seconds": ("Time in engine steps.", stats.step_time_s),
+        }
+        for name, (doc, value) in engine_counters.items():
+            family = CounterMetricFamily(f"inflightq_worker_{name}", doc, labels=names)
+            family.add_metric(values, value)
+            yield family
+
+
+def serve_metrics(service: WorkerService, port: int) -> None:
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector(service))  # type: ignore[arg-type]
+    start_http_server(port, registry=registry)

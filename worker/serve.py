@@ -1,0 +1,39 @@
+"""``inflightq worker``: load the model, build the service, run until SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+
+from shared.settings import Settings
+from worker.service import WorkerService
+
+
+def run_worker(settings: Settings, *, name: str | None = None) -> int:
+    from worker.engine import LLM
+    from worker.engine.hardware import resolve_device, resolve_dtype
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    llm = LLM(
+        settings.model,
+        dtype=dtype,
+        device=device,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        block_size=settings.block_size,
+        num_kv_blocks=settings.num_kv_blocks,
+    )
+    service = WorkerService(
+        settings,
+        llm.engine,
+        model=settings.model,
+        name=name,
+        device=str(device),
+        dtype=str(dtype).replace("torch.", ""),
+    )
+    if settings.metrics_port is not None:
+        from worker.metrics import serve_metrics
+
+        serve_metrics(service, settings.metrics_port)
+    return service.run()

@@ -1,0 +1,328 @@
+"""The worker process: Redis -> engine -> Redis.
+
+The engine loop runs on the main thread and never waits on Redis. Beside it:
+
+- ``Intake`` pulls what fits, in strict priority order (``worker/intake.py``),
+- ``Recovery`` keeps this worker's entries fresh and takes over dead workers' (``recovery.py``),
+- ``Publisher`` writes each step's tokens in one round trip, and every final status (``publisher.py``),
+- ``CancelListener`` and ``Heartbeat``.
+
+They hand work to the loop through one inbox (start / cancel / lost), drained between steps.
+
+On SIGTERM the worker drains: no new work, running requests get ``drain_timeout_s`` to finish,
+and whatever is left is handed back: its entry stays pending with its idle time pushed past
+``reclaim_after_s``, so the next XAUTOCLAIM of any live worker resumes it from its replay log
+(no token is generated twice, and the status stays ``running`` as the lifecycle requires).
+Then the worker exits 0."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import redis
+
+from shared.client import redis_kwargs
+from shared.schemas import WorkerHeartbeat
+from shared.settings import Settings
+from worker.active import ActiveRequest
+from worker.admission import Admission
+from worker.cancel_listener import CancelListener
+from worker.heartbeat import Heartbeat
+from worker.intake import Intake, ensure_groups
+from worker.publisher import Publisher
+from worker.reconnect import TRANSIENT
+from worker.recovery import Recovery
+
+log = logging.getLogger("inflightq.worker")
+
+# Cancels that arrive before their request reaches the loop are remembered this long.
+EARLY_CANCEL_TTL_S = 60.0
+
+
+@dataclass
+class InboxItem:
+    kind: Literal["start", "cancel", "lost"]
+    request_id: str
+    active: ActiveRequest | None = None
+
+
+def default_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+
+class WorkerService:
+    def __init__(
+        self,
+        settings: Settings,
+        engine: Any,
+        *,
+        model: str | None = None,
+        name: str | None = None,
+        device: str = "cpu",
+        dtype: str = "auto",
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.model = model or settings.model
+        self.name = name or default_name()
+        self.device = device
+        self.dtype = dtype
+        self.started_at = time.time()
+        self.stopping = threading.Event()  # every thread ends
+        self.draining = threading.Event()  # no new work
+        self.capacity_changed = threading.Event()
+        self._drain_deadline = float("inf")
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("taken_over", "dead_lettered", "cancelled", "expired", "completed", "generated_tokens", "handed_back"), 0
+        )
+        self._inbox: deque[InboxItem] = deque()
+        self._inbox_cond = threading.Condition()
+        self._in_transit = 0
+        self._active: dict[str, ActiveRequest] = {}  # engine-loop thread only
+        self._early_cancels: dict[str, float] = {}
+        self._inflight: dict[str, tuple[str, str]] = {}  # request id -> (stream, entry id); any thread
+        self._inflight_lock = threading.Lock()
+
+        self.redis = redis.Redis.from_url(settings.redis_url, **redis_kwargs())
+        self.publisher = Publisher(settings, self.redis, self.name)
+        self.admission = Admission(
+            settings, self.redis, self.publisher, self.name, self.model, self._hand_over, self.counters
+        )
+        self.intake = Intake(settings, self.redis, self.admission, self)
+        self.recovery = Recovery(settings, self.redis, self.admission, self)
+        self.heartbeat_thread = Heartbeat(settings, self.redis, self)
+        self.cancel_listener = CancelListener(settings, self.redis, self)
+
+    # Read by the I/O threads ---------------------------------------------------------
+    def room(self) -> int:
+        with self._inbox_cond:
+            return self.engine.free_seq_slots - self._in_transit
+
+    def can_admit(self, num_prompt_tokens: int) -> bool:
+        return bool(self.engine.can_admit(num_prompt_tokens))
+
+    def is_idle(self) -> bool:
+        with self._inbox_cond:
+            return self._in_transit == 0 and not self.engine.has_unfinished()
+
+    def inflight_by_stream(self) -> dict[str, list[str]]:
+        by_stream: dict[str, list[str]] = {}
+        with self._inflight_lock:
+            for stream, entry_id in self._inflight.values():
+                by_stream.setdefault(stream, []).append(entry_id)
+        return by_stream
+
+    def heartbeat(self) -> WorkerHeartbeat:
+        stats = self.engine.stats
+        return WorkerHeartbeat(
+            name=self.name,
+            model=self.model,
+            device=self.device,
+            dtype=self.dtype,
+            max_num_seqs=self.engine.max_num_seqs,
+            num_kv_blocks=self.engine.num_total_blocks,
+            # The engine's own counts are only refreshed when it steps; an idle engine runs nothing.
+            running=self.engine.num_unfinished,
+            waiting=stats.num_waiting if self.engine.has_unfinished() else 0,
+            free_kv_blocks=self.engine.num_free_blocks,
+            started_at=self.started_at,
+            draining=self.draining.is_set(),
+        )
+
+    # Called by the I/O threads -------------------------------------------------------
+    def cancel(self, request_id: str) -> None:
+        self._put(InboxItem("cancel", request_id))
+
+    def lost(self, stream: str, entry_id: str) -> None:
+        with self._inflight_lock:
+            owner = next((rid for rid, where in self._inflight.items() if where == (stream, entry_id)), None)
+        if owner is not None:
+            log.warning("request %s was taken over by another worker; dropping it here", owner)
+            self._put(InboxItem("lost", owner))
+
+    def _hand_over(self, active: ActiveRequest) -> None:
+        with self._inflight_lock:
+            self._inflight[active.id] = (active.stream, active.entry_id)
+        with self._inbox_cond:
+            self._in_transit += 1
+        self._put(InboxItem("start", active.id, active))
+
+    def _put(self, item: InboxItem) -> None:
+        with self._inbox_cond:
+            self._inbox.append(item)
+            self._inbox_cond.notify()
+
+    # The engine loop -----------------------------------------------------------------
+    def run(self) -> int:
+        self._install_signal_handlers()
+        ensure_groups(self.redis, self.intake.keys, self.model, self.settings.priority_levels)
+        for thread in (self.publisher, self.heartbeat_thread, self.cancel_listener, self.recovery, self.intake):
+            thread.start()
+        log.info("worker %s serving %s", self.name, self.model)
+        try:
+            while True:
+                self._take_inbox(block=not self.engine.has_unfinished())
+                if self.draining.is_set() and (
+                    not self.engine.has_unfinished() or time.monotonic() >= self._drain_deadline
+                ):
+                    break
+                if self.engine.has_unfinished():
+                    self._step()
+        finally:
+            self._shut_down()
+        return 0
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Stop taking work; running requests get ``timeout`` (default drain_timeout_s) to finish."""
+        if self.draining.is_set():
+            self._drain_deadline = time.monotonic()  # a second signal: stop now
+        else:
+            wait = self.settings.drain_timeout_s if timeout is None else timeout
+            self._drain_deadline = time.monotonic() + wait
+            self.draining.set()
+        with self._inbox_cond:
+            self._inbox_cond.notify()
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda _signum, _frame: self.drain())
+
+    def _take_inbox(self, *, block: bool) -> None:
+        with self._inbox_cond:
+            if block and not self._inbox and not self.draining.is_set():
+                self._inbox_cond.wait(0.5)
+            items = list(self._inbox)
+            self._inbox.clear()
+        for item in items:
+            if item.kind == "start":
+                assert item.active is not None
+                self._start(item.active)
+                with self._inbox_cond:
+                    self._in_transit -= 1
+            elif item.kind == "cancel":
+                self._cancel(item.request_id)
+            else:
+                self._drop(item.request_id)
+                self.engine.abort(item.request_id)
+        if items:
+            self.capacity_changed.set()
+
+    def _start(self, active: ActiveRequest) -> None:
+        if self.draining.is_set():
+            self._hand_back(active)
+            return
+        if self._early_cancels.pop(active.id, None) is not None:
+            self._finish_error(active, "cancelled", "cancelled", "cancelled by client")
+            self.counters["cancelled"] += 1
+            return
+        if active.prior_finish is not None:  # the last token was sent; only the final write was lost
+            self._finish_done(active, active.prior_finish)
+            return
+        from worker.engine import SamplingParams
+
+        request = active.request
+        try:
+            self.engine.add_request(
+                request.id,
+                request.prompt_token_ids,
+                SamplingParams(**request.sampling.model_dump()),
+                priority=request.priority,
+                deadline=request.deadline,
+                tenant=request.tenant,
+                prior_output_token_ids=active.prior_token_ids,
+            )
+        except Exception as error:  # the engine refuses this request (too long, bad token ids, ...)
+            self._drop(active.id)
+            self.admission.dead_letter(request, active.stream, active.entry_id, f"engine rejected it: {error}")
+            return
+        self._active[active.id] = active
+
+    def _cancel(self, request_id: str) -> None:
+        active = self._active.get(request_id)
+        if active is None:
+            now = time.monotonic()
+            self._early_cancels = {k: t for k, t in self._early_cancels.items() if now - t < EARLY_CANCEL_TTL_S}
+            self._early_cancels[request_id] = now
+            return
+        self.engine.abort(request_id)
+        self.counters["cancelled"] += 1
+        self._finish_error(active, "cancelled", "cancelled", "cancelled by client")
+
+    def _step(self) -> None:
+        try:
+            events = self.engine.step()
+        except Exception:
+            # The batch's state is unknown: give every request back. Each retry counts as a
+            # delivery, so a request that keeps breaking the engine ends in the dead letters.
+            log.exception("engine step failed; handing %d requests back", len(self._active))
+            for active in list(self._active.values()):
+                self.engine.abort(active.id)
+                self._hand_back(active)
+            return
+        self.publisher.publish_tokens(
+            (event, self._active[event.request_id].attempt) for event in events if event.request_id in self._active
+        )
+        for event in events:
+            active = self._active.get(event.request_id)
+            if active is None:
+                continue
+            active.add(event.token_id, event.text)
+            if event.token_id >= 0:
+                self.counters["generated_tokens"] += 1
+            if event.finish_reason == "expired":
+                self.counters["expired"] += 1
+                self._finish_error(active, "expired", "expired", "deadline passed during generation")
+            elif event.finish_reason is not None:
+                self._finish_done(active, event.finish_reason)
+
+    def _finish_done(self, active: ActiveRequest, finish_reason: str) -> None:
+        self._drop(active.id)
+        self.counters["completed"] += 1
+        self.publisher.finish_done(active.stream, active.entry_id, active.result(finish_reason, self.name))
+
+    def _finish_error(self, active: ActiveRequest, status: str, error_type: str, message: str) -> None:
+        self._drop(active.id)
+        index = len(active.prior_token_ids) + len(active.token_ids)
+        self.publisher.finish_error(active.id, active.stream, active.entry_id, status, error_type, message, index)
+
+    def _drop(self, request_id: str) -> None:
+        self._active.pop(request_id, None)
+        with self._inflight_lock:
+            self._inflight.pop(request_id, None)
+        self.capacity_changed.set()
+
+    def _hand_back(self, active: ActiveRequest) -> None:
+        self._drop(active.id)
+        self.counters["handed_back"] += 1
+        try:
+            self.recovery.hand_back(active.stream, active.entry_id)
+        except TRANSIENT as error:  # it stays pending: XAUTOCLAIM takes it after reclaim_after_s anyway
+            log.warning("could not hand %s back (%s)", active.id, error)
+
+    def _shut_down(self) -> None:
+        self.draining.set()
+        self.intake.join(timeout=5)
+        self._take_inbox(block=False)  # starts that were on their way are handed back
+        for active in list(self._active.values()):
+            self.engine.abort(active.id)
+            self._hand_back(active)
+        if not self.publisher.flush(timeout=10):
+            log.warning("some writes did not reach Redis before exit")
+        self.stopping.set()
+        for thread in (self.recovery, self.cancel_listener, self.heartbeat_thread):
+            thread.join(timeout=5)
+        self.heartbeat_thread.remove()
+        self.publisher.stop(timeout=5)
+        self.redis.close()
+        log.info("worker %s stopped (%s)", self.name, self.counters)
