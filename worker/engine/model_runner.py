@@ -35,7 +35,8 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         num_layers, num_kv_heads, head_dim = kv_geometry(model)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.backend = attention.make_backend(attention_backend, self.device)
+        shape = self.backend.cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
         self.kv_caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -43,7 +44,6 @@ class ModelRunner:
             )
             for _ in range(num_layers)
         ]
-        self.backend = attention.make_backend(attention_backend, self.device)
         attention.register()
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
 
@@ -95,13 +95,14 @@ class ModelRunner:
             elif start == 0:
                 prefills.append(PrefillChunk(row, row + n, ctx, None, None))
             else:
-                ctx_slots = self._context_slots(table, ctx)
+                ctx_blocks = torch.tensor(table[: -(-ctx // bs)], dtype=torch.long, device=dev)
                 q_pos = torch.arange(start, ctx, device=dev).unsqueeze(1)
                 mask = torch.arange(ctx, device=dev).unsqueeze(0) <= q_pos
-                prefills.append(PrefillChunk(row, row + n, ctx, ctx_slots, mask))
+                prefills.append(PrefillChunk(row, row + n, ctx, ctx_blocks, mask))
         meta = AttentionMetadata(
             backend=self.backend,
             kv_caches=self.kv_caches,
+            block_size=bs,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decodes=num_decodes,
             prefills=prefills,
@@ -114,26 +115,17 @@ class ModelRunner:
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         return meta, input_ids, positions, last_rows
 
-    def _context_slots(self, table: list[int], ctx: int) -> torch.Tensor:
-        bs = self.block_size
-        blocks = torch.tensor(table[: -(-ctx // bs)], dtype=torch.long, device=self.device)
-        return (blocks.unsqueeze(1) * bs + torch.arange(bs, device=self.device)).flatten()[:ctx]
-
     def _decode_views(self, meta: AttentionMetadata, seqs: list[Sequence]) -> None:
         bs = self.block_size
         lens = [s.num_computed_tokens + 1 for s in seqs]
         max_blocks = -(-max(lens) // bs)
-        tables = torch.tensor(
-            [s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks])) for s in seqs],
-            dtype=torch.long,
-            device=self.device,
-        )
-        length = max_blocks * bs
-        meta.decode_slots = (tables.unsqueeze(2) * bs + torch.arange(bs, device=self.device)).view(len(seqs), length)
+        # Padding points at block 0: real memory, masked out by the bias.
+        tables = [s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks])) for s in seqs]
+        meta.decode_blocks = torch.tensor(tables, dtype=torch.long, device=self.device).view(-1)
         context = torch.tensor(lens, device=self.device).unsqueeze(1)
-        meta.decode_mask = (torch.arange(length, device=self.device).unsqueeze(0) < context).view(
-            len(seqs), 1, 1, length
-        )
+        padding = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) >= context
+        bias = torch.zeros(padding.shape, dtype=self.dtype, device=self.device).masked_fill_(padding, float("-inf"))
+        meta.decode_bias = bias.view(len(seqs), 1, 1, -1)
 
     def _flat_views(self, meta: AttentionMetadata, seqs: list[Sequence], num_new_tokens: list[int]) -> None:
         lens = [s.num_computed_tokens + n for s, n in zip(seqs, num_new_tokens, strict=True)]

@@ -22,6 +22,9 @@ class FlashAttentionBackend:
         self._varlen = flash_attn_varlen_func
         self._kvcache = flash_attn_with_kvcache
 
+    def cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, num_kv_heads, head_dim)  # what flash-attn's paged kernels read
+
     def forward(
         self,
         meta: AttentionMetadata,

@@ -17,18 +17,19 @@ class PrefillChunk:
     start: int  # first row of the chunk in the flattened batch
     end: int
     context_len: int  # tokens in the sequence after this chunk (cached + new)
-    slots: torch.Tensor | None  # [context_len] KV slots to read; None when the chunk is the whole context
+    blocks: torch.Tensor | None  # the sequence's blocks holding its context; None when the chunk is all of it
     mask: torch.Tensor | None  # [n, context_len] bool causal mask offset by the cached part
 
 
 @dataclass
 class AttentionMetadata:
     backend: AttentionBackend
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, Hkv, D] x 2
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, K and V, in the backend's cache_shape
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes (block * block_size + offset)
+    block_size: int
     num_decodes: int  # the first num_decodes rows are single-token entries
-    decode_slots: torch.Tensor | None = None  # [B, L] KV slots of each decode's context (padded)
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] True where a slot is real context
+    decode_blocks: torch.Tensor | None = None  # [B * max_blocks] each decode's block table, padded, flattened
+    decode_bias: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] 0 on real context, -inf on padding
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Flash-attn style views of the same batch (built only when a backend asks for them).
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
@@ -40,6 +41,8 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     needs_flat_views: bool  # wants block_tables / cu_seqlens rather than gathered slots
+
+    def cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]: ...
 
     def forward(
         self,

@@ -1,8 +1,11 @@
 """Paged attention in plain torch: runs on any device; the CPU path of the engine.
 
-Decodes are attended together in one batched SDPA over their gathered context (padded to
-the longest); each prefill chunk gets its own SDPA, and a chunk with no cached context
-attends to its fresh K/V directly without touching the cache.
+The cache is laid out [Hkv, blocks * block_size, D] so that the model's K/V for the step
+([1, Hkv, T, D]) is written with one index_copy_ and a sequence's context is gathered with
+one index_select over whole blocks (far cheaper than per-token fancy indexing). Decodes are
+attended together in one SDPA; grouped-query heads are folded into the query length (all of
+a decode's queries share one position), which avoids SDPA's slow GQA path. Each prefill chunk
+gets its own SDPA; a chunk with no cached context attends to its fresh K/V directly.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from worker.engine.attention.metadata import AttentionMetadata
 class TorchAttentionBackend:
     needs_flat_views = False
 
+    def cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (num_kv_heads, num_blocks * block_size, head_dim)
+
     def forward(
         self,
         meta: AttentionMetadata,
@@ -26,33 +32,34 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         k_cache, v_cache = meta.kv_caches[layer]
-        num_kv_heads, head_dim = k_cache.shape[-2:]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
-        v_new = value[0].transpose(0, 1)
-        k_flat.index_copy_(0, meta.slot_mapping, k_new)
-        v_flat.index_copy_(0, meta.slot_mapping, v_new)
+        num_kv_heads, _, head_dim = k_cache.shape
+        k_cache.index_copy_(1, meta.slot_mapping, key[0])
+        v_cache.index_copy_(1, meta.slot_mapping, value[0])
+        blocks_k = k_cache.view(num_kv_heads, -1, meta.block_size, head_dim)
+        blocks_v = v_cache.view(num_kv_heads, -1, meta.block_size, head_dim)
 
         q = query[0]  # [Hq, T, D]
-        out = q.new_empty(q.shape[1], q.shape[0], head_dim)
+        num_heads = q.shape[0]
+        group = num_heads // num_kv_heads
+        out = q.new_empty(q.shape[1], num_heads, head_dim)
         nd = meta.num_decodes
         if nd:
-            assert meta.decode_slots is not None
-            qd = q[:, :nd].transpose(0, 1).unsqueeze(2)  # [B, Hq, 1, D]
-            kd = k_flat[meta.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-            vd = v_flat[meta.decode_slots].transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-            out[:nd] = od.squeeze(2)
+            assert meta.decode_blocks is not None and meta.decode_bias is not None
+            qd = q[:, :nd].transpose(0, 1).reshape(nd, num_kv_heads, group, head_dim)
+            kd = blocks_k.index_select(1, meta.decode_blocks).view(num_kv_heads, nd, -1, head_dim).transpose(0, 1)
+            vd = blocks_v.index_select(1, meta.decode_blocks).view(num_kv_heads, nd, -1, head_dim).transpose(0, 1)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_bias, scale=scale)
+            out[:nd] = od.reshape(nd, num_heads, head_dim)
         for chunk in meta.prefills:
             qp = q[:, chunk.start : chunk.end].unsqueeze(0)  # [1, Hq, n, D]
-            if chunk.slots is None:
+            if chunk.blocks is None:
                 kp = key[:, :, chunk.start : chunk.end]
                 vp = value[:, :, chunk.start : chunk.end]
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                kp = k_flat[chunk.slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-                vp = v_flat[chunk.slots].transpose(0, 1).unsqueeze(0)
+                ctx = chunk.context_len
+                kp = blocks_k.index_select(1, chunk.blocks).view(1, num_kv_heads, -1, head_dim)[:, :, :ctx]
+                vp = blocks_v.index_select(1, chunk.blocks).view(1, num_kv_heads, -1, head_dim)[:, :, :ctx]
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
             out[chunk.start : chunk.end] = op[0].transpose(0, 1)
         return out
