@@ -227,5 +227,14 @@ def bench_transport(
     main(seconds=seconds, batch=batch, out_dir=out)
 
 
+@bench_app.command("engine", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_engine(ctx: typer.Context) -> None:
+    """Our engine vs transformers' continuous batching on the default model, same run (args: see --help of
+    python -m bench.engine, e.g. --dtypes float32,bfloat16)."""
+    from bench.engine import main
+
+    main(list(ctx.args))
+
+
 if __name__ == "__main__":
     app()
