@@ -7,6 +7,7 @@ the model queues like any other client and never touches a model."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import uuid
 from datetime import UTC, datetime
@@ -139,6 +140,10 @@ def run_batch_worker(
 ) -> int:
     from shared.client import redis_kwargs
 
+    # Every run is forked from this process: whatever the job module loads now, runs get for free.
+    job_module = importlib.import_module(JOB_FUNC.rsplit(".", 1)[0])
+    if hasattr(job_module, "warm_up"):
+        job_module.warm_up(settings)
     store = BatchStore(settings, redis.Redis.from_url(settings.redis_url, **redis_kwargs()))
     worker = BatchWorker(
         settings,

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import redis
 
 from shared.batch_store import MAX_BATCH_LINES, BatchErrorItem, BatchObject, BatchStatus, BatchStore
 from shared.client import QueueClient
@@ -168,15 +171,23 @@ class BatchRunner:
         self.lease_ttl_s = lease_ttl_s
         self.poll_s = poll_s
         self.token = uuid.uuid4().hex
+        self.lease_lost = False
 
     # Entry -----------------------------------------------------------------------------
     def run(self) -> BatchStatus:
         if not self._take_lease():
             log.info("batch %s is being run by another live job; leaving it", self.batch_id)
             return self.store.status(self.batch_id)
+        # Renewed from a thread: a slow step (loading a tokenizer on a busy machine) must not let
+        # the lease lapse and invite a second run.
+        stop = threading.Event()
+        keeper = threading.Thread(target=self._renew_until, args=(stop,), name="batch-lease", daemon=True)
+        keeper.start()
         try:
             return self._run_leased()
         finally:
+            stop.set()
+            keeper.join()
             self.store.release_lease(self.batch_id, self.token)
 
     def _take_lease(self) -> bool:
@@ -188,8 +199,17 @@ class BatchRunner:
             time.sleep(self.poll_s)
         return True
 
+    def _renew_until(self, stop: threading.Event) -> None:
+        while not stop.wait(self.lease_ttl_s / 4):
+            try:
+                if not self.store.renew_lease(self.batch_id, self.token, self.lease_ttl_s):
+                    self.lease_lost = True
+                    return
+            except redis.RedisError:
+                log.warning("batch %s: lease renewal failed; retrying", self.batch_id, exc_info=True)
+
     def _keep_lease(self) -> None:
-        if not self.store.renew_lease(self.batch_id, self.token, self.lease_ttl_s):
+        if self.lease_lost:
             raise RuntimeError(f"lost the lease of batch {self.batch_id}; another run owns it now")
 
     def _run_leased(self) -> BatchStatus:

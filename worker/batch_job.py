@@ -25,6 +25,22 @@ from shared.settings import Settings, get_settings
 
 log = logging.getLogger("inflightq.batch")
 
+# Tokenizers by model, shared by every run in this process. The batch worker fills it before
+# it forks a run (``warm_up``), so a run starts without loading transformers again.
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def warm_up(settings: Settings) -> None:
+    """Import what a run needs and load the served models' tokenizers, once, before RQ forks."""
+    import producer_api.models_openai
+    import producer_api.tokenization  # noqa: F401
+
+    for model in settings.served_models:
+        try:
+            _TOKENIZERS.setdefault(model, load_tokenizer(model))
+        except Exception:  # a model that cannot load here fails its lines later, with a message
+            log.warning("no tokenizer for %s yet; lines naming it will load it or fail", model, exc_info=True)
+
 
 def run_batch(batch_id: str, key_prefix: str) -> str:
     """Run (or resume) a batch until it is completed, cancelled, expired or failed."""
@@ -50,7 +66,7 @@ class ApiLineHandler:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._loaded: dict[str, Any] = {}
+        self._loaded = _TOKENIZERS
 
     def _tokenizers(self, model: str) -> Any:
         from producer_api.tokenization import Tokenizers

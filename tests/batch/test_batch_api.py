@@ -113,8 +113,8 @@ def test_cancel_stops_the_batch_and_its_queued_requests(
     oai: openai.OpenAI, stack_settings: Settings, store: BatchStore, queue_worker: Proc, batch_worker: Proc
 ) -> None:
     model = stack_settings.model
-    n = 40
-    lines = [chat_line(f"c-{i}", model, f"Count to {i}", max_tokens=48, ignore_eos=True) for i in range(n)]
+    n = 24
+    lines = [chat_line(f"c-{i}", model, f"Count to {i}", max_tokens=32, ignore_eos=True) for i in range(n)]
     uploaded = oai.files.create(file=("many.jsonl", "\n".join(lines).encode()), purpose="batch")
     batch = oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
     wait_for(store, batch.id, lambda b: b.request_counts.completed >= 1)
@@ -151,7 +151,12 @@ def test_cli_submits_a_completions_batch_and_waits(
 ) -> None:
     source = tmp_path / "prompts.jsonl"
     rows = [
-        {"custom_id": f"p-{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": f"Hi {i}"}}
+        {
+            "custom_id": f"p-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": f"Hi {i}", "max_tokens": 4},
+        }
         for i in range(3)
     ]
     source.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
@@ -173,3 +178,35 @@ def test_cli_submits_a_completions_batch_and_waits(
     )  # fmt: skip
     shown = json.loads(status.stdout)
     assert shown["status"] == "completed" and shown["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+
+
+def test_interactive_requests_keep_priority_over_a_running_batch(
+    stack_settings: Settings, store: BatchStore, queue_worker: Proc, batch_worker: Proc
+) -> None:
+    from shared.batch_queue import create_batch
+    from shared.schemas import SamplingSpec, TokenEvent
+
+    model, n = stack_settings.model, 32
+    lines = [chat_line(f"bulk-{i}", model, f"Item {i}", max_tokens=24, ignore_eos=True) for i in range(n)]
+    uploaded = store.files.put("\n".join(lines).encode(), filename="bulk.jsonl", purpose="batch")
+    began = time.monotonic()
+    batch = create_batch(stack_settings, store, input_file_id=uploaded.id, endpoint="/v1/chat/completions")
+    # The worker's slots (max_num_seqs=4) are full of batch work and the rest of the batch waits in the queue.
+    wait_for(store, batch.id, lambda b: b.request_counts.completed >= 2)
+
+    client = QueueClient(stack_settings)
+    try:
+        sent = time.monotonic()
+        request_id = client.submit(model, [1, 2, 3, 4, 5], SamplingSpec(max_new_tokens=4, ignore_eos=True))
+        first = next(ev for ev in client.stream(request_id, timeout=60) if isinstance(ev, TokenEvent))
+        ttft = time.monotonic() - sent
+        batch_done_at_first_token = store.get(batch.id).request_counts.completed
+        assert first.index == 0
+    finally:
+        client.close()
+    wait_for(store, batch.id, lambda b: b.status == "completed", timeout=180)
+    batch_span = time.monotonic() - began
+
+    # Served ahead of the batch's queued lines, not after them.
+    assert batch_done_at_first_token <= n // 2, (batch_done_at_first_token, n)
+    assert ttft < batch_span / 3, (ttft, batch_span)
