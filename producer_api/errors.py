@@ -64,6 +64,9 @@ def normalize(exc: BaseException) -> InflightqError:
             return NotFoundError("no such route")
         if exc.status_code == 413:
             return PayloadTooLargeError(str(exc.detail))
+        if exc.status_code == 400:
+            # FastAPI's "error parsing the body" (e.g. JSON nested too deep): a malformed request.
+            return ValidationError(f"malformed body: {exc.detail}", field="body")
         error = ValidationError(str(exc.detail))
         error.http_status = exc.status_code
         return error

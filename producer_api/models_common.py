@@ -8,6 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field
 class RequestOptions(BaseModel):
     """Mixed into every generation request body."""
 
+    # JSON's Infinity/NaN would pass range checks (or reach the worker as null): refuse them.
+    model_config = ConfigDict(allow_inf_nan=False)
+
     priority: int | None = Field(
         None, ge=0, description="0 is the most urgent; at most priority_levels - 1. Clamped to the API key's ceiling."
     )
@@ -19,7 +22,7 @@ class RequestOptions(BaseModel):
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ErrorBody(BaseModel):

@@ -27,7 +27,8 @@ from shared.schemas import RequestInfo
 router = APIRouter(prefix="/v1/jobs", tags=["Jobs"])
 
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorBody, "description": "no such job"}}
-JobId = Path(min_length=1, max_length=128, description="The id POST /v1/jobs returned.")
+JobId = Path(description="The id POST /v1/jobs returned.")
+_MAX_ID_LENGTH = 128  # QueuedRequest's limit: a longer id cannot exist
 
 
 async def prompt_ids(st: AppState, model: str, body: JobRequest) -> tuple[list[int], str]:
@@ -58,6 +59,9 @@ async def create_job(request: Request, body: JobRequest, key: ApiKey | None = De
     check_stops(settings, body.stop)
     priority = resolve_priority(settings, body.priority, key)
     deadline = resolve_deadline(body)
+    vocab = len(st.tokenizers.get(model))
+    if any(not 0 <= t < vocab for t in body.stop_token_ids):
+        raise ValidationError(f"stop_token_ids must be token ids (0..{vocab - 1})", field="stop_token_ids")
     ids, field = await prompt_ids(st, model, body)
     ids, max_new_tokens = enforce_limits(
         settings, ids, body.max_new_tokens, prompt_field=field, max_new_tokens_field="max_new_tokens"
@@ -126,7 +130,7 @@ def job_of(info: RequestInfo) -> Job:
 
 
 async def find(st: AppState, job_id: str) -> RequestInfo:
-    info = await st.dispatcher.client.status(job_id)
+    info = await st.dispatcher.client.status(job_id) if len(job_id) <= _MAX_ID_LENGTH else None
     if info is None:
         raise NotFoundError(f"no job {job_id!r} (unknown, or its result expired)", field="id")
     return info
@@ -182,6 +186,8 @@ async def stream_job(
 async def cancel_job(request: Request, job_id: str = JobId, key: ApiKey | None = Depends(authenticate)) -> JobCancelled:
     st = state_of(request)
     try:
+        if len(job_id) > _MAX_ID_LENGTH:
+            raise NotFoundError(job_id)
         cancelled = await st.dispatcher.client.cancel(job_id)
     except NotFoundError:
         raise NotFoundError(f"no job {job_id!r} (unknown, or its result expired)", field="id") from None

@@ -37,6 +37,9 @@ def http(api: ApiServer) -> Iterator[httpx.Client]:
         yield client
 
 
+JSON = {"content-type": "application/json"}
+
+
 def tgi_error(response: httpx.Response, status: int = 422) -> dict:
     assert response.status_code == status, response.text
     body = response.json()
@@ -203,6 +206,10 @@ def test_jobs_validate_sampling_fields(http: httpx.Client) -> None:
     assert tgi_error(http.post("/v1/jobs", json={"prompt": "a", "top_p": 0}))["field"] == "top_p"
     assert tgi_error(http.post("/v1/jobs", json={"prompt": "a", "model": "nope"}))["field"] == "model"
     assert tgi_error(http.post("/v1/jobs", json={"prompt": "a", "max_new_tokens": 1000}))["field"] == "max_new_tokens"
+    assert tgi_error(http.post("/v1/jobs", json={"prompt": "a", "stop_token_ids": [-5]}))["field"] == "stop_token_ids"
+    assert tgi_error(http.post("/v1/jobs", json={"prompt": [10**9]}))["field"] == "prompt"
+    infinite = http.post("/v1/jobs", content=b'{"prompt": "a", "timeout": 1e400}', headers=JSON)
+    assert tgi_error(infinite)["field"] == "timeout"
 
 
 def test_body_over_the_limit_by_content_length_is_413(http: httpx.Client) -> None:
@@ -223,6 +230,7 @@ def test_body_over_the_limit_without_content_length_is_413(http: httpx.Client) -
 
 
 def test_unknown_job_is_404_json(http: httpx.Client) -> None:
+    assert tgi_error(http.get("/v1/jobs/" + "x" * 500), status=404)["error_type"] == "not_found"
     assert tgi_error(http.get("/v1/jobs/does-not-exist"), status=404)["error_type"] == "not_found"
     assert tgi_error(http.delete("/v1/jobs/does-not-exist"), status=404)["error_type"] == "not_found"
     assert tgi_error(http.get("/v1/jobs/does-not-exist/stream"), status=404)["error_type"] == "not_found"
@@ -246,6 +254,10 @@ def test_unknown_route_is_404_json(http: httpx.Client) -> None:
         b"\xff\xfe\x00garbage",
         b'{"inputs": "hi", "parameters": {"max_new_tokens": 1e309}}',
         b'{"inputs": "hi", "parameters": {"seed": 99999999999999999999999}}',
+        b'{"inputs": "hi", "parameters": {"repetition_penalty": Infinity}}',
+        b'{"inputs": "hi", "parameters": {"temperature": NaN}}',
+        b'{"inputs": "hi", "timeout": 1e400, "prompt": "x", "model": "m", "messages": []}',
+        b"[" * 3000 + b"]" * 3000,
     ],
 )
 def test_hostile_bodies_never_5xx(http: httpx.Client, payload: bytes) -> None:
