@@ -217,6 +217,28 @@ def test_filtering_the_candidates_equals_filtering_the_whole_vocabulary() -> Non
     assert exact_seen > 8 and inexact_seen > 2  # both verdicts were exercised
 
 
+@pytest.mark.parametrize(
+    ("params", "peaked_exact", "flat_exact"),
+    [
+        (SamplingParams(temperature=1.0, top_k=10), True, True),
+        (SamplingParams(temperature=1.0, top_k=40), False, False),  # more than the 32 candidates
+        (SamplingParams(temperature=1.0, top_p=0.9), True, False),
+        (SamplingParams(temperature=1.0, min_p=0.2), True, False),
+        (SamplingParams(temperature=1.0, typical_p=0.9), True, False),
+    ],
+)
+def test_the_candidates_settle_a_row_only_when_nothing_outside_them_survives(
+    params: SamplingParams, peaked_exact: bool, flat_exact: bool
+) -> None:
+    flat = -torch.arange(500.0)[None] * 1e-3  # distinct values: no ties with the outside
+    peaked = flat - 10.0
+    peaked[0, :5] = torch.tensor([5.0, 4.0, 3.5, 3.0, 2.0])
+    assert filter_candidates(peaked, [params], 32).exact == [peaked_exact]
+    assert filter_candidates(flat, [params], 32).exact == [flat_exact]
+    if params.top_k == 10:
+        assert torch.isfinite(filter_candidates(flat, [params], 32).logits).sum() == 10
+
+
 def test_sampling_follows_the_processed_distribution(num_candidates: int) -> None:
     logits = torch.tensor([1.0, 0.8, 0.6, 0.4, 0.2, 0.0, -3.0, -4.0])
     params = SamplingParams(temperature=0.7, top_k=6, top_p=0.9)
