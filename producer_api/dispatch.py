@@ -28,6 +28,8 @@ _LIVE_CACHE_S = 1.0
 # Beyond a request's own deadline, how long we wait for the worker's "expired" event.
 _DEADLINE_GRACE_S = 5.0
 _CANCEL_TIMEOUT_S = 2.0
+# How often a silent stream checks that a worker is still alive to make progress on it.
+_WATCH_S = 2.0
 
 
 @dataclass
@@ -139,7 +141,7 @@ class Dispatcher:
         stream = self.client.stream(request_id, from_index=from_index, timeout=timeout)
         try:
             try:
-                async for event in stream:
+                async for event in self._watched(stream, model):
                     if isinstance(event, TokenEvent):
                         now = time.perf_counter()
                         if last_token_at is None:
@@ -165,6 +167,40 @@ class Dispatcher:
             if not finished and cancel_if_unfinished:
                 metrics.CANCELLED_ON_DISCONNECT.inc()
                 await self.cancel_quietly(request_id)
+
+    async def _watched(self, stream: AsyncIterator[AnyEvent], model: str) -> AsyncIterator[AnyEvent]:
+        """``stream``'s events, but while it is silent, check that some worker still serves the model:
+        if every worker is gone for no_worker_wait_s, raise 503 instead of waiting forever. (A dead
+        worker's request is taken over by a live one, so a live worker means progress will come.)"""
+        check_every = max(0.5, min(_WATCH_S, self.settings.no_worker_wait_s))
+        iterator = aiter(stream)
+        pending: asyncio.Future[AnyEvent] | None = None
+        try:
+            while True:
+                pending = asyncio.ensure_future(anext(iterator))
+                workerless_since: float | None = None
+                while not pending.done():
+                    await asyncio.wait({pending}, timeout=check_every)
+                    if pending.done():
+                        break
+                    if await self.live_workers(model):
+                        workerless_since = None
+                        continue
+                    now = time.monotonic()
+                    workerless_since = workerless_since or now
+                    if now - workerless_since >= self.settings.no_worker_wait_s:
+                        raise UnavailableError(f"no live worker serves model {model!r} any more")
+                try:
+                    event = pending.result()
+                except StopAsyncIteration:
+                    return
+                pending = None
+                yield event
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
 
     async def collect(self, request_id: str, **kwargs: Any) -> Generation:
         """Follows a request to its end; raises its error if it failed."""

@@ -84,8 +84,9 @@ def start_api(tiny_tokenizer: Any) -> Iterator[Callable[[Settings], ApiServer]]:
         server.stop()
 
 
-def fake_heartbeat(redis_url: str, settings: Settings, name: str = "fake-worker") -> None:
-    """A live worker that never consumes: admission passes, the queue only grows (429 tests)."""
+def fake_heartbeat(redis_url: str, settings: Settings, name: str = "fake-worker", *, fresh_for_s: float = 600) -> None:
+    """A live worker that never consumes: admission passes, the queue only grows (429 tests).
+    It looks alive for about ``fresh_for_s`` beyond heartbeat_ttl_s, then as dead as a crashed worker."""
     keys = Keys.for_prefix(settings.key_prefix)
     now = time.time()
     beat = WorkerHeartbeat(
@@ -102,7 +103,7 @@ def fake_heartbeat(redis_url: str, settings: Settings, name: str = "fake-worker"
     )
     r = redis.Redis.from_url(redis_url)
     r.set(keys.worker(name), beat.model_dump_json(), ex=600)
-    r.zadd(keys.workers(), {name: now + 600})  # scored in the future: stays "fresh" for the test
+    r.zadd(keys.workers(), {name: now + fresh_for_s})  # scored in the future: stays "fresh" that long
     r.close()
 
 

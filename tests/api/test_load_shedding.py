@@ -78,6 +78,20 @@ def test_no_live_worker_is_503_after_the_wait(
         assert http.get("/v1/models").json() == {"object": "list", "data": []}
 
 
+def test_a_request_whose_workers_all_die_gets_503_not_a_hang(
+    make_settings: Callable[..., Settings], start_api: Callable[[Settings], ApiServer], redis_url: str
+) -> None:
+    settings = make_settings(heartbeat_ttl_s=1, no_worker_wait_s=0.5)
+    fake_heartbeat(redis_url, settings, fresh_for_s=0)  # alive at admission, dead a second later
+    api = start_api(settings)
+    with api.client() as http:
+        started = time.monotonic()
+        response = http.post("/generate", json={"inputs": "hi"})
+        assert response.status_code == 503, response.text
+        assert "any more" in response.json()["error"]
+        assert time.monotonic() - started < 10
+
+
 def test_jobs_are_accepted_without_a_worker(
     make_settings: Callable[..., Settings], start_api: Callable[[Settings], ApiServer]
 ) -> None:
