@@ -82,6 +82,27 @@ def test_the_fallback_decoder_is_used_without_a_rust_backend(tokenizer: Any) -> 
     assert isinstance(detok._decoder, _PrefixOffsetDecoder)
 
 
+def sentencepiece_style() -> Any:
+    """A tiny tokenizer whose decoder strips the first leading space, as Llama-2's does."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "\u2581Hello": 1, "\u2581world": 2, "!": 3, "<0xF0>": 4, "<0x9F>": 5, "<0x98>": 6, "<0x80>": 7}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return tok
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_the_prompt_gives_the_first_output_token_its_leading_space(slow: bool) -> None:
+    tok = sentencepiece_style()
+    assert tok.decode([2]) == "world"  # decoded alone, the space is stripped
+    detok = IncrementalDetokenizer(SlowTokenizer(tok) if slow else tok, [1])
+    deltas, _ = stream(detok, [2, 3, 4, 5, 6, 7, 2, 4, 5])
+    assert deltas == [" world", "!", "", "", "", "\U0001f600", " world", "", "", "\ufffd\ufffd"]
+
+
 def test_an_output_ending_inside_a_character_is_flushed_like_a_full_decode(tokenizer: Any) -> None:
     ids = encode(tokenizer, "ok 🌞")
     truncated = ids[:-1]
