@@ -108,13 +108,16 @@ def fake_heartbeat(redis_url: str, settings: Settings, name: str = "fake-worker"
 
 
 class WorkerProcess:
-    def __init__(self, model_dir: Path, redis_url: str, prefix: str, log: Path) -> None:
+    def __init__(
+        self, model_dir: Path, redis_url: str, prefix: str, log: Path, extra_env: dict[str, str] | None = None
+    ) -> None:
         env = {
             **os.environ,
             "INFLIGHTQ_REDIS_URL": redis_url,
             "INFLIGHTQ_KEY_PREFIX": prefix,
             "INFLIGHTQ_MODEL": str(model_dir),
             "INFLIGHTQ_HEARTBEAT_TTL_S": "3",
+            **(extra_env or {}),
         }
         self.log = log
         self._log_file = log.open("wb")
@@ -125,6 +128,11 @@ class WorkerProcess:
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
         )
+
+    def crash(self) -> None:
+        """SIGKILL: no drain, no goodbye; its request stays pending in Redis for another to take."""
+        self.proc.kill()
+        self.proc.wait(timeout=10)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -140,6 +148,17 @@ class WorkerProcess:
 @pytest.fixture(scope="module")
 def module_prefix(run_prefix: str) -> str:
     return f"{run_prefix}-m{uuid.uuid4().hex[:6]}"
+
+
+def wait_for_workers(http: httpx.Client, model: str, count: int, workers: list[WorkerProcess]) -> None:
+    deadline = time.monotonic() + 120
+    while http.get("/health").json()["workers"].get(model, 0) < count:
+        for worker in workers:
+            if worker.proc.poll() is not None:
+                raise RuntimeError(f"worker exited: {worker.log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no worker heartbeat: {workers[-1].log.read_text()[-3000:]}")
+        time.sleep(0.25)
 
 
 @pytest.fixture(scope="module")
@@ -165,16 +184,7 @@ def live_api(
     try:
         server = start_api(settings)
         with server.client() as http:
-            deadline = time.monotonic() + 120
-            while True:
-                if worker.proc.poll() is not None:
-                    raise RuntimeError(f"worker exited: {log.read_text()[-3000:]}")
-                workers = http.get("/health").json()["workers"]
-                if workers.get(settings.model):
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"no worker heartbeat: {log.read_text()[-3000:]}")
-                time.sleep(0.25)
+            wait_for_workers(http, settings.model, 1, [worker])
         yield server
     finally:
         worker.stop()
