@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from producer_api.models_common import RequestOptions, StrictModel
 from producer_api.models_openai import ChatMessage
@@ -14,6 +14,16 @@ from shared.lifecycle import RequestStatus
 
 
 class JobRequest(RequestOptions, StrictModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        allow_inf_nan=False,
+        json_schema_extra={
+            "examples": [
+                {"prompt": "Write a haiku about queues.", "max_new_tokens": 64, "temperature": 0.7, "priority": 2}
+            ]
+        },
+    )
+
     model: str | None = Field(None, description="A served model; the default model when omitted.")
     prompt: str | list[int] | None = Field(None, description="Text, or token ids.", examples=["Once upon a time"])
     messages: list[ChatMessage] | None = Field(None, description="Chat messages (the model's chat template).")

@@ -50,6 +50,12 @@ class SamplingFields(RequestOptions):
 
 
 class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [{"model": "smollm2-135m-instruct", "prompt": "Once upon a time", "max_tokens": 32}]
+        }
+    )
+
     prompt: str | list[str] | list[int] | list[list[int]] = Field(examples=["Once upon a time"])
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
@@ -80,6 +86,20 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "smollm2-135m-instruct",
+                    "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                    "max_completion_tokens": 32,
+                    "stream": False,
+                    "priority": 1,
+                }
+            ]
+        }
+    )
+
     messages: list[ChatMessage] = Field(min_length=1, examples=[[{"role": "user", "content": "Say hello."}]])
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from producer_api.models_common import RequestOptions, StrictModel
 
@@ -44,6 +44,17 @@ class GenerateParameters(RequestOptions, StrictModel):
 
 
 class GenerateRequest(StrictModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "inputs": "What is Deep Learning?",
+                    "parameters": {"max_new_tokens": 32, "details": True, "priority": 0, "timeout": 30},
+                }
+            ]
+        }
+    )
+
     inputs: str = Field(min_length=1, examples=["What is Deep Learning?"])
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
     stream: bool = Field(False, description="Only read by POST /: true streams like /generate_stream.")

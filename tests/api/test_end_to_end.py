@@ -338,3 +338,14 @@ def test_metrics_count_tokens_and_latencies(http: httpx.Client) -> None:
     assert 'inflightq_api_requests_total{error_type="",route="/generate",status="200"}' in text
     assert 'inflightq_api_time_to_first_token_seconds_count{route="/generate"}' in text
     assert "inflightq_api_generated_tokens_total" in text
+
+
+def test_a_request_past_its_timeout_is_504_expired(http: httpx.Client, oai: openai.OpenAI, api: ApiServer) -> None:
+    response = http.post("/generate", json={"inputs": "Go", "parameters": {**LONG, "timeout": 0.5}})
+    assert response.status_code == 504, response.text
+    assert response.json()["error_type"] == "expired"
+    with pytest.raises(openai.APIStatusError) as info:
+        oai.completions.create(
+            model=api.settings.model, prompt="Go", max_tokens=1500, extra_body={"ignore_eos": True, "timeout": 0.5}
+        )
+    assert info.value.status_code == 504
