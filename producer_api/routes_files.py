@@ -8,14 +8,17 @@ from __future__ import annotations
 from email.message import Message
 from email.parser import BytesParser
 from email.policy import HTTP
+from typing import Literal
 
 import redis
 from anyio import to_thread
 from fastapi import APIRouter, Depends, Request, Response
+from pydantic import BaseModel
 
 from producer_api.auth import authenticate
 from producer_api.state import state_of
-from shared.batch_store import BatchStore, FileObject
+from shared.batch_files import FileObject
+from shared.batch_store import BatchStore
 from shared.errors import ValidationError
 
 router = APIRouter(tags=["Batch"], dependencies=[Depends(authenticate)])
@@ -70,3 +73,15 @@ def retrieve_file(file_id: str, store: BatchStore = Depends(batch_store)) -> Fil
 @router.get("/v1/files/{file_id}/content", summary="A file's bytes (input, output or error JSONL)")
 def file_content(file_id: str, store: BatchStore = Depends(batch_store)) -> Response:
     return Response(store.files.content(file_id), media_type="application/jsonl")
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+@router.delete("/v1/files/{file_id}", response_model=FileDeleted, summary="Delete a file")
+def delete_file(file_id: str, store: BatchStore = Depends(batch_store)) -> FileDeleted:
+    store.files.delete(file_id)
+    return FileDeleted(id=file_id)

@@ -11,35 +11,27 @@ A batch moves through OpenAI's statuses:
 Who moves it: ``BatchStore.create`` writes ``validating``; ``BatchStore.cancel`` (API or CLI)
 writes ``cancelling``; the RQ job (``worker/batch_job.py``) writes every other state.
 
-Files are small JSONL documents: they live in Redis with a TTL, or, when
-``settings.batch_file_dir`` is set and a file is large, as a file in that directory whose
-metadata (and expiry) stays in Redis. Every per-line fact is written once (HSETNX), so a job
+Files are in ``shared/batch_files.py``. Every per-line fact is written once (HSETNX), so a job
 that runs twice after a crash counts and writes each line once."""
 
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from enum import StrEnum
-from pathlib import Path
 from typing import Any, Literal
 
 import redis
 from pydantic import BaseModel, Field
 
-from shared.errors import NotFoundError, PayloadTooLargeError, ValidationError
+from shared.batch_files import FileStore, as_text, unix_now
+from shared.errors import NotFoundError, ValidationError
 from shared.keys import Keys
 from shared.settings import Settings
 
-# OpenAI's own limit on a batch input file.
-MAX_FILE_BYTES = 200 * 1024 * 1024
-# Without a file directory, Redis holds whole files; past this it would hurt Redis itself.
-MAX_REDIS_FILE_BYTES = 64 * 1024 * 1024
-# With a file directory, files larger than this go to disk instead of Redis.
-INLINE_FILE_BYTES = 1024 * 1024
 MAX_BATCH_LINES = 50_000
+
 
 SUPPORTED_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
@@ -70,20 +62,6 @@ _STATUS_TIMESTAMP = {
     BatchStatus.CANCELLED: "cancelled_at",
     BatchStatus.EXPIRED: "expired_at",
 }
-
-
-class FileObject(BaseModel):
-    """OpenAI's ``File`` object."""
-
-    id: str
-    object: Literal["file"] = "file"
-    bytes: int
-    created_at: int
-    filename: str
-    purpose: Literal["batch", "batch_output"]
-    status: Literal["uploaded", "processed", "error"] = "processed"
-    expires_at: int | None = None
-    status_details: str | None = None
 
 
 class RequestCounts(BaseModel):
@@ -163,95 +141,6 @@ return 0
 """
 
 
-def _now() -> int:
-    return int(time.time())
-
-
-class FileStore:
-    def __init__(self, settings: Settings, client: redis.Redis) -> None:
-        self.settings = settings
-        self.redis = client
-        self.keys = Keys.for_prefix(settings.key_prefix)
-        self.ttl_s = settings.result_ttl_s
-
-    def max_bytes(self) -> int:
-        return MAX_FILE_BYTES if self.settings.batch_file_dir else MAX_REDIS_FILE_BYTES
-
-    def put(self, content: bytes, *, filename: str, purpose: str, file_id: str | None = None) -> FileObject:
-        """Store a file; a given ``file_id`` overwrites, which keeps a job's re-run idempotent."""
-        if purpose not in ("batch", "batch_output"):
-            raise ValidationError(f"purpose must be 'batch', not {purpose!r}", field="purpose")
-        if len(content) > self.max_bytes():
-            raise PayloadTooLargeError(f"file is {len(content)} bytes; the limit is {self.max_bytes()}")
-        file_id = file_id or "file-" + uuid.uuid4().hex
-        created = _now()
-        meta: dict[str, Any] = {
-            "id": file_id,
-            "bytes": len(content),
-            "created_at": created,
-            "filename": filename,
-            "purpose": purpose,
-            "expires_at": created + self.ttl_s,
-        }
-        with self.redis.pipeline() as pipe:
-            if self.settings.batch_file_dir and len(content) > INLINE_FILE_BYTES:
-                meta["path"] = self._write_to_disk(file_id, content)
-                pipe.delete(self.keys.file_content(file_id))
-            else:
-                pipe.set(self.keys.file_content(file_id), content, ex=self.ttl_s)
-            pipe.delete(self.keys.file(file_id))
-            pipe.hset(self.keys.file(file_id), mapping={k: str(v) for k, v in meta.items()})
-            pipe.expire(self.keys.file(file_id), self.ttl_s)
-            pipe.execute()
-        return self._object(meta)
-
-    def _write_to_disk(self, file_id: str, content: bytes) -> str:
-        directory = Path(self.settings.batch_file_dir or ".")
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / file_id
-        # Write then rename: a reader never sees half a file, even if this process dies midway.
-        tmp = path.with_suffix(f".tmp-{uuid.uuid4().hex[:8]}")
-        tmp.write_bytes(content)
-        os.replace(tmp, path)
-        return str(path)
-
-    def _meta(self, file_id: str) -> dict[str, str]:
-        meta: dict[str, str] = self.redis.hgetall(self.keys.file(file_id))  # type: ignore[assignment]
-        if not meta:
-            raise NotFoundError(f"no file {file_id!r}")
-        return {_s(k): _s(v) for k, v in meta.items()}
-
-    @staticmethod
-    def _object(meta: dict[str, Any]) -> FileObject:
-        return FileObject(
-            id=str(meta["id"]),
-            bytes=int(meta["bytes"]),
-            created_at=int(meta["created_at"]),
-            filename=str(meta["filename"]),
-            purpose=meta["purpose"],
-            expires_at=int(meta["expires_at"]) if meta.get("expires_at") else None,
-        )
-
-    def get(self, file_id: str) -> FileObject:
-        return self._object(self._meta(file_id))
-
-    def content(self, file_id: str) -> bytes:
-        meta = self._meta(file_id)
-        if "path" in meta:
-            try:
-                return Path(meta["path"]).read_bytes()
-            except FileNotFoundError as exc:
-                raise NotFoundError(f"the content of file {file_id!r} is gone") from exc
-        data = self.redis.get(self.keys.file_content(file_id))
-        if data is None:
-            raise NotFoundError(f"the content of file {file_id!r} has expired")
-        return data if isinstance(data, bytes) else str(data).encode()
-
-
-def _s(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 class BatchStore:
     def __init__(self, settings: Settings, client: redis.Redis) -> None:
         self.settings = settings
@@ -284,7 +173,7 @@ class BatchStore:
             raise ValidationError(
                 f"file {input_file_id!r} was not uploaded with purpose 'batch'", field="input_file_id"
             )
-        created = _now()
+        created = unix_now()
         batch = BatchObject(
             id="batch_" + uuid.uuid4().hex,
             endpoint=endpoint,
@@ -327,7 +216,7 @@ class BatchStore:
         raw = self.redis.hgetall(self.keys.batch(batch_id))
         if not raw:
             raise NotFoundError(f"no batch {batch_id!r}")
-        f = {_s(k): _s(v) for k, v in raw.items()}  # type: ignore[union-attr]
+        f = {as_text(k): as_text(v) for k, v in raw.items()}  # type: ignore[union-attr]
 
         def opt_int(name: str) -> int | None:
             return int(f[name]) if f.get(name) else None
@@ -362,7 +251,7 @@ class BatchStore:
         value = self.redis.hget(self.keys.batch(batch_id), "status")
         if value is None:
             raise NotFoundError(f"no batch {batch_id!r}")
-        return BatchStatus(_s(value))
+        return BatchStatus(as_text(value))
 
     def list(self, *, limit: int = 20, after: str | None = None) -> BatchPage:
         """Newest first, as OpenAI pages; ``after`` is the last id of the previous page."""
@@ -373,7 +262,7 @@ class BatchStore:
             if rank is None:
                 raise NotFoundError(f"no batch {after!r}")
             start = int(rank) + 1  # type: ignore[arg-type]
-        ids = [_s(i) for i in self.redis.zrevrange(self.keys.batches(), start, start + limit)]  # type: ignore[union-attr]
+        ids = [as_text(i) for i in self.redis.zrevrange(self.keys.batches(), start, start + limit)]  # type: ignore[union-attr]
         batches: list[BatchObject] = []
         for batch_id in ids[:limit]:
             try:
@@ -394,9 +283,9 @@ class BatchStore:
         stamp = _STATUS_TIMESTAMP.get(to, "")
         previous = self._transition(
             keys=[self.keys.batch(batch_id)],
-            args=[to.value, stamp, *[s.value for s in allowed_from], str(_now())],
+            args=[to.value, stamp, *[s.value for s in allowed_from], str(unix_now())],
         )
-        return BatchStatus(_s(previous)) if previous else None
+        return BatchStatus(as_text(previous)) if previous else None
 
     def set_fields(self, batch_id: str, **fields: str | int) -> None:
         self.redis.hset(self.keys.batch(batch_id), mapping={k: str(v) for k, v in fields.items()})
@@ -429,15 +318,15 @@ class BatchStore:
         return bool(added)
 
     def recorded_lines(self, batch_id: str) -> set[int]:
-        return {int(_s(k)) for k in self.redis.hkeys(self.keys.batch_outcomes(batch_id))}  # type: ignore[union-attr]
+        return {int(as_text(k)) for k in self.redis.hkeys(self.keys.batch_outcomes(batch_id))}  # type: ignore[union-attr]
 
     def outcomes(self, batch_id: str) -> list[tuple[int, bool, dict[str, Any]]]:
         """Every recorded outcome in input-line order: (line number, ok, output or error line)."""
         raw = self.redis.hgetall(self.keys.batch_outcomes(batch_id))
         rows = []
         for k, v in raw.items():  # type: ignore[union-attr]
-            doc = json.loads(_s(v))
-            rows.append((int(_s(k)), bool(doc["ok"]), doc["line"]))
+            doc = json.loads(as_text(v))
+            rows.append((int(as_text(k)), bool(doc["ok"]), doc["line"]))
         return sorted(rows, key=lambda row: row[0])
 
     def claim_request_id(self, batch_id: str, custom_id: str) -> tuple[str, bool]:
@@ -447,14 +336,14 @@ class BatchStore:
         fresh = uuid.uuid4().hex
         key = self.keys.idempotency(batch_id, custom_id)
         created = self.redis.set(key, fresh, nx=True, ex=self._ttl())
-        request_id = fresh if created else _s(self.redis.get(key))
+        request_id = fresh if created else as_text(self.redis.get(key))
         self.redis.hset(self.keys.batch_requests(batch_id), custom_id, request_id)
         self.redis.expire(self.keys.batch_requests(batch_id), self._ttl())
         return request_id, bool(created)
 
     def request_ids(self, batch_id: str) -> dict[str, str]:
         raw = self.redis.hgetall(self.keys.batch_requests(batch_id))
-        return {_s(k): _s(v) for k, v in raw.items()}  # type: ignore[union-attr]
+        return {as_text(k): as_text(v) for k, v in raw.items()}  # type: ignore[union-attr]
 
     # The one run that owns the batch ---------------------------------------------------
     def acquire_lease(self, batch_id: str, token: str, ttl_s: float) -> bool:
@@ -469,7 +358,7 @@ class BatchStore:
         with self.redis.pipeline() as pipe:
             try:
                 pipe.watch(key)
-                if _s(pipe.get(key) or b"") != token:
+                if as_text(pipe.get(key) or b"") != token:
                     pipe.unwatch()
                     return False
                 pipe.multi()
@@ -481,7 +370,7 @@ class BatchStore:
 
     def release_lease(self, batch_id: str, token: str) -> None:
         key = self.keys.batch_lease(batch_id)
-        if _s(self.redis.get(key) or b"") == token:
+        if as_text(self.redis.get(key) or b"") == token:
             self.redis.delete(key)
 
     def lease_held(self, batch_id: str) -> bool:
@@ -491,8 +380,8 @@ class BatchStore:
         """Ids of batches not yet in a final status (what a restarted batch worker picks up)."""
         out = []
         for raw_id in self.redis.zrange(self.keys.batches(), 0, -1):  # type: ignore[union-attr]
-            batch_id = _s(raw_id)
+            batch_id = as_text(raw_id)
             status = self.redis.hget(self.keys.batch(batch_id), "status")
-            if status is not None and not BatchStatus(_s(status)).is_final:
+            if status is not None and not BatchStatus(as_text(status)).is_final:
                 out.append(batch_id)
         return out

@@ -107,6 +107,9 @@ def test_unknown_ids_and_bad_uploads_are_openai_errors(oai: openai.OpenAI) -> No
     uploaded = oai.files.create(file=("x.jsonl", b"{}"), purpose="batch")
     with pytest.raises(openai.UnprocessableEntityError):
         oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+    assert oai.files.delete(uploaded.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        oai.files.content(uploaded.id)
 
 
 def test_cancel_stops_the_batch_and_its_queued_requests(
@@ -186,8 +189,8 @@ def test_interactive_requests_keep_priority_over_a_running_batch(
     from shared.batch_queue import create_batch
     from shared.schemas import SamplingSpec, TokenEvent
 
-    model, n = stack_settings.model, 32
-    lines = [chat_line(f"bulk-{i}", model, f"Item {i}", max_tokens=24, ignore_eos=True) for i in range(n)]
+    model, n = stack_settings.model, 24
+    lines = [chat_line(f"bulk-{i}", model, f"Item {i}", max_tokens=16, ignore_eos=True) for i in range(n)]
     uploaded = store.files.put("\n".join(lines).encode(), filename="bulk.jsonl", purpose="batch")
     began = time.monotonic()
     batch = create_batch(stack_settings, store, input_file_id=uploaded.id, endpoint="/v1/chat/completions")

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.batch_runner import parse_lines
-from shared.batch_store import INLINE_FILE_BYTES, BatchStatus, BatchStore
+from shared.batch_files import INLINE_FILE_BYTES
+from shared.batch_lines import parse_lines
+from shared.batch_store import BatchStatus, BatchStore
 from shared.errors import NotFoundError, PayloadTooLargeError, ValidationError
 from shared.settings import Settings
 

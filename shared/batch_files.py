@@ -1,0 +1,135 @@
+"""Files of the Batch API: uploaded inputs and generated outputs, with OpenAI's ``File`` shape.
+
+A file lives in Redis with a TTL; when ``settings.batch_file_dir`` is set, a large one lives in
+that directory instead, while its metadata (and expiry) stays in Redis."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+import redis
+from pydantic import BaseModel
+
+from shared.errors import NotFoundError, PayloadTooLargeError, ValidationError
+from shared.keys import Keys
+from shared.settings import Settings
+
+# OpenAI's own limit on a batch input file.
+MAX_FILE_BYTES = 200 * 1024 * 1024
+# Without a file directory, Redis holds whole files; past this it would hurt Redis itself.
+MAX_REDIS_FILE_BYTES = 64 * 1024 * 1024
+# With a file directory, files larger than this go to disk instead of Redis.
+INLINE_FILE_BYTES = 1024 * 1024
+
+
+class FileObject(BaseModel):
+    """OpenAI's ``File`` object."""
+
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: Literal["batch", "batch_output"]
+    status: Literal["uploaded", "processed", "error"] = "processed"
+    expires_at: int | None = None
+    status_details: str | None = None
+
+
+def unix_now() -> int:
+    return int(time.time())
+
+
+class FileStore:
+    def __init__(self, settings: Settings, client: redis.Redis) -> None:
+        self.settings = settings
+        self.redis = client
+        self.keys = Keys.for_prefix(settings.key_prefix)
+        self.ttl_s = settings.result_ttl_s
+
+    def max_bytes(self) -> int:
+        return MAX_FILE_BYTES if self.settings.batch_file_dir else MAX_REDIS_FILE_BYTES
+
+    def put(self, content: bytes, *, filename: str, purpose: str, file_id: str | None = None) -> FileObject:
+        """Store a file; a given ``file_id`` overwrites, which keeps a job's re-run idempotent."""
+        if purpose not in ("batch", "batch_output"):
+            raise ValidationError(f"purpose must be 'batch', not {purpose!r}", field="purpose")
+        if len(content) > self.max_bytes():
+            raise PayloadTooLargeError(f"file is {len(content)} bytes; the limit is {self.max_bytes()}")
+        file_id = file_id or "file-" + uuid.uuid4().hex
+        created = unix_now()
+        meta: dict[str, Any] = {
+            "id": file_id,
+            "bytes": len(content),
+            "created_at": created,
+            "filename": filename,
+            "purpose": purpose,
+            "expires_at": created + self.ttl_s,
+        }
+        with self.redis.pipeline() as pipe:
+            if self.settings.batch_file_dir and len(content) > INLINE_FILE_BYTES:
+                meta["path"] = self._write_to_disk(file_id, content)
+                pipe.delete(self.keys.file_content(file_id))
+            else:
+                pipe.set(self.keys.file_content(file_id), content, ex=self.ttl_s)
+            pipe.delete(self.keys.file(file_id))
+            pipe.hset(self.keys.file(file_id), mapping={k: str(v) for k, v in meta.items()})
+            pipe.expire(self.keys.file(file_id), self.ttl_s)
+            pipe.execute()
+        return self._object(meta)
+
+    def _write_to_disk(self, file_id: str, content: bytes) -> str:
+        directory = Path(self.settings.batch_file_dir or ".")
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / file_id
+        # Write then rename: a reader never sees half a file, even if this process dies midway.
+        tmp = path.with_suffix(f".tmp-{uuid.uuid4().hex[:8]}")
+        tmp.write_bytes(content)
+        os.replace(tmp, path)
+        return str(path)
+
+    def _meta(self, file_id: str) -> dict[str, str]:
+        meta: dict[str, str] = self.redis.hgetall(self.keys.file(file_id))  # type: ignore[assignment]
+        if not meta:
+            raise NotFoundError(f"no file {file_id!r}")
+        return {as_text(k): as_text(v) for k, v in meta.items()}
+
+    @staticmethod
+    def _object(meta: dict[str, Any]) -> FileObject:
+        return FileObject(
+            id=str(meta["id"]),
+            bytes=int(meta["bytes"]),
+            created_at=int(meta["created_at"]),
+            filename=str(meta["filename"]),
+            purpose=meta["purpose"],
+            expires_at=int(meta["expires_at"]) if meta.get("expires_at") else None,
+        )
+
+    def get(self, file_id: str) -> FileObject:
+        return self._object(self._meta(file_id))
+
+    def content(self, file_id: str) -> bytes:
+        meta = self._meta(file_id)
+        if "path" in meta:
+            try:
+                return Path(meta["path"]).read_bytes()
+            except FileNotFoundError as exc:
+                raise NotFoundError(f"the content of file {file_id!r} is gone") from exc
+        data = self.redis.get(self.keys.file_content(file_id))
+        if data is None:
+            raise NotFoundError(f"the content of file {file_id!r} has expired")
+        return data if isinstance(data, bytes) else str(data).encode()
+
+    def delete(self, file_id: str) -> None:
+        meta = self._meta(file_id)
+        if "path" in meta:
+            Path(meta["path"]).unlink(missing_ok=True)
+        self.redis.delete(self.keys.file(file_id), self.keys.file_content(file_id))
+
+
+def as_text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
