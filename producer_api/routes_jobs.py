@@ -19,7 +19,7 @@ from producer_api.models_jobs import Job, JobCancelled, JobCreated, JobError, Jo
 from producer_api.models_tgi import StreamResponse
 from producer_api.state import AppState, arrival, state_of
 from producer_api.tokenization import enforce_limits
-from producer_api.validation import check_stops, resolve_deadline, resolve_priority, sampling_spec
+from producer_api.validation import check_stops, resolve_deadline, resolve_model, resolve_priority, sampling_spec
 from shared.errors import NotFoundError, ValidationError
 from shared.lifecycle import RequestStatus
 from shared.schemas import RequestInfo
@@ -54,7 +54,7 @@ async def prompt_ids(st: AppState, model: str, body: JobRequest) -> tuple[list[i
 async def create_job(request: Request, body: JobRequest, key: ApiKey | None = Depends(authenticate)) -> JSONResponse:
     st = state_of(request)
     settings = st.settings
-    model = body.model or settings.model
+    model = resolve_model(settings, body.model or settings.model)
     st.tokenizers.get(model)
     check_stops(settings, body.stop)
     priority = resolve_priority(settings, body.priority, key)

@@ -28,7 +28,14 @@ from producer_api.models_openai import (
 )
 from producer_api.state import AppState, arrival, state_of
 from producer_api.tokenization import enforce_limits
-from producer_api.validation import check_stops, derived, resolve_deadline, resolve_priority, sampling_spec
+from producer_api.validation import (
+    check_stops,
+    derived,
+    resolve_deadline,
+    resolve_model,
+    resolve_priority,
+    sampling_spec,
+)
 from shared.errors import ValidationError
 from shared.schemas import ErrorEvent, FinalResult, TokenEvent
 
@@ -165,6 +172,7 @@ async def completions(
     request: Request, body: CompletionRequest, key: ApiKey | None = Depends(authenticate)
 ) -> Response:
     st = state_of(request)
+    body.model = resolve_model(st.settings, body.model)
     st.tokenizers.get(body.model)  # unknown model -> 422 before any work
     reject_unsupported(suffix=body.suffix, logit_bias=body.logit_bias)
     if body.best_of is not None and body.best_of != body.n:
@@ -315,6 +323,7 @@ async def chat_completions(
     request: Request, body: ChatCompletionRequest, key: ApiKey | None = Depends(authenticate)
 ) -> Response:
     st = state_of(request)
+    body.model = resolve_model(st.settings, body.model)
     st.tokenizers.get(body.model)
     reject_unsupported(tools=body.tools, logit_bias=body.logit_bias)
     if body.response_format and body.response_format.get("type") not in (None, "text"):

@@ -15,6 +15,14 @@ from shared.schemas import SamplingSpec
 from shared.settings import Settings
 
 _SEED_LIMIT = 2**63
+# Placeholder model names TGI-style clients send when they talk to "the" model behind a URL:
+# huggingface_hub's InferenceClient(base_url=...).chat_completion sends "dummy", TGI's docs use "tgi".
+DEFAULT_MODEL_PLACEHOLDERS = frozenset({"tgi", "dummy"})
+
+
+def resolve_model(settings: Settings, name: str) -> str:
+    """A placeholder means the default model; any other name must be served (checked by the tokenizers)."""
+    return settings.model if name in DEFAULT_MODEL_PLACEHOLDERS else name
 
 
 def resolve_priority(settings: Settings, requested: int | None, key: ApiKey | None) -> int:

@@ -349,3 +349,13 @@ def test_a_request_past_its_timeout_is_504_expired(http: httpx.Client, oai: open
             model=api.settings.model, prompt="Go", max_tokens=1500, extra_body={"ignore_eos": True, "timeout": 0.5}
         )
     assert info.value.status_code == 504
+
+
+def test_inference_client_chat_completion(api: ApiServer) -> None:
+    # With a base_url, huggingface_hub sends the placeholder model name "dummy": it means the default model.
+    client = InferenceClient(base_url=api.url)
+    reply = client.chat_completion([{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.model == api.settings.model
+    chunks = list(client.chat_completion([{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
