@@ -173,3 +173,15 @@ def test_stats_count_steps_and_time(make_engine: Any) -> None:
     assert stats.steps == 6 and stats.generated_tokens == 6
     assert 0 < stats.forward_time_s <= stats.step_time_s
     assert stats.num_running == 1 and stats.batch_tokens == 1  # as scheduled in the last step
+
+
+def test_seeded_request_gives_the_same_tokens_alone_or_in_a_batch(make_engine: Any) -> None:
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = make_engine()
+    alone.add_request("x", prompt(60), params)
+    expected = [e.token_id for e in run_to_end(alone)["x"]]
+    crowded = make_engine()
+    for i in range(6):
+        crowded.add_request(f"other-{i}", prompt(61 + i), SamplingParams(max_new_tokens=8, temperature=1.0))
+    crowded.add_request("x", prompt(60), params)
+    assert [e.token_id for e in run_to_end(crowded)["x"]] == expected

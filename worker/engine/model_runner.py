@@ -35,7 +35,7 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         num_layers, num_kv_heads, head_dim = kv_geometry(model)
-        self.backend = attention.make_backend(attention_backend, self.device)
+        self.backend = attention.make_backend(attention_backend, self.device, block_size)
         shape = self.backend.cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
         self.kv_caches = [
             (

@@ -39,9 +39,13 @@ def register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
+def make_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
+    # flash-attn's paged kernels take blocks of a multiple of 256 tokens only.
+    flash_ok = device.type == "cuda" and block_size % 256 == 0
     if name == "auto":
-        name = "flash" if device.type == "cuda" and _has_flash_attn() else "torch"
+        name = "flash" if flash_ok and _has_flash_attn() else "torch"
+    if name == "flash" and not flash_ok:
+        raise ValueError("the flash backend needs a CUDA device and a block_size that is a multiple of 256")
     if name == "torch":
         from worker.engine.attention.torch_backend import TorchAttentionBackend
 
