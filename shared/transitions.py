@@ -13,6 +13,8 @@ workers race:
 - ``FINISH`` (worker): running/queued -> done | failed | cancelled | expired, stores the result
   or error, appends the terminal event to the replay log, publishes it, and XACKs + XDELs the
   stream entry, all at once: no reader ever sees a final status without its terminal event.
+- ``PUBLISH_TOKENS`` (worker): not a status change, but the hot path: a step's token events,
+  each appended to its replay log then published, in one call (see ``worker/publisher.py``).
 - ``REFRESH`` (worker): keeps a live worker's pending entries idle-free (XCLAIM JUSTID), only
   for entries it still owns, and reports the ones another worker took over.
 
@@ -117,4 +119,18 @@ for i = 3, #ARGV do
   end
 end
 return lost
+"""
+
+# KEYS: replay log and token channel of each event, in pairs.  ARGV: log maxlen, ttl, event JSONs.
+# One call per round trip: redis-py packs one command with many arguments far faster than many
+# commands, and the per-token work (log first, then publish) runs inside Redis.
+PUBLISH_TOKENS = """
+local maxlen, ttl = ARGV[1], ARGV[2]
+for i = 3, #ARGV do
+  local log = KEYS[2 * (i - 3) + 1]
+  redis.call('XADD', log, 'MAXLEN', '~', maxlen, '*', 'e', ARGV[i])
+  redis.call('EXPIRE', log, ttl)
+  redis.call('PUBLISH', KEYS[2 * (i - 3) + 2], ARGV[i])
+end
+return #ARGV - 2
 """

@@ -3,7 +3,8 @@
 The engine loop hands over a step's events and moves on; this thread turns whatever has piled
 up (usually one step, more when Redis is slow) into ONE pipelined round trip: per token an
 XADD to the request's replay log then a PUBLISH on its channel (log first, so a subscriber
-that reads the log after subscribing can miss nothing), and the final-status scripts. A
+that reads the log after subscribing can miss nothing), all tokens in one script call
+(``PUBLISH_TOKENS``), followed by the final-status scripts. A
 failed round trip (Redis restarting) is rebuilt and sent again: clients drop repeated
 indexes, so at-least-once is enough."""
 
@@ -23,13 +24,17 @@ from shared.keys import CONSUMER_GROUP, Keys
 from shared.queue_protocol import log_maxlen
 from shared.schemas import DeadLetter, DoneEvent, ErrorEvent, FinalResult
 from shared.settings import Settings
-from shared.transitions import FINISH, LOG_FIELD
+from shared.transitions import FINISH, PUBLISH_TOKENS
 from worker.reconnect import TRANSIENT, Backoff
 
 log = logging.getLogger("inflightq.worker")
 
 # A pending write: adds its commands to the pipeline of the next round trip.
 Write = Callable[[Any], None]
+
+# Token events per script call: a backlog after a Redis outage is sent in calls of this size, so
+# no single call blocks Redis for long.
+TOKENS_PER_CALL = 1024
 
 # The engine's finish reasons that end a request with an error instead of a result.
 ERROR_FINISHES = {"expired": ("expired", "deadline passed during generation")}
@@ -61,8 +66,12 @@ class Publisher(threading.Thread):
         self.redis = connection
         self.worker_name = worker_name
         self.maxlen = log_maxlen(settings)
-        self._finish = connection.register_script(FINISH)
+        # Called by EVALSHA in the pipeline; loaded up front and again after a NOSCRIPT (a Redis
+        # restart). redis-py's Script objects would add a SCRIPT EXISTS round trip to every send.
+        self._scripts = {FINISH: "", PUBLISH_TOKENS: ""}
         self._writes: deque[Write] = deque()
+        self._tokens: list[tuple[Any, int]] = []
+        self._token_batches = 0
         self._cond = threading.Condition()
         self._submitted = 0
         self._sent = 0
@@ -75,7 +84,13 @@ class Publisher(threading.Thread):
         """``(engine_event, attempt)`` pairs of one step; events without a token are skipped."""
         batch = [(e, a) for e, a in events if e.token_id >= 0]
         if batch:
-            self._put(lambda pipe: self._tokens(pipe, batch))
+            with self._cond:
+                # Kept apart from the other writes and sent first in the round trip: a request's
+                # final write always follows its tokens, whatever else is in between.
+                self._tokens += batch
+                self._submitted += 1
+                self._token_batches += 1
+                self._cond.notify()
 
     def finish_done(self, stream: str, entry_id: str, result: FinalResult) -> None:
         event = DoneEvent(request_id=result.request_id, result=result)
@@ -122,15 +137,18 @@ class Publisher(threading.Thread):
         backoff = Backoff(self._stopped)
         while True:
             with self._cond:
-                while not self._writes and not self._stopped.is_set():
+                while not self._writes and not self._tokens and not self._stopped.is_set():
                     self._cond.wait()
-                if not self._writes:
+                if not self._writes and not self._tokens:
                     return
                 writes = list(self._writes)
                 self._writes.clear()
+                tokens, self._tokens = self._tokens, []
+                handed = len(writes) + self._token_batches
+                self._token_batches = 0
             while True:
                 try:
-                    self._send(writes)
+                    self._send(tokens, writes)
                     backoff.succeeded()
                     break
                 except TRANSIENT as error:
@@ -138,38 +156,58 @@ class Publisher(threading.Thread):
                         return
                     backoff.failed("publish", error)
             with self._cond:
-                self._sent += len(writes)
+                self._sent += handed
                 self._cond.notify_all()
 
-    def _send(self, writes: list[Write]) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        for write in writes:
-            write(pipe)
-        for reply in pipe.execute(raise_on_error=False):
-            if isinstance(reply, redis.ResponseError):
-                # A rejected command (not a lost connection) is a bug to see, not to retry forever.
-                log.error("redis rejected a write: %s", reply)
-        self.round_trips += 1
+    def _send(self, tokens: list[tuple[Any, int]], writes: list[Write]) -> None:
+        calls = [self._token_chunk(tokens[i : i + TOKENS_PER_CALL]) for i in range(0, len(tokens), TOKENS_PER_CALL)]
+        calls += writes
+        if not all(self._scripts.values()):
+            self._load_scripts()
+        while calls:
+            pipe = self.redis.pipeline(transaction=False)
+            spans = []
+            for call in calls:
+                start = len(pipe.command_stack)
+                call(pipe)
+                spans.append((start, len(pipe.command_stack)))
+            replies = pipe.execute(raise_on_error=False)
+            self.round_trips += 1
+            again = []
+            for call, (start, end) in zip(calls, spans, strict=True):
+                errors = [r for r in replies[start:end] if isinstance(r, redis.ResponseError)]
+                if any("NOSCRIPT" in str(e) for e in errors):
+                    again.append(call)  # a script call that did not run at all: safe to send again
+                elif errors:
+                    # A rejected command (not a lost connection) is a bug to see, not to retry forever.
+                    log.error("redis rejected a write: %s", errors[0])
+            if again:
+                self._load_scripts()
+            calls = again
+        self.events_sent += len(tokens)
+
+    def _load_scripts(self) -> None:
+        for script in self._scripts:
+            self._scripts[script] = self.redis.script_load(script)
+
+    def _evalsha(self, pipe: Any, script: str, keys: list[str], args: list[Any]) -> None:
+        pipe.evalsha(self._scripts[script], len(keys), *keys, *args)
+
+    def _token_chunk(self, tokens: list[tuple[Any, int]]) -> Write:
+        keys: list[str] = []
+        docs: list[str] = []
+        for event, attempt in tokens:
+            rid = event.request_id
+            keys += (self.keys.replay_log(rid), self.keys.tokens_channel(rid))
+            docs.append(token_json(rid, event.index, event.token_id, event.text, event, attempt))
+        args = [self.maxlen, self.settings.result_ttl_s, *docs]
+        return lambda pipe: self._evalsha(pipe, PUBLISH_TOKENS, keys, args)
 
     def _put(self, write: Write) -> None:
         with self._cond:
             self._writes.append(write)
             self._submitted += 1
             self._cond.notify()
-
-    def _tokens(self, pipe: Any, batch: list[tuple[Any, int]]) -> None:
-        ttl = self.settings.result_ttl_s
-        logs: set[str] = set()
-        for event, attempt in batch:
-            rid = event.request_id
-            doc = token_json(rid, event.index, event.token_id, event.text, event, attempt)
-            log_key = self.keys.replay_log(rid)
-            pipe.xadd(log_key, {LOG_FIELD: doc}, maxlen=self.maxlen, approximate=True)
-            pipe.publish(self.keys.tokens_channel(rid), doc)
-            logs.add(log_key)
-        for log_key in logs:
-            pipe.expire(log_key, ttl)
-        self.events_sent += len(batch)
 
     def _final(
         self, request_id: str, stream: str, entry_id: str, status: str, event: str, field: str, payload: str
@@ -182,4 +220,4 @@ class Publisher(threading.Thread):
         ]
         args = [status, event, field, payload, repr(time.time()), self.settings.result_ttl_s]
         args += [CONSUMER_GROUP, entry_id, self.maxlen]
-        return lambda pipe: self._finish(keys=keys, args=args, client=pipe)
+        return lambda pipe: self._evalsha(pipe, FINISH, keys, args)
