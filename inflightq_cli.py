@@ -75,7 +75,9 @@ def batch_worker(
 @batch_app.command("submit")
 def batch_submit(
     file: str = typer.Argument(..., help="JSONL file: one OpenAI request per line (custom_id, method, url, body)."),
-    endpoint: str = typer.Option("/v1/chat/completions", help="/v1/chat/completions or /v1/completions."),
+    endpoint: str | None = typer.Option(
+        None, help="/v1/chat/completions or /v1/completions (default: the url of the file's first line)."
+    ),
     model: str | None = typer.Option(None, help="Run every line on this model, whatever the line names."),
     wait: bool = typer.Option(False, "--wait", help="Show progress and wait until the batch ends."),
     output: str | None = typer.Option(None, help="With --wait: write the output file here."),
@@ -83,11 +85,14 @@ def batch_submit(
     """Upload FILE and create a batch; prints its id (and, with --wait, its output file id)."""
     from pathlib import Path
 
+    from shared.batch_lines import endpoint_of
     from shared.batch_queue import create_batch
 
     store = _batch_store()
     path = Path(file)
-    uploaded = store.files.put(path.read_bytes(), filename=path.name, purpose="batch")
+    content = path.read_bytes()
+    endpoint = endpoint or endpoint_of(content) or "/v1/chat/completions"
+    uploaded = store.files.put(content, filename=path.name, purpose="batch")
     batch = create_batch(store.settings, store, input_file_id=uploaded.id, endpoint=endpoint, model=model)
     print(batch.id, flush=True)
     if not wait:
@@ -232,6 +237,15 @@ def bench_engine(ctx: typer.Context) -> None:
     """Our engine vs transformers' continuous batching on the default model, same run (args: see --help of
     python -m bench.engine, e.g. --dtypes float32,bfloat16)."""
     from bench.engine import main
+
+    main(list(ctx.args))
+
+
+@bench_app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_serve(ctx: typer.Context) -> None:
+    """Load generator in the manner of `vllm bench serve` through the API and the queue, beside the offline
+    engine and transformers' continuous batching on the same prompts (args: python -m bench.serve --help)."""
+    from bench.serve import main
 
     main(list(ctx.args))
 

@@ -61,6 +61,18 @@ def parse_lines(content: bytes, endpoint: str) -> list[InputLine]:
     return lines
 
 
+def endpoint_of(content: bytes) -> str | None:
+    """The url the file's first readable line names (what a batch of it should be created for)."""
+    for raw in content.decode("utf-8", errors="replace").splitlines():
+        try:
+            doc = json.loads(raw)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("url"), str):
+            return str(doc["url"])
+    return None
+
+
 def _line_id() -> str:
     return "batch_req_" + uuid.uuid4().hex
 

@@ -94,6 +94,7 @@ class BatchRunner:
         self.poll_s = poll_s
         self.token = uuid.uuid4().hex
         self.lease_lost = False
+        self.endpoint = ""
 
     # Entry -----------------------------------------------------------------------------
     def run(self) -> BatchStatus:
@@ -138,14 +139,10 @@ class BatchRunner:
         batch = self.store.get(self.batch_id)
         if batch.status.is_final:
             return batch.status
-        if batch.status == BatchStatus.VALIDATING:
-            self.store.move(self.batch_id, BatchStatus.IN_PROGRESS, allowed_from=(BatchStatus.VALIDATING,))
-            batch = self.store.get(self.batch_id)
-            if batch.status.is_final:
-                return batch.status
+        self.endpoint = batch.endpoint
+        # Validating: the whole file is read and its lines checked before any request is queued.
         try:
-            content = self.store.files.content(batch.input_file_id)
-            lines = parse_lines(content, batch.endpoint)
+            lines = parse_lines(self.store.files.content(batch.input_file_id), batch.endpoint)
         except (NotFoundError, UnicodeDecodeError) as exc:
             return self._fail(f"the input file cannot be read: {exc}", code="invalid_file")
         if not lines:
@@ -153,8 +150,9 @@ class BatchRunner:
         if len(lines) > MAX_BATCH_LINES:
             return self._fail(f"the input file holds {len(lines)} requests; at most {MAX_BATCH_LINES}", "too_many")
         self.store.set_fields(self.batch_id, total=len(lines))
-        if batch.status == BatchStatus.IN_PROGRESS:
-            self._process(batch, lines)
+        self.store.move(self.batch_id, BatchStatus.IN_PROGRESS, allowed_from=(BatchStatus.VALIDATING,))
+        if self.store.status(self.batch_id) == BatchStatus.IN_PROGRESS:
+            self._process(self.store.get(self.batch_id), lines)
         return self._finish(lines)
 
     # The loop --------------------------------------------------------------------------
@@ -231,7 +229,7 @@ class BatchRunner:
         if info is None:
             self._record(line, batch_error_line(line.custom_id, "request_lost", f"request {request_id} vanished"))
         elif info.result is not None:
-            body = self.handler.response_body(self.store.get(self.batch_id).endpoint, request_id, info.result)
+            body = self.handler.response_body(self.endpoint, request_id, info.result)
             self._record(line, output_line(line.custom_id, request_id, body), ok=True)
         elif info.status.is_final and info.error is not None and batch_status == BatchStatus.IN_PROGRESS:
             err = error_from_type(info.error.error_type, info.error.message)
@@ -279,6 +277,8 @@ class BatchRunner:
 
     def _finish(self, lines: list[InputLine]) -> BatchStatus:
         status = self.store.status(self.batch_id)
+        if status.is_final and status != BatchStatus.EXPIRED:
+            return status  # cancelled before it started, or failed: nothing to write
         if status == BatchStatus.CANCELLING:
             # Requests started by a run that died before it saw the cancel are still in the queue.
             self._cancel_leftovers(lines, BatchStatus.CANCELLING)

@@ -164,8 +164,9 @@ def test_cli_submits_a_completions_batch_and_waits(
     ]
     source.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "out.jsonl"
+    # No --endpoint: the CLI takes it from the lines' url.
     done = subprocess.run(
-        [sys.executable, "-m", "inflightq_cli", "batch", "submit", str(source), "--endpoint", "/v1/completions",
+        [sys.executable, "-m", "inflightq_cli", "batch", "submit", str(source),
          "--model", stack_settings.model, "--wait", "--output", str(out)],
         cwd=ROOT, env=stack_env, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
