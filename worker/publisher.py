@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis
+from redis.exceptions import NoScriptError
 
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.queue_protocol import log_maxlen
@@ -176,7 +177,7 @@ class Publisher(threading.Thread):
             again = []
             for call, (start, end) in zip(calls, spans, strict=True):
                 errors = [r for r in replies[start:end] if isinstance(r, redis.ResponseError)]
-                if any("NOSCRIPT" in str(e) for e in errors):
+                if any(isinstance(e, NoScriptError) for e in errors):
                     again.append(call)  # a script call that did not run at all: safe to send again
                 elif errors:
                     # A rejected command (not a lost connection) is a bug to see, not to retry forever.

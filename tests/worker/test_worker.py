@@ -215,3 +215,17 @@ def test_sampled_requests_get_a_seed_and_resume_identically(spawn_worker, client
     first = client.result(client.submit(client.settings.model, PROMPT, spec), timeout=30)
     second = client.result(client.submit(client.settings.model, PROMPT, spec), timeout=30)
     assert first.token_ids == second.token_ids
+
+
+def test_a_request_that_breaks_the_engine_is_dead_lettered_after_max_deliveries(spawn_worker, client) -> None:
+    spawn_worker("breakable")
+    model = client.settings.model
+    breaker = client.submit(model, [10**9], greedy(2))  # a token id far past the vocabulary
+    events = list(client.stream(breaker, timeout=60))
+    assert isinstance(events[-1], ErrorEvent) and events[-1].error_type == "generation"
+    info = client.status(breaker)
+    assert info is not None and info.status is RequestStatus.FAILED
+    assert info.deliveries == client.settings.max_deliveries + 1
+    letters = [DeadLetter.model_validate_json(f["letter"]) for f in client.dead_letters(model)]
+    assert [letter.request_id for letter in letters] == [breaker]
+    assert client.result(client.submit(model, PROMPT, greedy(3)), timeout=30).usage.completion_tokens == 3
