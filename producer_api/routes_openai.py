@@ -1,10 +1,10 @@
-"""OpenAI's routes: /v1/completions, /v1/chat/completions (stream or not, n choices), /v1/models."""
+"""OpenAI's routes: /v1/completions, /v1/chat/completions (stream or not, n choices), /v1/models.
+
+Each request becomes n queued requests per prompt (n choices, each with its own derived seed)."""
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,8 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from producer_api import sse
 from producer_api.auth import ApiKey, authenticate
-from producer_api.dispatch import Generation, Submission, as_error, cancel_unfinished, merge, unless_disconnected
-from producer_api.errors import sse_error_payload
+from producer_api.dispatch import Submission, unless_disconnected
 from producer_api.models_common import OPENAI_ERRORS
 from producer_api.models_openai import (
     ChatCompletion,
@@ -25,6 +24,15 @@ from producer_api.models_openai import (
     ModelCard,
     ModelList,
     SamplingFields,
+)
+from producer_api.openai_format import (
+    Reply,
+    chat_logprobs,
+    chat_stream,
+    completion_logprobs,
+    completion_stream,
+    finish_reason,
+    usage,
 )
 from producer_api.state import AppState, arrival, state_of
 from producer_api.tokenization import enforce_limits
@@ -37,7 +45,6 @@ from producer_api.validation import (
     sampling_spec,
 )
 from shared.errors import ValidationError
-from shared.schemas import ErrorEvent, FinalResult, TokenEvent
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
@@ -58,20 +65,6 @@ class Plan:
     prompts: list[list[int]]  # one per prompt; each becomes n submissions
     submissions: list[Submission]  # prompt-major: choice index = prompt * n + j
     n: int
-
-
-def openai_finish_reason(result: FinalResult) -> str:
-    return "length" if result.finish_reason == "length" else "stop"
-
-
-def usage(prompts: list[list[int]], results: list[FinalResult]) -> dict[str, int]:
-    prompt_tokens = sum(len(p) for p in prompts)
-    completion_tokens = sum(r.usage.completion_tokens for r in results)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
 
 
 def build_plan(
@@ -149,19 +142,6 @@ async def completion_prompts(st: AppState, body: CompletionRequest) -> list[list
     return out
 
 
-def completion_logprobs(gen: Generation, offset: int, top: int) -> dict[str, Any]:
-    offsets, at = [], offset
-    for t in gen.tokens:
-        offsets.append(at)
-        at += len(t.text)
-    return {
-        "tokens": [t.text for t in gen.tokens],
-        "token_logprobs": [t.logprob for t in gen.tokens],
-        "top_logprobs": [{x.text: x.logprob for x in t.top_logprobs or []} for t in gen.tokens] if top else None,
-        "text_offset": offsets,
-    }
-
-
 @router.post(
     "/completions",
     response_model=Completion,
@@ -190,127 +170,45 @@ async def completions(
     )
     ids = await st.dispatcher.submit_all(plan.submissions)
     echoes = [st.tokenizers.decode(body.model, p) if body.echo else "" for p in plan.prompts]
-    response_id, created = f"cmpl-{ids[0]}", int(time.time())
-    follow = {"route": "/v1/completions", "model": body.model, "started": arrival(request), "deadline": None}
-    follow["deadline"] = plan.submissions[0].deadline
+    reply = reply_for(body, plan, "text_completion", f"cmpl-{ids[0]}")
+    follow = follow_kwargs(request, plan, "/v1/completions")
     if body.stream:
-        return sse.response(
-            completion_stream(st, request, body, plan, ids, echoes, response_id, created, follow),
-            "/v1/completions",
-            headers={"x-request-id": ids[0]},
+        stream = completion_stream(
+            reply, st.dispatcher, ids, follow, request.url.path, echoes=echoes, logprobs=body.logprobs
         )
+        return sse.response(stream, "/v1/completions", headers={"x-request-id": ids[0]})
     gens = await unless_disconnected(request, st.dispatcher.collect_all(ids, **follow))
-    results = [g.result for g in gens if g.result is not None]
     choices = []
     for i, gen in enumerate(gens):
-        assert gen.result is not None
+        assert gen.result is not None  # collect() raises unless the request finished with a result
         echo = echoes[i // plan.n]
+        shown = None if body.logprobs is None else completion_logprobs(gen.tokens, len(echo), body.logprobs)
         choices.append(
-            {
-                "index": i,
-                "text": echo + gen.result.text,
-                "logprobs": completion_logprobs(gen, len(echo), body.logprobs or 0)
-                if body.logprobs is not None
-                else None,
-                "finish_reason": openai_finish_reason(gen.result),
-            }
+            {"index": i, "text": echo + gen.result.text, "logprobs": shown, "finish_reason": finish_reason(gen.result)}
         )
     payload = {
-        "id": response_id,
+        "id": reply.id,
         "object": "text_completion",
-        "created": created,
+        "created": reply.created,
         "model": body.model,
         "choices": choices,
-        "usage": usage(plan.prompts, results),
+        "usage": usage(plan.prompts, [g.result for g in gens if g.result is not None]),
         "system_fingerprint": None,
     }
     return JSONResponse(payload, headers={"x-request-id": ids[0]})
 
 
-async def completion_stream(
-    st: AppState,
-    request: Request,
-    body: CompletionRequest,
-    plan: Plan,
-    ids: list[str],
-    echoes: list[str],
-    response_id: str,
-    created: int,
-    follow: dict[str, Any],
-) -> AsyncIterator[str]:
+def reply_for(body: SamplingFields, plan: Plan, kind: str, response_id: str) -> Reply:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    offsets = [len(echoes[i // plan.n]) for i in range(len(ids))]
+    return Reply(response_id, kind, int(time.time()), body.model, plan.prompts, plan.n, include_usage)
 
-    def chunk(index: int, text: str, logprobs: Any = None, finish: str | None = None) -> str:
-        data: dict[str, Any] = {
-            "id": response_id,
-            "object": "text_completion",
-            "created": created,
-            "model": body.model,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-        }
-        if include_usage:
-            data["usage"] = None
-        return sse.event(data)
 
-    results: list[FinalResult] = []
-    try:
-        async with cancel_unfinished(st.dispatcher, ids) as finished:
-            for i in range(len(ids)):
-                if echoes[i // plan.n]:
-                    yield chunk(i, echoes[i // plan.n])
-            streams = [st.dispatcher.events(rid, **follow) for rid in ids]
-            async with contextlib.aclosing(merge(streams)) as merged:
-                async for index, event in merged:
-                    if isinstance(event, TokenEvent):
-                        logprobs = None
-                        if body.logprobs is not None:
-                            gen = Generation(event.request_id, [event])
-                            logprobs = completion_logprobs(gen, offsets[index], body.logprobs)
-                        offsets[index] += len(event.text)
-                        yield chunk(index, event.text, logprobs)
-                        continue
-                    finished.add(event.request_id)
-                    if isinstance(event, ErrorEvent):
-                        yield sse.event(sse_error_payload(request.url.path, as_error(event)))
-                        return
-                    results.append(event.result)
-                    yield chunk(index, "", None, openai_finish_reason(event.result))
-    except Exception as exc:
-        yield sse.event(sse_error_payload(request.url.path, exc))
-        return
-    if include_usage:
-        yield sse.event(
-            {
-                "id": response_id,
-                "object": "text_completion",
-                "created": created,
-                "model": body.model,
-                "choices": [],
-                "usage": usage(plan.prompts, results),
-            }
-        )
-    yield sse.DONE
+def follow_kwargs(request: Request, plan: Plan, route: str) -> dict[str, Any]:
+    deadline = plan.submissions[0].deadline
+    return {"route": route, "model": plan.model, "started": arrival(request), "deadline": deadline}
 
 
 # Chat -------------------------------------------------------------------------------------------
-
-
-def chat_logprobs(tokens: list[TokenEvent]) -> dict[str, Any]:
-    return {
-        "content": [
-            {
-                "token": t.text,
-                "logprob": t.logprob,
-                "bytes": list(t.text.encode()),
-                "top_logprobs": [
-                    {"token": x.text, "logprob": x.logprob, "bytes": list(x.text.encode())}
-                    for x in t.top_logprobs or []
-                ],
-            }
-            for t in tokens
-        ]
-    }
 
 
 @router.post(
@@ -344,19 +242,11 @@ async def chat_completions(
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
     ids = await st.dispatcher.submit_all(plan.submissions)
-    response_id, created = f"chatcmpl-{ids[0]}", int(time.time())
-    follow = {
-        "route": "/v1/chat/completions",
-        "model": body.model,
-        "started": arrival(request),
-        "deadline": plan.submissions[0].deadline,
-    }
+    reply = reply_for(body, plan, "chat.completion.chunk", f"chatcmpl-{ids[0]}")
+    follow = follow_kwargs(request, plan, "/v1/chat/completions")
     if body.stream:
-        return sse.response(
-            chat_stream(st, request, body, plan, ids, response_id, created, follow),
-            "/v1/chat/completions",
-            headers={"x-request-id": ids[0]},
-        )
+        stream = chat_stream(reply, st.dispatcher, ids, follow, request.url.path, logprobs=body.logprobs)
+        return sse.response(stream, "/v1/chat/completions", headers={"x-request-id": ids[0]})
     gens = await unless_disconnected(request, st.dispatcher.collect_all(ids, **follow))
     choices = []
     for i, gen in enumerate(gens):
@@ -366,80 +256,19 @@ async def chat_completions(
                 "index": i,
                 "message": {"role": "assistant", "content": gen.result.text},
                 "logprobs": chat_logprobs(gen.tokens) if body.logprobs else None,
-                "finish_reason": openai_finish_reason(gen.result),
+                "finish_reason": finish_reason(gen.result),
             }
         )
     payload = {
-        "id": response_id,
+        "id": reply.id,
         "object": "chat.completion",
-        "created": created,
+        "created": reply.created,
         "model": body.model,
         "choices": choices,
         "usage": usage(plan.prompts, [g.result for g in gens if g.result is not None]),
         "system_fingerprint": None,
     }
     return JSONResponse(payload, headers={"x-request-id": ids[0]})
-
-
-async def chat_stream(
-    st: AppState,
-    request: Request,
-    body: ChatCompletionRequest,
-    plan: Plan,
-    ids: list[str],
-    response_id: str,
-    created: int,
-    follow: dict[str, Any],
-) -> AsyncIterator[str]:
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> str:
-        data: dict[str, Any] = {
-            "id": response_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": body.model,
-            "system_fingerprint": None,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-        }
-        if include_usage:
-            data["usage"] = None
-        return sse.event(data)
-
-    results: list[FinalResult] = []
-    try:
-        async with cancel_unfinished(st.dispatcher, ids) as finished:
-            for i in range(len(ids)):
-                yield chunk(i, {"role": "assistant", "content": ""})
-            streams = [st.dispatcher.events(rid, **follow) for rid in ids]
-            async with contextlib.aclosing(merge(streams)) as merged:
-                async for index, event in merged:
-                    if isinstance(event, TokenEvent):
-                        logprobs = chat_logprobs([event]) if body.logprobs else None
-                        yield chunk(index, {"content": event.text}, logprobs)
-                        continue
-                    finished.add(event.request_id)
-                    if isinstance(event, ErrorEvent):
-                        yield sse.event(sse_error_payload(request.url.path, as_error(event)))
-                        return
-                    results.append(event.result)
-                    yield chunk(index, {}, None, openai_finish_reason(event.result))
-    except Exception as exc:
-        yield sse.event(sse_error_payload(request.url.path, exc))
-        return
-    if include_usage:
-        yield sse.event(
-            {
-                "id": response_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": body.model,
-                "system_fingerprint": None,
-                "choices": [],
-                "usage": usage(plan.prompts, results),
-            }
-        )
-    yield sse.DONE
 
 
 # Models -----------------------------------------------------------------------------------------
