@@ -28,6 +28,7 @@ from shared.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "grafana" / "dashboards" / "inflightq.json"
+ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 PROMETHEUS = shutil.which("prometheus") or next(
     (p for p in ("/usr/bin/prometheus", "/usr/local/bin/prometheus") if Path(p).exists()), None
 )
@@ -44,6 +45,11 @@ def _dashboard_queries() -> list[tuple[str, str]]:
         if panel["type"] != "row"
         for target in panel["targets"]
     ]
+
+
+def _alert_queries() -> list[tuple[str, str]]:
+    groups = yaml.safe_load(ALERTS.read_text())["groups"]
+    return [(rule["alert"], rule["expr"]) for group in groups for rule in group["rules"]]
 
 
 def _substitute(expr: str) -> str:
@@ -128,6 +134,7 @@ def _stop(processes: list[subprocess.Popen]) -> None:
 def _prometheus_config(api_port: int, worker_port: int) -> dict:
     return {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(ALERTS)],
         "scrape_configs": [
             {"job_name": "inflightq-api", "static_configs": [{"targets": [f"127.0.0.1:{api_port}"]}]},
             {"job_name": "inflightq-worker", "static_configs": [{"targets": [f"127.0.0.1:{worker_port}"]}]},
@@ -232,9 +239,20 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(stack: Stack) -> 
     assert not empty, "panels without data:\n" + "\n".join(empty)
 
 
-def test_every_series_a_panel_names_is_exported(stack: Stack) -> None:
+def test_every_series_a_panel_or_an_alert_names_is_exported(stack: Stack) -> None:
     """Stronger than non-empty results: each metric name inside each query exists on its own."""
-    names = {name for _, expr in _dashboard_queries() for name in re.findall(r"\b(inflightq_[a-z0-9_]+)", expr)}
+    queries = [*_dashboard_queries(), *_alert_queries()]
+    names = {name for _, expr in queries for name in re.findall(r"\b(inflightq_[a-z0-9_]+)", expr)}
     reply = httpx.get(f"{stack.prometheus}/api/v1/label/__name__/values", timeout=30).json()
     exported = set(reply["data"])
     assert names <= exported, f"not exported by the API or the worker: {sorted(names - exported)}"
+
+
+def test_every_alert_rule_evaluates_cleanly(stack: Stack) -> None:
+    # Rules are evaluated every second here; wait for one evaluation after the traffic.
+    time.sleep(2)
+    groups = httpx.get(f"{stack.prometheus}/api/v1/rules", timeout=30).json()["data"]["groups"]
+    rules = {rule["name"]: rule for group in groups for rule in group["rules"]}
+    assert set(rules) == {name for name, _ in _alert_queries()}
+    broken = {name: rule.get("lastError") for name, rule in rules.items() if rule["health"] != "ok"}
+    assert not broken, broken

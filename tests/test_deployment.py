@@ -273,6 +273,27 @@ def test_prometheus_scrapes_the_api_and_every_worker_replica() -> None:
     assert any("worker" in sd["names"] and sd["port"] == port for sd in dns)
 
 
+def test_compose_prometheus_mounts_its_config_and_alert_rules_side_by_side() -> None:
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    mounts = dict(v.split(":")[:2] for v in _compose()["services"]["prometheus"]["volumes"] if v.startswith("./"))
+    for rule_file in config["rule_files"]:
+        local = PROMETHEUS.parent / rule_file
+        assert local.exists()
+        # Relative rule paths resolve against the config file's directory, here and in the container.
+        assert mounts[f"./{local.relative_to(ROOT).as_posix()}"] == f"/etc/prometheus/{rule_file}"
+    assert mounts["./deploy/prometheus/prometheus.yml"] == "/etc/prometheus/prometheus.yml"
+
+
+def test_compose_cpu_workers_are_opt_in_and_scraped() -> None:
+    services = _compose()["services"]
+    cpu = services["worker-cpu"]
+    assert cpu["profiles"] == ["cpu"] and "deploy" not in services["worker-cpu"]
+    assert cpu["stop_grace_period"] == services["worker"]["stop_grace_period"]
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    names = {n for job in config["scrape_configs"] for sd in job.get("dns_sd_configs", []) for n in sd["names"]}
+    assert {"worker", "worker-cpu"} <= names
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
 def test_promtool_accepts_the_prometheus_config() -> None:
     result = subprocess.run(["promtool", "check", "config", str(PROMETHEUS)], capture_output=True, text=True)
