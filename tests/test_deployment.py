@@ -405,6 +405,26 @@ def test_k8s_api_is_probed_on_its_health_route() -> None:
     assert _k8s("Service", "api")["spec"]["ports"][0]["port"] == 8000
 
 
+def test_k8s_pods_announce_the_port_prometheus_scrapes() -> None:
+    config = yaml.safe_load((PROMETHEUS.parent / "prometheus-k8s.yml").read_text())
+    (job,) = config["scrape_configs"]
+    assert job["kubernetes_sd_configs"][0]["namespaces"]["names"] == ["inflightq"]
+    scraped = {}
+    for doc in _k8s_documents():
+        if doc["kind"] != "Deployment":
+            continue
+        template = doc["spec"]["template"]
+        annotations = template["metadata"].get("annotations", {})
+        if annotations.get("prometheus.io/scrape") == "true":
+            ports = {p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+            assert int(annotations["prometheus.io/port"]) in ports, doc["metadata"]["name"]
+            scraped[doc["metadata"]["name"]] = template["metadata"]["labels"]["app.kubernetes.io/name"]
+    # The pod label becomes the job label: the same job names as in docker-compose's Prometheus.
+    compose_jobs = {j["job_name"] for j in yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"]}
+    assert scraped == {"api": "inflightq-api", "worker": "inflightq-worker"}
+    assert set(scraped.values()) <= compose_jobs
+
+
 def test_keda_scales_workers_on_the_lag_of_every_priority_stream() -> None:
     scaled = _k8s("ScaledObject", "worker")
     assert scaled["spec"]["scaleTargetRef"]["name"] == "worker"
