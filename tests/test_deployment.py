@@ -321,6 +321,19 @@ def test_every_dashboard_panel_uses_the_provisioned_datasource() -> None:
                 assert panel["datasource"]["uid"] == uid, f"{path.name}: {panel['title']}"
 
 
+def test_dashboard_panels_have_unique_ids_and_do_not_overlap() -> None:
+    dashboard = json.loads((GRAFANA / "dashboards" / "inflightq.json").read_text())
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    taken: dict[tuple[int, int], str] = {}
+    for panel in dashboard["panels"]:
+        x, y, w, h = (panel["gridPos"][k] for k in "xywh")
+        assert x + w <= 24, panel["title"]
+        for cell in ((i, j) for i in range(x, x + w) for j in range(y, y + h)):
+            assert cell not in taken, f"{panel['title']} overlaps {taken[cell]}"
+            taken[cell] = panel["title"]
+
+
 # -- Dockerfiles ----------------------------------------------------------------------------
 
 
