@@ -84,7 +84,7 @@ def _run_is_alive(store: BatchStore, batch_id: str, connection: redis.Redis) -> 
             return True
         if started.tzinfo is None:
             started = started.replace(tzinfo=UTC)
-        return (datetime.now(UTC) - started).total_seconds() < 2 * LEASE_TTL_S
+        return (datetime.now(UTC) - started).total_seconds() < LEASE_TTL_S
     if status == JobStatus.FAILED:
         return None
     return False

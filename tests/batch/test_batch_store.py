@@ -4,6 +4,7 @@ that never undo each other, and per-line facts written once."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from shared.batch_lines import parse_lines
 from shared.batch_store import BatchStatus, BatchStore
 from shared.errors import NotFoundError, PayloadTooLargeError, ValidationError
 from shared.settings import Settings
+
+_CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture
@@ -126,3 +129,21 @@ def test_bad_lines_carry_their_error_and_good_ones_their_body() -> None:
     assert [line.line_no for line in lines] == [1, 2, 3, 4, 6, 7]
     assert [line.error is None for line in lines] == [True, False, False, False, False, True]
     assert "custom_id" in (lines[2].error or "") and "url" in (lines[3].error or "")
+
+
+def test_a_batch_past_its_window_expires_without_queueing_anything(store: BatchStore) -> None:
+    from shared.batch_runner import BatchRunner
+    from shared.client import QueueClient
+    from worker.batch_job import ApiLineHandler
+
+    line = _line("late").encode()
+    batch = store.create(input_file_id=store.files.put(line, filename="f", purpose="batch").id, endpoint=_CHAT)
+    store.set_fields(batch.id, expires_at=int(time.time()) - 1)
+    client = QueueClient(store.settings)
+    try:
+        status = BatchRunner(store, client, ApiLineHandler(store.settings), batch.id).run()
+    finally:
+        client.close()
+    done = store.get(batch.id)
+    assert status == BatchStatus.EXPIRED and done.expired_at and done.request_counts.total == 1
+    assert store.request_ids(batch.id) == {}  # nothing was queued
