@@ -8,12 +8,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
-from fastapi import Request
 
 from producer_api import metrics
 from shared.errors import CancelledError, ExpiredError, UnavailableError, error_from_type
@@ -245,57 +244,3 @@ def as_error(event: ErrorEvent) -> Exception:
     if event.error_type == "cancelled":
         return CancelledError(event.message)
     return error_from_type(event.error_type, event.message)
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T], poll_s: float = 0.25) -> T:
-    """Runs ``work``; if the HTTP client goes away first, cancels it (its cleanup cancels the request)."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise ClientDisconnected()
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-
-
-async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """Interleaves n choices' streams as events arrive, tagged with the choice index."""
-    if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
-        return
-    queue: asyncio.Queue[tuple[int, T] | tuple[int, BaseException] | None] = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[T]) -> None:
-        try:
-            async with contextlib.aclosing(stream):  # type: ignore[type-var]
-                async for item in stream:
-                    await queue.put((i, item))
-        except Exception as exc:
-            await queue.put((i, exc))
-        finally:
-            await queue.put(None)
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        open_streams = len(tasks)
-        while open_streams:
-            item = await queue.get()
-            if item is None:
-                open_streams -= 1
-                continue
-            if isinstance(item[1], BaseException):
-                raise item[1]
-            yield item  # type: ignore[misc]
-    finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from producer_api import sse
-from producer_api.dispatch import Dispatcher, as_error, cancel_unfinished, merge
+from producer_api.dispatch import Dispatcher, as_error, cancel_unfinished
 from producer_api.errors import sse_error_payload
+from producer_api.streaming import merge
 from shared.schemas import ErrorEvent, FinalResult, TokenEvent
 
 

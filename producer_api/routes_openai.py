@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from producer_api import sse
 from producer_api.auth import ApiKey, authenticate
-from producer_api.dispatch import Submission, unless_disconnected
+from producer_api.dispatch import Submission
 from producer_api.models_common import OPENAI_ERRORS
 from producer_api.models_openai import (
     ChatCompletion,
@@ -35,6 +35,7 @@ from producer_api.openai_format import (
     usage,
 )
 from producer_api.state import AppState, arrival, state_of
+from producer_api.streaming import unless_disconnected
 from producer_api.tokenization import enforce_limits
 from producer_api.validation import (
     check_stops,

@@ -12,10 +12,11 @@ from fastapi.responses import JSONResponse, Response
 
 from producer_api import sse, tgi_format
 from producer_api.auth import ApiKey, authenticate
-from producer_api.dispatch import Dispatcher, Submission, unless_disconnected
+from producer_api.dispatch import Dispatcher, Submission
 from producer_api.models_common import TGI_ERRORS
 from producer_api.models_tgi import GenerateRequest, GenerateResponse, Info, SimpleToken, StreamResponse
 from producer_api.state import arrival, state_of
+from producer_api.streaming import unless_disconnected
 from producer_api.timing import tgi_headers
 from producer_api.tokenization import enforce_limits
 from producer_api.validation import check_stops, resolve_deadline, resolve_priority, sampling_spec
