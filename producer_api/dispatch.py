@@ -10,7 +10,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 
@@ -20,7 +20,6 @@ from shared.schemas import DoneEvent, ErrorEvent, FinalResult, SamplingSpec, Tok
 from shared.settings import Settings
 
 AnyEvent = TokenEvent | DoneEvent | ErrorEvent
-T = TypeVar("T")
 
 # A live worker seen this recently is trusted without asking Redis again.
 _LIVE_CACHE_S = 1.0
