@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from worker.engine.grammar import DEAD, Grammar, TokenVocabulary
+from worker.engine.grammar import DEAD, Grammar, GrammarCache, TokenVocabulary
 from worker.engine.json_schema import json_schema_to_regex
 from worker.engine.model_loader import load_tokenizer
 from worker.engine.regex_nfa import Nfa, parse_regex
@@ -232,3 +232,24 @@ def test_the_grammar_state_follows_the_output_across_samplers(tokenizer: Any, vo
     token = Sampler(len(tokenizer), torch.device("cpu")).sample(logits, [row]).token_ids[0]
     text = vocabulary.texts[token]
     assert text and "be!".startswith(text)  # not the "!" the logits favour
+
+
+def test_the_cache_compiles_each_pattern_once_and_shares_the_vocabulary(tokenizer: Any) -> None:
+    cache = GrammarCache(tokenizer, size=2)
+    first = cache.json_schema({"type": "integer"})
+    assert cache.regex(json_schema_to_regex({"type": "integer"})) is first
+    assert cache.regex("a+").vocabulary is first.vocabulary
+    cache.regex("b+")
+    assert cache.json_schema({"type": "integer"}) is not first  # evicted, least recently used
+    with pytest.raises(ValueError):
+        cache.regex("(a")
+
+
+def test_the_model_padding_ids_are_never_allowed(tokenizer: Any) -> None:
+    width = len(tokenizer) + 16
+    grammar = GrammarCache(tokenizer, vocab_size=width).regex("[0-9]+")
+    logits = torch.zeros(1, width)
+    logits[0, len(tokenizer) :] = 100.0  # the model's untrained padding rows
+    row = SamplingRow("r", SamplingParams(temperature=1.0, seed=1), [1], [], 0, grammar)
+    token = Sampler(width, torch.device("cpu")).sample(logits, [row]).token_ids[0]
+    assert token < len(tokenizer) and tokenizer.decode([token]).isdigit()

@@ -15,20 +15,23 @@ produced under a grammar."""
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from worker.engine.json_schema import json_schema_to_regex
 from worker.engine.regex_nfa import Nfa, parse_regex
 
 DEAD = -1
 UNKNOWN = -2
+_CPU = torch.device("cpu")
 
 
 class TokenVocabulary:
-    """The text of every token, organised as a trie; built once per tokenizer."""
+    """The text of every token, as rows of character ids; built once per tokenizer."""
 
     def __init__(self, token_texts: Sequence[str | None], eos_token_ids: Iterable[int]) -> None:
         self.size = len(token_texts)
@@ -46,10 +49,13 @@ class TokenVocabulary:
         self.has_text = np.array([bool(t) for t in token_texts], dtype=bool)
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any, eos_token_ids: Iterable[int] | None = None) -> TokenVocabulary:
+    def from_tokenizer(
+        cls, tokenizer: Any, eos_token_ids: Iterable[int] | None = None, vocab_size: int | None = None
+    ) -> TokenVocabulary:
         """Token texts as they read in running text (a SentencePiece '▁x' reads ' x'): decode each
         token after an anchor token and drop the anchor's text. Special tokens and byte fragments
-        get no text, so a grammar never allows them."""
+        get no text, so a grammar never allows them; neither are the ids a model pads its
+        embedding with (``vocab_size`` = the model's logits width, when larger)."""
         size = len(tokenizer)
         anchor = tokenizer.encode("a", add_special_tokens=False)[-1]
         anchor_text = tokenizer.decode([anchor])
@@ -64,6 +70,7 @@ class TokenVocabulary:
         for token_id, text in enumerate(decoded):
             ok = token_id not in special and text.startswith(anchor_text) and "\ufffd" not in text
             texts.append(text[len(anchor_text) :] if ok else None)
+        texts += [None] * max(0, (vocab_size or 0) - size)
         if eos_token_ids is None:
             eos = getattr(tokenizer, "eos_token_id", None)
             eos_token_ids = [eos] if isinstance(eos, int) else []
@@ -79,7 +86,7 @@ class Grammar:
         self._ids: dict[frozenset[int], int] = {}
         self._accepting: list[bool] = []
         self._steps: dict[tuple[int, str], int] = {}
-        self._masks: dict[int, torch.Tensor] = {}
+        self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._classes: np.ndarray | None = None  # [width, vocab] class ids, built on first walk
         self._class_chars: list[str] = []  # a representative character per class
         self._table = np.empty((0, 0), dtype=np.int64)  # DFA state x class -> state, filled lazily
@@ -116,15 +123,19 @@ class Grammar:
     def allowed(self, state: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Bool mask [vocab] of the tokens allowed in ``state``; EOS only where the match is
         complete, and only EOS when nothing else can follow (or the state is dead)."""
-        mask = self._masks.get(state)
+        device = torch.device(device)
+        mask = self._masks.get((state, device))
         if mask is None:
-            mask = torch.zeros(self.vocabulary.size, dtype=torch.bool)
-            if state != DEAD:
-                mask[torch.from_numpy(self._walk(state))] = True
-            if state == DEAD or self._accepting[state] or not mask.any():
-                mask[self.vocabulary.eos_token_ids] = True
-            self._masks[state] = mask
-        return mask.to(device)
+            mask = self._masks.get((state, _CPU))
+            if mask is None:
+                mask = torch.zeros(self.vocabulary.size, dtype=torch.bool)
+                if state != DEAD:
+                    mask[torch.from_numpy(self._walk(state))] = True
+                if state == DEAD or self._accepting[state] or not mask.any():
+                    mask[self.vocabulary.eos_token_ids] = True
+                self._masks[(state, _CPU)] = mask
+            mask = self._masks[(state, device)] = mask.to(device)  # one copy per device, not per step
+        return mask
 
     def _walk(self, state: int) -> np.ndarray:
         """Ids of every token whose text the DFA can read from ``state``: all tokens advance one
@@ -189,3 +200,37 @@ class Grammar:
             self._states.append(states)
             self._accepting.append(self._nfa.accept in states)
         return found
+
+
+class GrammarCache:
+    """Compiled grammars by pattern, sharing one vocabulary per tokenizer (about a second to
+    build): an engine keeps one and hands ``SamplingRow.grammar`` from it."""
+
+    def __init__(
+        self, tokenizer: Any, eos_token_ids: Iterable[int] | None = None, vocab_size: int | None = None, size: int = 64
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._eos = eos_token_ids
+        self._vocab_size = vocab_size
+        self._vocabulary: TokenVocabulary | None = None
+        self._size = size
+        self._grammars: OrderedDict[str, Grammar] = OrderedDict()
+
+    @property
+    def vocabulary(self) -> TokenVocabulary:
+        if self._vocabulary is None:
+            self._vocabulary = TokenVocabulary.from_tokenizer(self._tokenizer, self._eos, self._vocab_size)
+        return self._vocabulary
+
+    def regex(self, pattern: str) -> Grammar:
+        grammar = self._grammars.get(pattern)
+        if grammar is None:
+            grammar = Grammar(pattern, self.vocabulary)  # raises ValueError on a bad pattern
+            self._grammars[pattern] = grammar
+            if len(self._grammars) > self._size:
+                self._grammars.popitem(last=False)
+        self._grammars.move_to_end(pattern)
+        return grammar
+
+    def json_schema(self, schema: dict[str, Any]) -> Grammar:
+        return self.regex(json_schema_to_regex(schema))

@@ -146,7 +146,10 @@ class Sampler:
         for token_id in out[consumed:]:
             state = grammar.advance(state, token_id)
         self._grammar_states[row.request_id] = (grammar, state, len(out))
-        return grammar.allowed(state, self.device)
+        mask = grammar.allowed(state, self.device)
+        if mask.shape[0] != self.vocab_size:  # a vocabulary built without the model's padding
+            mask = torch.cat([mask, mask.new_zeros(max(0, self.vocab_size - mask.shape[0]))])[: self.vocab_size]
+        return mask
 
     def _draw(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """One token per row of ``x`` (logits after penalties, rows with temperature > 0)."""
