@@ -6,7 +6,9 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from producer_api import metrics
 
@@ -27,6 +29,35 @@ def parse_last_event_id(value: str | None) -> int | None:
     return int(value.strip())
 
 
+# Bound on a stream's cleanup (closing its Redis subscription, cancelling its request).
+_CLEANUP_TIMEOUT_S = 5.0
+
+
+class EventStreamResponse(StreamingResponse):
+    """A stream that notices its client leaving even while no event is due (a request still queued),
+    and then closes its body at once, so the body's cleanup cancels the request.
+
+    Starlette alone notices an idle disconnect only on servers speaking ASGI < 2.4 (on newer ones, only
+    when the next send fails), and leaves closing the body generator to the garbage collector."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as group:
+
+            async def watch() -> None:
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch)
+            try:
+                await self.stream_response(send)
+            except OSError:
+                pass  # the client went away mid-send
+            finally:
+                with anyio.move_on_after(_CLEANUP_TIMEOUT_S, shield=True):
+                    await self.body_iterator.aclose()  # type: ignore[union-attr]
+                group.cancel_scope.cancel()
+
+
 def response(body: AsyncIterator[str], route: str, headers: dict[str, str] | None = None) -> StreamingResponse:
     async def counted() -> AsyncIterator[str]:
         gauge = metrics.STREAMS_IN_FLIGHT.labels(route)
@@ -39,4 +70,4 @@ def response(body: AsyncIterator[str], route: str, headers: dict[str, str] | Non
             await body.aclose()  # type: ignore[attr-defined]
             gauge.dec()
 
-    return StreamingResponse(counted(), media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
+    return EventStreamResponse(counted(), media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})

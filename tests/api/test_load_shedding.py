@@ -92,6 +92,29 @@ def test_a_request_whose_workers_all_die_gets_503_not_a_hang(
         assert time.monotonic() - started < 10
 
 
+def test_leaving_a_stream_while_still_queued_cancels_the_request(
+    make_settings: Callable[..., Settings],
+    start_api: Callable[[Settings], ApiServer],
+    redis_url: str,
+    redis_client: redis.Redis,
+    keys: Keys,
+) -> None:
+    # No token will ever come (nobody consumes), so only watching the connection can notice the leave.
+    settings = make_settings()
+    fake_heartbeat(redis_url, settings)
+    api = start_api(settings)
+    with api.client() as http:
+        with http.stream("POST", "/generate_stream", json={"inputs": "hi"}) as response:
+            request_id = response.headers["x-request-id"]
+            assert redis_client.hget(keys.request(request_id), "status") == "queued"
+        deadline = time.monotonic() + 10
+        while redis_client.hget(keys.request(request_id), "status") != "cancelled" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert redis_client.hget(keys.request(request_id), "status") == "cancelled"
+        gauge = 'inflightq_api_streams_in_flight{route="/generate_stream"} 0.0'
+        assert gauge in http.get("/metrics").text
+
+
 def test_jobs_are_accepted_without_a_worker(
     make_settings: Callable[..., Settings], start_api: Callable[[Settings], ApiServer]
 ) -> None:
