@@ -187,3 +187,10 @@ def test_a_resumed_stream_continues_where_the_first_left_off(tokenizer: Any, res
     resumed = IncrementalDetokenizer(tokenizer, prompt, stop=["STOP HERE"], prior_output_token_ids=ids[:resume_at])
     assert [resumed.add(t) for t in ids[resume_at:]] == straight[resume_at:]
     assert resumed.text == first.text
+
+
+def test_a_stop_completed_by_the_final_flush_does_not_leak(tokenizer: Any) -> None:
+    ids = encode(tokenizer, "ok 🌞")[:-1]  # ends inside the emoji: flushed as U+FFFD
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["k \ufffd"])
+    deltas, stopped = stream(detok, ids)
+    assert not stopped and "".join(deltas) == "o" == detok.text

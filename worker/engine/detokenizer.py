@@ -67,7 +67,12 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """Text held back so far, to emit when the sequence ends for another reason than a stop."""
         if not self._stopped:
+            start = len(self._text)
             self._text += self._decoder.flush()
+            cut = self._find_stop(start) if self._stops else -1
+            if cut >= 0:  # the flushed tail completed a stop string: it still must not leak
+                self._text = self._text[:cut]
+                self._stopped = True
         return self._take(len(self._text))
 
     def _take(self, end: int) -> str:
@@ -81,7 +86,7 @@ class IncrementalDetokenizer:
         window_start = max(0, new_from - self._max_stop + 1)
         best = -1
         for s in self._stops:
-            pos = self._text.find(s, max(window_start, 0))
+            pos = self._text.find(s, window_start)
             if pos >= 0 and (best < 0 or pos < best):
                 best = pos
         return best
