@@ -41,9 +41,8 @@ class ApiServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         tokenizers = Tokenizers(settings, {model: tokenizer for model in settings.served_models})
-        config = uvicorn.Config(
-            create_app(settings, tokenizers=tokenizers), host="127.0.0.1", port=self.port, log_level="warning"
-        )
+        self.app = create_app(settings, tokenizers=tokenizers)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

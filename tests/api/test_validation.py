@@ -332,3 +332,18 @@ def test_openapi_documents_every_route_with_response_models(http: httpx.Client) 
     assert {"422", "429", "503"} <= set(generate["responses"])
     assert "ChatCompletion" in str(paths["/v1/chat/completions"]["post"]["responses"]["200"])
     assert http.get("/docs").status_code == 200
+
+
+def test_an_internal_failure_is_a_json_500_without_details(
+    redis_url: str, key_prefix: str, tiny_model_dir: Path, start_api: Callable[[Settings], ApiServer]
+) -> None:
+    api = start_api(Settings(redis_url=redis_url, key_prefix=key_prefix, model=str(tiny_model_dir)))
+
+    async def broken(*args: object, **kwargs: object) -> str:
+        raise RuntimeError("secret internals")
+
+    api.app.state.inflightq.dispatcher.client.submit = broken
+    with api.client() as http:
+        response = http.post("/v1/jobs", json={"prompt": "hi"})
+    assert response.status_code == 500
+    assert response.json() == {"error": "internal server error", "error_type": "internal"}
