@@ -194,6 +194,11 @@ class BatchRunner:
         except InflightqError as err:
             self._record(line, failed_response_line(line.custom_id, None, err))
             return
+        except Exception as exc:  # a line the tokenizer chokes on must not stop the other lines
+            log.warning("batch %s line %d could not be prepared", self.batch_id, line.line_no, exc_info=True)
+            err = InflightqError(f"the request could not be prepared: {exc}")
+            self._record(line, failed_response_line(line.custom_id, None, err))
+            return
         request_id, _ = self.store.claim_request_id(self.batch_id, line.custom_id)
         # A request id claimed by an earlier run may already be queued, running or done: never twice.
         if self.client.status(request_id) is None:
@@ -231,7 +236,10 @@ class BatchRunner:
         elif info.result is not None:
             body = self.handler.response_body(self.endpoint, request_id, info.result)
             self._record(line, output_line(line.custom_id, request_id, body), ok=True)
-        elif info.status.is_final and info.error is not None and batch_status == BatchStatus.IN_PROGRESS:
+        elif info.error is not None and (
+            batch_status == BatchStatus.IN_PROGRESS or info.error.error_type not in ("cancelled", "expired")
+        ):
+            # The request's own failure; only a cancel or expiry the batch caused is reported as the batch's.
             err = error_from_type(info.error.error_type, info.error.message)
             self._record(line, failed_response_line(line.custom_id, request_id, err))
         else:
