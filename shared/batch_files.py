@@ -124,6 +124,17 @@ class FileStore:
             raise NotFoundError(f"the content of file {file_id!r} has expired")
         return data if isinstance(data, bytes) else str(data).encode()
 
+    def keep(self, file_id: str, ttl_s: int) -> None:
+        """Make a file live at least ``ttl_s`` more seconds (a batch's input must outlive its window)."""
+        until = unix_now() + ttl_s
+        if int(self._meta(file_id).get("expires_at") or 0) >= until:
+            return
+        with self.redis.pipeline() as pipe:
+            pipe.expire(self.keys.file(file_id), ttl_s)
+            pipe.expire(self.keys.file_content(file_id), ttl_s)  # a no-op for a file kept on disk
+            pipe.hset(self.keys.file(file_id), "expires_at", str(until))
+            pipe.execute()
+
     def delete(self, file_id: str) -> None:
         meta = self._meta(file_id)
         if "path" in meta:

@@ -201,6 +201,7 @@ class BatchStore:
             fields["metadata"] = json.dumps(metadata)
         if model:
             fields["model"] = model
+        self.files.keep(input_file_id, self._ttl())
         with self.redis.pipeline() as pipe:
             pipe.hset(self.keys.batch(batch.id), mapping=fields)
             pipe.expire(self.keys.batch(batch.id), self._ttl())

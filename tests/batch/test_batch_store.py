@@ -38,6 +38,13 @@ def test_small_files_live_in_redis_with_a_ttl(store: BatchStore) -> None:
     assert 0 < store.redis.ttl(store.keys.file_content(made.id)) <= 600
 
 
+def test_a_batch_keeps_its_input_file_alive_for_its_window(store: BatchStore) -> None:
+    made = store.files.put(_line("a").encode(), filename="in.jsonl", purpose="batch")
+    store.create(input_file_id=made.id, endpoint=_CHAT)
+    assert store.redis.ttl(store.keys.file_content(made.id)) > 24 * 3600
+    assert (store.files.get(made.id).expires_at or 0) > made.created_at + 24 * 3600
+
+
 def test_large_files_go_to_the_configured_directory(store: BatchStore, tmp_path: Path) -> None:
     store.files.settings = store.settings.model_copy(update={"batch_file_dir": str(tmp_path)})
     content = b"x" * (INLINE_FILE_BYTES + 1)
