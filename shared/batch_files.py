@@ -135,6 +135,20 @@ class FileStore:
             pipe.hset(self.keys.file(file_id), "expires_at", str(until))
             pipe.execute()
 
+    def sweep_disk(self) -> list[str]:
+        """Delete files in the file directory whose record expired (Redis forgets; the disk must too)."""
+        if not self.settings.batch_file_dir or not Path(self.settings.batch_file_dir).is_dir():
+            return []
+        removed = []
+        for path in Path(self.settings.batch_file_dir).glob("file-*"):
+            # Half-written temp files of a live upload are left alone for an hour.
+            if ".tmp-" in path.name and time.time() - path.stat().st_mtime < 3600:
+                continue
+            if not self.redis.exists(self.keys.file(path.name.split(".tmp-")[0])):
+                path.unlink(missing_ok=True)
+                removed.append(path.name)
+        return removed
+
     def delete(self, file_id: str) -> None:
         meta = self._meta(file_id)
         if "path" in meta:

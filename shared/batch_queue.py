@@ -131,6 +131,7 @@ class BatchWorker(Worker):
         super().run_maintenance_tasks()
         try:
             recover(self.inflightq_settings, self.store, self.connection)
+            self.store.files.sweep_disk()
         except redis.RedisError:
             log.exception("batch recovery failed; retrying at the next maintenance")
 

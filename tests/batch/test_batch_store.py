@@ -54,6 +54,15 @@ def test_large_files_go_to_the_configured_directory(store: BatchStore, tmp_path:
     assert store.files.content(made.id) == content
 
 
+def test_files_on_disk_go_when_their_record_expires(store: BatchStore, tmp_path: Path) -> None:
+    store.files.settings = store.settings.model_copy(update={"batch_file_dir": str(tmp_path)})
+    kept = store.files.put(b"k" * (INLINE_FILE_BYTES + 1), filename="k", purpose="batch")
+    gone = store.files.put(b"g" * (INLINE_FILE_BYTES + 1), filename="g", purpose="batch")
+    store.redis.delete(store.keys.file(gone.id))  # what its TTL does
+    assert store.files.sweep_disk() == [gone.id]
+    assert (tmp_path / kept.id).exists() and not (tmp_path / gone.id).exists()
+
+
 def test_file_limits_and_purpose(store: BatchStore) -> None:
     with pytest.raises(ValidationError):
         store.files.put(b"x", filename="f", purpose="fine-tune")
