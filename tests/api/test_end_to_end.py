@@ -3,6 +3,7 @@ the openai package, huggingface_hub's InferenceClient, SSE resume, cancellation 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -359,3 +360,30 @@ def test_inference_client_chat_completion(api: ApiServer) -> None:
     assert reply.model == api.settings.model
     chunks = list(client.chat_completion([{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
+
+
+def test_many_concurrent_streams_each_get_their_own_tokens(api: ApiServer) -> None:
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, list[int], str]:
+        body = {"inputs": f"Request number {i}", "parameters": {"max_new_tokens": 8, "ignore_eos": True}}
+        async with client.stream("POST", "/generate_stream", json=body) as response:
+            events = [json.loads(line[5:]) async for line in response.aiter_lines() if line.startswith("data:")]
+        return i, [e["token"]["id"] for e in events], events[-1]["generated_text"]
+
+    async def run() -> list[tuple[int, list[int], str]]:
+        async with httpx.AsyncClient(base_url=api.url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(12)))
+
+    results = asyncio.run(run())
+    with httpx.Client(base_url=api.url, timeout=120) as http:
+        for i, token_ids, text in results:
+            assert len(token_ids) == 8
+            # Greedy and float64: the same request alone gives the same tokens (no cross-talk between streams).
+            alone = http.post(
+                "/generate",
+                json={
+                    "inputs": f"Request number {i}",
+                    "parameters": {"max_new_tokens": 8, "ignore_eos": True, "details": True},
+                },
+            ).json()
+            assert [t["id"] for t in alone["details"]["tokens"]] == token_ids
+            assert alone["generated_text"] == text

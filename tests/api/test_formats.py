@@ -1,0 +1,119 @@
+"""Wire shapes without a server: queue events -> TGI's SSE events, and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from producer_api import sse, tgi_format
+from producer_api.dispatch import AnyEvent
+from shared.errors import ExpiredError
+from shared.schemas import DoneEvent, ErrorEvent, FinalResult, Timings, TokenEvent, TopLogprob, Usage
+
+
+def token(index: int, token_id: int, text: str, **extra: object) -> TokenEvent:
+    return TokenEvent(request_id="r", index=index, token_id=token_id, text=text, logprob=-0.5, **extra)  # type: ignore[arg-type]
+
+
+def result(text: str, token_ids: list[int]) -> FinalResult:
+    return FinalResult(
+        request_id="r",
+        model="m",
+        text=text,
+        token_ids=token_ids,
+        finish_reason="length",
+        usage=Usage(prompt_tokens=3, completion_tokens=len(token_ids), total_tokens=3 + len(token_ids)),
+        timings=Timings(submitted_at=1.0, started_at=2.0, finished_at=3.0),
+    )
+
+
+def relay(events: list[AnyEvent] | AsyncIterator[AnyEvent], **kwargs: object) -> list[tuple[str | None, dict]]:
+    async def source() -> AsyncIterator[AnyEvent]:
+        if isinstance(events, list):
+            for event in events:
+                yield event
+        else:
+            async for event in events:
+                yield event
+
+    async def run() -> list[str]:
+        options = {"path": "/generate_stream", "seed": 7, "special_ids": frozenset({2})} | kwargs
+        return [frame async for frame in tgi_format.stream_events(source(), **options)]  # type: ignore[arg-type]
+
+    parsed = []
+    for frame in asyncio.run(run()):
+        lines = frame.strip().split("\n")
+        event_id = lines[0][4:] if lines[0].startswith("id: ") else None
+        parsed.append((event_id, json.loads(lines[-1][6:])))
+    return parsed
+
+
+def test_the_last_token_event_carries_generated_text_and_details() -> None:
+    frames = relay(
+        [
+            token(0, 10, "Hel"),
+            token(1, 11, "lo", finish_reason="length"),
+            DoneEvent(request_id="r", result=result("Hello", [10, 11])),
+        ]
+    )
+    assert [f["index"] for _, f in frames] == [0, 1]
+    first, last = frames[0][1], frames[1][1]
+    assert first == {
+        "index": 0,
+        "token": {"id": 10, "text": "Hel", "logprob": -0.5, "special": False},
+        "generated_text": None,
+        "details": None,
+        "top_tokens": None,
+    }
+    assert last["generated_text"] == "Hello"
+    assert last["details"] == {"finish_reason": "length", "generated_tokens": 2, "input_length": 3, "seed": 7}
+
+
+def test_top_tokens_mark_special_ids_and_prefix_is_prepended() -> None:
+    tops = [TopLogprob(token_id=2, text="</s>", logprob=-1.0), TopLogprob(token_id=5, text="a", logprob=-2.0)]
+    frames = relay(
+        [token(0, 5, "a", top_logprobs=tops), DoneEvent(request_id="r", result=result("a", [5]))], prefix="Q: "
+    )
+    assert frames[0][1]["top_tokens"] == [
+        {"id": 2, "text": "</s>", "logprob": -1.0, "special": True},
+        {"id": 5, "text": "a", "logprob": -2.0, "special": False},
+    ]
+    assert frames[0][1]["generated_text"] == "Q: a"
+
+
+def test_ids_are_token_indexes_for_resume() -> None:
+    frames = relay(
+        [token(3, 1, "x"), token(4, 2, "y"), DoneEvent(request_id="r", result=result("..xy", [0, 0, 0, 1, 2]))],
+        with_ids=True,
+    )
+    assert [event_id for event_id, _ in frames] == ["3", "4"]
+
+
+def test_resuming_after_the_last_token_restates_it_with_the_result() -> None:
+    frames = relay([DoneEvent(request_id="r", result=result("ab", [7, 8]))], with_ids=True)
+    assert frames == [("1", frames[0][1])]
+    assert frames[0][1]["token"]["id"] == 8 and frames[0][1]["generated_text"] == "ab"
+
+
+def test_an_error_event_ends_the_stream_in_tgi_error_shape() -> None:
+    frames = relay([token(0, 1, "x"), ErrorEvent(request_id="r", error_type="generation", message="engine broke")])
+    assert frames[-1][1] == {"error": "engine broke", "error_type": "generation"}
+    assert frames[0][1]["index"] == 0  # the token before the error still goes out
+
+
+def test_a_failure_while_following_becomes_an_error_event() -> None:
+    async def failing() -> AsyncIterator[AnyEvent]:
+        yield token(0, 1, "x")
+        raise ExpiredError("deadline passed")
+
+    frames = relay(failing())
+    assert frames[-1][1] == {"error": "deadline passed", "error_type": "expired"}
+
+
+def test_sse_framing() -> None:
+    assert sse.event({"a": 1}) == 'data: {"a":1}\n\n'
+    assert sse.event("raw", event_id=4) == "id: 4\ndata: raw\n\n"
+    assert sse.parse_last_event_id(" 12 ") == 12
+    assert sse.parse_last_event_id("abc") is None
+    assert sse.parse_last_event_id(None) is None
