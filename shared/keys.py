@@ -65,6 +65,10 @@ class Keys:
         """String: the bytes of a file kept in Redis (small files; large ones live on disk)."""
         return self._k("filedata", file_id)
 
+    def files(self) -> str:
+        """Sorted set of file ids scored by creation time (GET /v1/files pages over it)."""
+        return self._k("files")
+
     def batch(self, batch_id: str) -> str:
         """Hash: a batch's OpenAI-shaped fields (status, counts, file ids, timestamps)."""
         return self._k("batch", batch_id)
