@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
+
+import httpx
 
 from shared.client import QueueClient
 from shared.keys import CONSUMER_GROUP
 from shared.lifecycle import RequestStatus
+from shared.redis_server import free_port
 from shared.schemas import DeadLetter, DoneEvent, ErrorEvent, SamplingSpec, TokenEvent
 from shared.transitions import STREAM_FIELD
 from tests.worker.conftest import greedy
@@ -33,8 +38,9 @@ def tokens_sent(client: QueueClient, request_id: str) -> int:
     return client.redis.xlen(client.keys.replay_log(request_id))
 
 
-def test_a_worker_serves_a_request_and_stores_its_result(spawn_worker, client, reference) -> None:
-    spawn_worker("solo")
+def test_a_worker_serves_a_request_and_stores_its_result(spawn_worker, client, reference, worker_env) -> None:
+    metrics_port = free_port()
+    spawn_worker("solo", "--metrics-port", str(metrics_port))
     request_id = client.submit(client.settings.model, PROMPT, greedy(12))
     result = client.result(request_id, timeout=30)
     assert result.token_ids == reference(PROMPT, 12)
@@ -46,6 +52,13 @@ def test_a_worker_serves_a_request_and_stores_its_result(spawn_worker, client, r
     assert client.redis.ttl(client.keys.request(request_id)) > 0
     stream = client.keys.stream(client.settings.model, 1)
     assert client.redis.xpending(stream, CONSUMER_GROUP)["pending"] == 0, "finished entries are acknowledged"
+    shown = subprocess.run(
+        [sys.executable, "-m", "inflightq_cli", "status"], env=worker_env, capture_output=True, text=True, check=True
+    ).stdout
+    assert "1 live worker(s)" in shown and "solo" in shown and "p0=0 p1=0 p2=0 p3=0" in shown
+    metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    assert 'inflightq_worker_generated_tokens_total{model="' in metrics
+    assert "inflightq_worker_completed_total{model=" in metrics and "inflightq_worker_free_kv_blocks" in metrics
 
 
 def test_strict_priority_order_when_the_batch_is_full(spawn_worker, client) -> None:
@@ -63,8 +76,9 @@ def test_strict_priority_order_when_the_batch_is_full(spawn_worker, client) -> N
 
 
 def test_two_workers_share_one_queue(spawn_worker, client, reference) -> None:
-    spawn_worker("share-a", "--max-num-seqs", "2")
-    spawn_worker("share-b", "--max-num-seqs", "2")
+    workers = [spawn_worker(name, "--max-num-seqs", "2", ready=False) for name in ("share-a", "share-b")]
+    for worker in workers:
+        worker.wait_ready(client)
     ids = [client.submit(client.settings.model, prompt(i), greedy(24)) for i in range(8)]
     results = [client.result(r, timeout=60) for r in ids]
     assert {r.worker for r in results} == {"share-a", "share-b"}
@@ -121,8 +135,9 @@ def test_a_late_subscriber_gets_the_whole_stream(spawn_worker, client) -> None:
 
 def test_kill_9_mid_generation_is_taken_over_with_identical_output(spawn_worker, client, reference) -> None:
     model = client.settings.model
-    victim = spawn_worker("victim", "--max-num-seqs", "2")
-    spawn_worker("survivor", "--max-num-seqs", "2")
+    victim, survivor = (spawn_worker(name, "--max-num-seqs", "2", ready=False) for name in ("victim", "survivor"))
+    victim.wait_ready(client)
+    survivor.wait_ready(client)
     n = 80
     ids = [client.submit(model, prompt(i), greedy(n)) for i in range(4)]
     streams: dict[str, list] = {r: [] for r in ids}
@@ -196,17 +211,23 @@ def test_sigterm_past_the_drain_timeout_hands_the_rest_back(spawn_worker, client
     hurried = spawn_worker("hurried", env={"INFLIGHTQ_DRAIN_TIMEOUT_S": "0.3"})
     model = client.settings.model
     request_id = client.submit(model, PROMPT, greedy(300))
-    wait_for(lambda: tokens_sent(client, request_id) > 5)
+    seeded = SamplingSpec(max_new_tokens=300, temperature=0.8, top_p=0.95, seed=77, ignore_eos=True)
+    sampled_id = client.submit(model, prompt(1), seeded)
+    wait_for(lambda: tokens_sent(client, request_id) > 5 and tokens_sent(client, sampled_id) > 5)
     hurried.signal(signal.SIGTERM)
     assert hurried.wait(timeout=30) == 0
-    info = client.status(request_id)
-    assert info is not None and info.status is RequestStatus.RUNNING and info.worker == "hurried"
-    sent = tokens_sent(client, request_id)
-    assert sent < 300
+    for rid in (request_id, sampled_id):
+        info = client.status(rid)
+        assert info is not None and info.status is RequestStatus.RUNNING and info.worker == "hurried"
+        assert tokens_sent(client, rid) < 300
     spawn_worker("heir")
     result = client.result(request_id, timeout=120)
     assert result.worker == "heir" and result.token_ids == reference(PROMPT, 300)
     assert client.status(request_id).attempt == 1  # type: ignore[union-attr]
+    # Seeded sampling resumes where it stopped too: same tokens as an uninterrupted run.
+    resumed = client.result(sampled_id, timeout=120)
+    uninterrupted = client.result(client.submit(model, prompt(1), seeded), timeout=120)
+    assert resumed.token_ids == uninterrupted.token_ids
 
 
 def test_sampled_requests_get_a_seed_and_resume_identically(spawn_worker, client) -> None:
