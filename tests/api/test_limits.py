@@ -81,7 +81,7 @@ def test_sampling_gets_a_seed_and_choices_get_distinct_reproducible_seeds() -> N
     assert info.value.field == "top_p"
 
 
-def test_openai_logprobs_offsets_and_finish_reasons() -> None:
+def test_openai_completion_logprobs_carry_text_offsets() -> None:
     tokens = [TokenEvent(request_id="r", index=i, token_id=i, text=t, logprob=-1.0) for i, t in enumerate(["ab", "c"])]
     shaped = completion_logprobs(tokens, offset=5, top=0)
     assert shaped == {
