@@ -7,11 +7,11 @@ Logprobs are ``log_softmax`` of the RAW logits, before penalties, temperature an
 OpenAI and vLLM (``logprobs_mode="raw_logprobs"``) report, and the only choice under which a
 greedy and a sampled request report the same numbers for the same model state.
 
-Seeded draws: a row's randomness comes from a generator seeded with a hash of (seed, index), so
-its token depends only on its own logits, seed and position, never on its neighbours in the
-batch, and a request resumed at index k after a crash draws exactly what it would have. A draw
-is an exponential race, argmax(p_i / E_i) with E_i ~ Exp(1): the noise is per row, the argmax
-one batched op."""
+Seeded draws: a draw is an inverse-CDF lookup of one uniform number per row, and a seeded row's
+number is a hash of (seed, index). Its token therefore depends only on its own logits, seed and
+position, never on its neighbours in the batch, and a request resumed at index k after a crash
+draws exactly what it would have. One number per row instead of a vocabulary's worth of noise
+(an exponential race) makes a full-vocabulary draw a softmax, a cumsum and a search."""
 
 from __future__ import annotations
 
@@ -65,7 +65,6 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.num_candidates = num_candidates
-        self._generator = torch.Generator(device=self.device)
         self._penalties = PenaltyTracker(vocab_size, self.device)
         # request id -> (grammar, DFA state, output tokens consumed), caught up like the penalties
         self._grammar_states: dict[str, tuple[Grammar, int, int]] = {}
@@ -180,16 +179,25 @@ class Sampler:
         return tokens
 
     def _race(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Index of a draw from softmax(logits) per row, each row with its own noise."""
+        """Index of a draw from softmax(logits) per row: inverse CDF, one uniform number per row.
+        A seeded row's number is a hash of (seed, index), so it needs no generator state at all."""
         probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
-        if unseeded:
-            noise[unseeded] = torch.rand(len(unseeded), probs.shape[1], dtype=probs.dtype, device=probs.device)
-        for i, row in enumerate(rows):
-            seed = row.params.seed
-            if seed is not None:
-                self._generator.manual_seed(derive_seed(seed, row.index))
-                noise[i].uniform_(generator=self._generator)
-        # -log(U) ~ Exp(1); U = 0 gives inf, which only makes that token lose.
-        return (probs / noise.log_().neg_()).argmax(dim=-1)
+        cdf = probs.cumsum(dim=-1)
+        uniforms = [_uniform(r.params.seed, r.index) if r.params.seed is not None else -1.0 for r in rows]
+        u = torch.tensor(uniforms, dtype=torch.float64)
+        unseeded = u < 0
+        if bool(unseeded.any()):
+            u[unseeded] = torch.rand(int(unseeded.sum()), dtype=torch.float64)
+        target = u.to(device=cdf.device, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
+        picked = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
+        # Rounding can land the target on the CDF's flat tail (zero-probability tokens): take the
+        # most likely token instead, a correction of the order of float epsilon.
+        bad = probs.gather(1, picked) == 0
+        if bool(bad.any()):
+            picked = torch.where(bad, probs.argmax(dim=-1, keepdim=True), picked)
+        return picked[:, 0]
+
+
+def _uniform(seed: int, index: int) -> float:
+    """A number in [0, 1) fixed by (seed, index): 53 bits of derive_seed."""
+    return (derive_seed(seed, index) >> 10) / float(1 << 53)
