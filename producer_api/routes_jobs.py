@@ -149,7 +149,9 @@ async def get_job(request: Request, job_id: str = JobId, key: ApiKey | None = De
     responses={
         200: {
             "description": "Server-sent events in /generate_stream's shape, each with `id: <token index>`; send "
-            "`Last-Event-ID` (or `?last_event_id=`) to resume after that token. Ends after the job's last event.",
+            "`Last-Event-ID` (or `?last_event_id=`) to resume after that token. Ends after the job's last event, "
+            "or with an `unavailable` error event when no worker has served the model for no_worker_wait_s (the "
+            "job itself stays queued: reconnect later). Leaving the stream does not cancel the job.",
             "content": {"text/event-stream": {"schema": StreamResponse.model_json_schema()}},
         },
         **TGI_ERRORS,
