@@ -12,12 +12,12 @@ from typing import Literal
 
 import redis
 from anyio import to_thread
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import BaseModel
 
 from producer_api.auth import authenticate
 from producer_api.state import state_of
-from shared.batch_files import FileObject
+from shared.batch_files import FileObject, FilePage
 from shared.batch_store import BatchStore
 from shared.errors import ValidationError
 
@@ -63,6 +63,16 @@ async def create_file(request: Request) -> FileObject:
     filename = file_part.get_filename() or "upload.jsonl"
     store = batch_store(request)
     return await to_thread.run_sync(lambda: store.files.put(content, filename=filename, purpose=purpose))
+
+
+@router.get("/v1/files", response_model=FilePage, summary="Files, newest first")
+def list_files(
+    purpose: str | None = Query(None, description="Only files of this purpose (batch, batch_output)."),
+    limit: int = Query(100, ge=1, le=10_000),
+    after: str | None = Query(None, description="The last id of the previous page."),
+    store: BatchStore = Depends(batch_store),
+) -> FilePage:
+    return store.files.list(purpose=purpose, limit=limit, after=after)
 
 
 @router.get("/v1/files/{file_id}", response_model=FileObject, summary="A file's metadata")

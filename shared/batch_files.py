@@ -44,6 +44,14 @@ def unix_now() -> int:
     return int(time.time())
 
 
+class FilePage(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
 class FileStore:
     def __init__(self, settings: Settings, client: redis.Redis) -> None:
         self.settings = settings
@@ -79,6 +87,7 @@ class FileStore:
             pipe.delete(self.keys.file(file_id))
             pipe.hset(self.keys.file(file_id), mapping={k: str(v) for k, v in meta.items()})
             pipe.expire(self.keys.file(file_id), self.ttl_s)
+            pipe.zadd(self.keys.files(), {file_id: time.time()})
             pipe.execute()
         return self._object(meta)
 
@@ -124,6 +133,41 @@ class FileStore:
             raise NotFoundError(f"the content of file {file_id!r} has expired")
         return data if isinstance(data, bytes) else str(data).encode()
 
+    def list(self, *, purpose: str | None = None, limit: int = 100, after: str | None = None) -> FilePage:
+        """Newest first; ``after`` is the last id of the previous page. Expired files drop out here."""
+        limit = max(1, min(limit, 10_000))
+        start = 0
+        if after:
+            rank = self.redis.zrevrank(self.keys.files(), after)
+            if rank is None:
+                raise NotFoundError(f"no file {after!r}")
+            start = int(rank) + 1  # type: ignore[arg-type]
+        found: list[FileObject] = []
+        has_more = False
+        while not has_more:
+            ids = [as_text(i) for i in self.redis.zrevrange(self.keys.files(), start, start + limit)]  # type: ignore[union-attr]
+            if not ids:
+                break
+            start += len(ids)
+            for file_id in ids:
+                try:
+                    item = self.get(file_id)
+                except NotFoundError:
+                    self.redis.zrem(self.keys.files(), file_id)
+                    start -= 1
+                    continue
+                if purpose is None or item.purpose == purpose:
+                    if len(found) == limit:
+                        has_more = True
+                        break
+                    found.append(item)
+        return FilePage(
+            data=found,
+            first_id=found[0].id if found else None,
+            last_id=found[-1].id if found else None,
+            has_more=has_more,
+        )
+
     def keep(self, file_id: str, ttl_s: int) -> None:
         """Make a file live at least ``ttl_s`` more seconds (a batch's input must outlive its window)."""
         until = unix_now() + ttl_s
@@ -154,6 +198,7 @@ class FileStore:
         if "path" in meta:
             Path(meta["path"]).unlink(missing_ok=True)
         self.redis.delete(self.keys.file(file_id), self.keys.file_content(file_id))
+        self.redis.zrem(self.keys.files(), file_id)
 
 
 def as_text(value: object) -> str:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import redis
 
 from shared.batch_lines import InputLine, batch_error_line, failed_response_line, output_line, parse_lines
-from shared.batch_store import MAX_BATCH_LINES, BatchErrorItem, BatchObject, BatchStatus, BatchStore
+from shared.batch_store import MAX_BATCH_LINES, BatchErrorItem, BatchObject, BatchStatus, BatchStore, BatchUsage
 from shared.client import QueueClient
 from shared.errors import InflightqError, NotFoundError, error_from_type
 from shared.schemas import FinalResult, SamplingSpec
@@ -311,9 +311,15 @@ class BatchRunner:
     def _write_files(self) -> None:
         outputs: list[str] = []
         errors: list[str] = []
+        usage = BatchUsage()
         for _, ok, doc in self.store.outcomes(self.batch_id):
             (outputs if ok else errors).append(json.dumps(doc, separators=(",", ":")))
-        fields: dict[str, str | int] = {}
+            if ok:
+                counted = doc["response"]["body"].get("usage") or {}
+                usage.input_tokens += int(counted.get("prompt_tokens", 0))
+                usage.output_tokens += int(counted.get("completion_tokens", 0))
+        usage.total_tokens = usage.input_tokens + usage.output_tokens
+        fields: dict[str, str | int] = {"usage": usage.model_dump_json()}
         if outputs or not errors:
             out = self.store.files.put(
                 _jsonl(outputs),

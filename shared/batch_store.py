@@ -82,6 +82,24 @@ class BatchErrors(BaseModel):
     data: list[BatchErrorItem] = Field(default_factory=list)
 
 
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class BatchUsage(BaseModel):
+    """Tokens of the batch's successful requests, summed when it ends."""
+
+    input_tokens: int = 0
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int = 0
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int = 0
+
+
 class BatchObject(BaseModel):
     """OpenAI's ``Batch`` object; ``model`` (optional there too) names the model every line runs on."""
 
@@ -106,6 +124,7 @@ class BatchObject(BaseModel):
     request_counts: RequestCounts = Field(default_factory=RequestCounts)
     metadata: dict[str, str] | None = None
     model: str | None = None
+    usage: BatchUsage | None = None
 
 
 class BatchPage(BaseModel):
@@ -246,6 +265,7 @@ class BatchStore:
             ),
             metadata=json.loads(f["metadata"]) if f.get("metadata") else None,
             model=f.get("model") or None,
+            usage=BatchUsage.model_validate_json(f["usage"]) if f.get("usage") else None,
         )
 
     def status(self, batch_id: str) -> BatchStatus:

@@ -65,6 +65,7 @@ def test_openai_files_and_batches_calls_work_unmodified(
     assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (8, 6, 2)
     assert done.in_progress_at and done.finalizing_at and done.completed_at
     assert done.output_file_id and done.error_file_id
+    assert done.usage is not None and done.usage.output_tokens >= 6 and done.usage.input_tokens > 0
 
     outputs = jsonl(oai.files.content(done.output_file_id).content)
     assert [o["custom_id"] for o in outputs] == good  # every good line once, in input order
@@ -107,7 +108,9 @@ def test_unknown_ids_and_bad_uploads_are_openai_errors(oai: openai.OpenAI) -> No
     uploaded = oai.files.create(file=("x.jsonl", b"{}"), purpose="batch")
     with pytest.raises(openai.UnprocessableEntityError):
         oai.batches.create(input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h")
+    assert uploaded.id in [f.id for f in oai.files.list(purpose="batch")]
     assert oai.files.delete(uploaded.id).deleted
+    assert uploaded.id not in [f.id for f in oai.files.list()]
     with pytest.raises(openai.NotFoundError):
         oai.files.content(uploaded.id)
 

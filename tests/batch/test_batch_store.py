@@ -63,6 +63,18 @@ def test_files_on_disk_go_when_their_record_expires(store: BatchStore, tmp_path:
     assert (tmp_path / kept.id).exists() and not (tmp_path / gone.id).exists()
 
 
+def test_files_list_newest_first_by_purpose(store: BatchStore) -> None:
+    inputs = [store.files.put(b"{}", filename=f"in-{i}", purpose="batch") for i in range(3)]
+    output = store.files.put(b"{}", filename="out", purpose="batch_output")
+    page = store.files.list(purpose="batch", limit=2)
+    assert [f.id for f in page.data] == [inputs[2].id, inputs[1].id] and page.has_more
+    rest = store.files.list(purpose="batch", after=page.last_id)
+    assert [f.id for f in rest.data] == [inputs[0].id] and not rest.has_more
+    assert store.files.list().data[0].id == output.id
+    store.redis.delete(store.keys.file(inputs[1].id))  # expired
+    assert [f.id for f in store.files.list(purpose="batch").data] == [inputs[2].id, inputs[0].id]
+
+
 def test_file_limits_and_purpose(store: BatchStore) -> None:
     with pytest.raises(ValidationError):
         store.files.put(b"x", filename="f", purpose="fine-tune")
