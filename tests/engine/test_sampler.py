@@ -440,3 +440,16 @@ def test_no_logprobs_when_no_row_asks(sampler: Sampler) -> None:
 def test_stop_token_ids_and_ignore_eos_are_exposed_for_the_engine() -> None:
     params = SamplingParams(stop_token_ids=[7, 9], ignore_eos=True)
     assert params.stop_token_ids == [7, 9] and params.ignore_eos
+
+
+def test_the_callers_logits_are_left_untouched(sampler: Sampler) -> None:
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(9))
+    before = logits.clone()
+    rows = [
+        row(SamplingParams(temperature=0.8, top_p=0.5, seed=1), rid="a"),
+        row(SamplingParams(temperature=1.0, seed=2), rid="b"),
+        row(SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0, logprobs=3), rid="c", output=[1, 2, 3]),
+        row(SamplingParams(temperature=0.5, top_k=3, min_p=0.1, typical_p=0.9, seed=3), rid="d"),
+    ]
+    sampler.sample(logits, rows)
+    assert torch.equal(logits, before)
