@@ -4,6 +4,7 @@ Each subcommand imports its part lazily, so ``inflightq status`` never loads tor
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import typer
@@ -43,7 +44,21 @@ batch_app = typer.Typer(help="Batches of OpenAI requests, run at the lowest prio
 app.add_typer(batch_app, name="batch")
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from shared.batch_store import BatchObject, BatchStore
+
+
+@contextmanager
+def _batch_errors() -> Iterator[None]:
+    """A refused upload or an unknown id is a one-line message, not a traceback."""
+    from shared.errors import InflightqError
+
+    try:
+        yield
+    except InflightqError as err:
+        typer.echo(f"inflightq: {err.message}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _batch_store() -> BatchStore:
@@ -82,7 +97,7 @@ def batch_submit(
     wait: bool = typer.Option(False, "--wait", help="Show progress and wait until the batch ends."),
     output: str | None = typer.Option(None, help="With --wait: write the output file here."),
 ) -> None:
-    """Upload FILE and create a batch; prints its id (and, with --wait, its output file id)."""
+    """Upload FILE and create a batch; prints its id (and, with --wait, the finished batch)."""
     from pathlib import Path
 
     from shared.batch_lines import endpoint_of
@@ -92,8 +107,9 @@ def batch_submit(
     path = Path(file)
     content = path.read_bytes()
     endpoint = endpoint or endpoint_of(content) or "/v1/chat/completions"
-    uploaded = store.files.put(content, filename=path.name, purpose="batch")
-    batch = create_batch(store.settings, store, input_file_id=uploaded.id, endpoint=endpoint, model=model)
+    with _batch_errors():
+        uploaded = store.files.put(content, filename=path.name, purpose="batch")
+        batch = create_batch(store.settings, store, input_file_id=uploaded.id, endpoint=endpoint, model=model)
     print(batch.id, flush=True)
     if not wait:
         return
@@ -128,7 +144,8 @@ def _follow(store: BatchStore, batch_id: str) -> BatchObject:
 def batch_status(batch_id: str = typer.Argument(..., help="The batch id (batch_...).")) -> None:
     """Print a batch as /v1/batches/{id} shows it."""
     store = _batch_store()
-    print(store.get(batch_id).model_dump_json(indent=2, exclude_none=True))
+    with _batch_errors():
+        print(store.get(batch_id).model_dump_json(indent=2, exclude_none=True))
 
 
 @batch_app.command("cancel")
@@ -137,7 +154,8 @@ def batch_cancel(batch_id: str = typer.Argument(..., help="The batch id (batch_.
     from shared.batch_queue import cancel_batch
 
     store = _batch_store()
-    print(cancel_batch(store.settings, store, batch_id).model_dump_json(indent=2, exclude_none=True))
+    with _batch_errors():
+        print(cancel_batch(store.settings, store, batch_id).model_dump_json(indent=2, exclude_none=True))
 
 
 @app.command("api")
