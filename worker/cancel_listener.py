@@ -36,6 +36,10 @@ class CancelListener(threading.Thread):
                     pubsub.reset()
                     backoff.failed("cancel listener", error)
                     continue
+                except Exception:
+                    pubsub.reset()
+                    backoff.crashed("cancel listener")
+                    continue
                 if message is not None and message.get("type") == "message":
                     self.service.cancel(str(message["data"]))
         finally:

@@ -37,6 +37,8 @@ class Heartbeat(threading.Thread):
                 backoff.succeeded()
             except TRANSIENT as error:
                 backoff.failed("heartbeat", error)
+            except Exception:
+                backoff.crashed("heartbeat")
             if self.service.stopping.wait(self.every):
                 return
 

@@ -74,9 +74,12 @@ class Intake(threading.Thread):
             except TRANSIENT as error:
                 backoff.failed("intake", error)
             except redis.ResponseError as error:
-                if "NOGROUP" not in str(error):
-                    raise
-                ensure_groups(self.redis, self.keys, self.model, self.settings.priority_levels)
+                if "NOGROUP" in str(error):
+                    ensure_groups(self.redis, self.keys, self.model, self.settings.priority_levels)
+                else:
+                    backoff.crashed("intake")
+            except Exception:
+                backoff.crashed("intake")
 
     def read_once(self, room: int) -> Outcome:
         """One pass over the priorities; reads at most ``room`` entries."""

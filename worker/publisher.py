@@ -156,6 +156,10 @@ class Publisher(threading.Thread):
                     if self._stopped.is_set():
                         return
                     backoff.failed("publish", error)
+                except Exception:
+                    # Not an outage: sending it again would fail again and wedge every later write.
+                    log.exception("dropping a round trip of %d writes that cannot be sent", len(writes) + len(tokens))
+                    break
             with self._cond:
                 self._sent += handed
                 self._cond.notify_all()

@@ -25,5 +25,12 @@ class Backoff:
         self.stop.wait(self.delay)
         self.delay = min(self.cap, self.delay * 2)
 
+    def crashed(self, what: str) -> None:
+        """A bug, not an outage: logged with its traceback, and the thread carries on (a dead
+        intake or refresher would leave a worker that heartbeats but never works)."""
+        log.exception("unexpected error in %s; carrying on in %.1fs", what, self.delay)
+        self.stop.wait(self.delay)
+        self.delay = min(self.cap, self.delay * 2)
+
     def succeeded(self) -> None:
         self.delay = self.first

@@ -63,6 +63,8 @@ class Recovery(threading.Thread):
                 backoff.succeeded()
             except TRANSIENT as error:
                 backoff.failed("recovery", error)
+            except Exception:
+                backoff.crashed("recovery")
 
     def refresh(self) -> None:
         for stream, owned in self.service.inflight_by_stream().items():
