@@ -132,8 +132,13 @@ def client(settings: Settings) -> Iterator[QueueClient]:
 @pytest.fixture(scope="session")
 def reference(tiny_model_dir: Path) -> Callable[[list[int], int], list[int]]:
     """Greedy tokens of an uninterrupted run of the same engine, in this process."""
+    import torch
+
     from worker.engine import LLM, SamplingParams
 
+    # Like the workers (OMP_NUM_THREADS=1): on two shared cores a second intra-op thread makes
+    # every step several times slower, and float64 greedy output does not depend on it.
+    torch.set_num_threads(1)
     llm = LLM(str(tiny_model_dir), dtype="float64", device="cpu", num_kv_blocks=256)
     cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
 

@@ -230,7 +230,7 @@ def test_sigterm_past_the_drain_timeout_hands_the_rest_back(spawn_worker, client
     assert resumed.token_ids == uninterrupted.token_ids
 
 
-def test_sampled_requests_get_a_seed_and_resume_identically(spawn_worker, client) -> None:
+def test_a_seeded_sampled_request_is_reproducible(spawn_worker, client) -> None:
     spawn_worker("sampler")
     spec = SamplingSpec(max_new_tokens=16, temperature=0.9, top_k=50, seed=1234, ignore_eos=True)
     first = client.result(client.submit(client.settings.model, PROMPT, spec), timeout=30)
