@@ -181,7 +181,8 @@ class Dispatcher:
                     await asyncio.wait({pending}, timeout=check_every)
                     if pending.done():
                         break
-                    if await self.live_workers(model):
+                    # Draining workers count here: they still finish what they run.
+                    if await self.client.live_workers(model):
                         workerless_since = None
                         continue
                     now = time.monotonic()
