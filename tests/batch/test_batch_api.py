@@ -95,7 +95,9 @@ def test_batches_page_newest_first(oai: openai.OpenAI, stack_settings: Settings,
     second = oai.batches.list(limit=1, after=made[1].id)
     assert [b.id for b in second.data] == [made[0].id]
     # An input file without a single request fails the batch rather than completing an empty one.
-    assert _until(oai, made[0].id, {"failed", "completed"}).status == "failed"
+    failed = _until(oai, made[0].id, {"failed", "completed"})
+    assert failed.status == "failed" and failed.failed_at
+    assert failed.errors and failed.errors.data and failed.errors.data[0].code == "empty_file"
 
 
 def test_unknown_ids_and_bad_uploads_are_openai_errors(oai: openai.OpenAI) -> None:
@@ -194,7 +196,7 @@ def test_interactive_requests_keep_priority_over_a_running_batch(
     from shared.schemas import SamplingSpec, TokenEvent
 
     model, n = stack_settings.model, 24
-    lines = [chat_line(f"bulk-{i}", model, f"Item {i}", max_tokens=16, ignore_eos=True) for i in range(n)]
+    lines = [chat_line(f"bulk-{i}", model, f"Item {i}", max_tokens=12, ignore_eos=True) for i in range(n)]
     uploaded = store.files.put("\n".join(lines).encode(), filename="bulk.jsonl", purpose="batch")
     began = time.monotonic()
     batch = create_batch(stack_settings, store, input_file_id=uploaded.id, endpoint="/v1/chat/completions")
