@@ -387,3 +387,16 @@ def test_many_concurrent_streams_each_get_their_own_tokens(api: ApiServer) -> No
             ).json()
             assert [t["id"] for t in alone["details"]["tokens"]] == token_ids
             assert alone["generated_text"] == text
+
+
+def test_resuming_a_running_jobs_stream_continues_after_the_last_seen_token(http: httpx.Client) -> None:
+    job_id = http.post("/v1/jobs", json={"prompt": "Go on", **LONG}).json()["id"]
+    with http.stream("GET", f"/v1/jobs/{job_id}/stream") as response:
+        events = sse_events(response)
+        first = [next(events) for _ in range(3)]
+    assert http.get(f"/v1/jobs/{job_id}").json()["status"] == "running"  # leaving did not cancel it
+    with http.stream("GET", f"/v1/jobs/{job_id}/stream", headers={"last-event-id": first[-1][0]}) as response:
+        events = sse_events(response)
+        resumed = [next(events) for _ in range(3)]
+    assert [event_id for event_id, _ in first + resumed] == ["0", "1", "2", "3", "4", "5"]
+    http.delete(f"/v1/jobs/{job_id}")
