@@ -1,0 +1,307 @@
+"""``inflightq bench serve``: a serving load generator in the manner of ``vllm bench serve``.
+
+One run, one set of seeded synthetic chat prompts (bench/serve_dataset.py), several systems:
+
+- anchors in this process: our offline engine (``LLM.generate``, all requests at once; and each
+  request alone, for the low-load TTFT floor) and transformers' continuous batching;
+- the full stack, started here (``inflightq api`` + ``inflightq worker`` on Redis, own key prefix)
+  or already running (``--base-url``), driven through TGI's ``/generate_stream``, OpenAI's
+  ``/v1/chat/completions`` (both SSE) and straight through the queue client: first one request at
+  a time (low load), then Poisson arrivals at each ``--request-rate`` (inf = all at once);
+- the same at saturation with a second worker.
+
+Writes bench/results/serve-<date>.{json,md,png} and README-serve.md (table, plot, command).
+
+    python -m bench.serve --quick            # or: inflightq bench serve --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import gc
+import math
+import os
+import platform
+import shlex
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.serve_clients import ENDPOINTS, Sender, chat_sender, queue_sender, run_load, tgi_sender
+from bench.serve_dataset import ChatSample, describe, synthetic_chat
+from bench.serve_metrics import print_summary, summarize
+from bench.serve_stack import Stack, wait_for_quiet
+from shared.async_client import AsyncQueueClient
+from shared.settings import Settings, get_settings
+
+QUICK_REQUESTS = 100
+LABELS = {"generate_stream": "API /generate_stream", "chat": "API /v1/chat/completions", "queue": "queue client"}
+
+
+def rate_label(rate: float) -> str | float:
+    return "inf" if math.isinf(rate) else rate
+
+
+class Runner:
+    """Runs load against one stack; each run presents a fresh API key (a fresh prefix-cache tenant)."""
+
+    def __init__(self, settings: Settings, base_url: str, api_keys: list[str], quiet: set[int] | None = None) -> None:
+        self.settings, self.base_url, self.api_keys = settings, base_url, api_keys
+        self.used = 0
+        self.quiet = quiet  # own pids, when runs must wait for other benchmarks to finish
+        self.contended: list[str] = []
+
+    def _sender(self, endpoint: str, http: httpx.AsyncClient, queue: AsyncQueueClient) -> Sender:
+        key = self.api_keys[self.used % len(self.api_keys)] if self.api_keys else ""
+        self.used += 1
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        if endpoint == "generate_stream":
+            return tgi_sender(http, headers)
+        if endpoint == "chat":
+            return chat_sender(http, headers, self.settings.model)
+        return queue_sender(queue, self.settings.model, tenant=f"bench-{key or uuid.uuid4().hex}")
+
+    async def run(
+        self, endpoint: str, samples: list[ChatSample], *, rate: float = math.inf, concurrency: int | None = None
+    ) -> dict[str, Any]:
+        if self.quiet is not None:
+            self.contended += wait_for_quiet(self.quiet, max_wait_s=300)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        timeout = httpx.Timeout(None, connect=30)
+        async with (
+            httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=timeout) as http,
+            AsyncQueueClient(self.settings) as queue,
+        ):
+            send = self._sender(endpoint, http, queue)
+            results, duration = await run_load(send, samples, request_rate=rate, max_concurrency=concurrency)
+        return summarize(results, duration)
+
+
+def run_phase(runner: Runner, plan: list[dict[str, Any]], samples: dict[str, list[ChatSample]]) -> list[dict]:
+    """Runs each planned run in order; returns them with their metrics."""
+    done = []
+    for spec in plan:
+        rate, concurrency = spec.get("rate", math.inf), spec.get("concurrency")
+        metrics = asyncio.run(runner.run(spec["endpoint"], samples[spec["phase"]], rate=rate, concurrency=concurrency))
+        row = {**spec, "rate": rate_label(rate), "system": LABELS[spec["endpoint"]], "metrics": metrics}
+        title = f"{row['system']}, {spec['workers']} worker(s), rate {row['rate']}, concurrency {concurrency}"
+        print_summary(title, metrics)
+        done.append(row)
+    return done
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="inflightq bench serve", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="default: INFLIGHTQ_MODEL")
+    p.add_argument("--dtype", default=None, help="auto, float32, bfloat16 (default: INFLIGHTQ_DTYPE)")
+    p.add_argument("--quick", action="store_true", help=f"{QUICK_REQUESTS} requests instead of 1,000")
+    p.add_argument("--num-requests", type=int, default=None, help="default 1000 (100 with --quick)")
+    p.add_argument("--input-len", default="50,500", help="prompt tokens, min,max (uniform)")
+    p.add_argument("--output-len", default="10,200", help="new tokens, min,max (uniform; ignore_eos)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-rate", default="inf", help="comma list of requests/s; inf = all at once")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight in rate runs")
+    p.add_argument("--endpoints", default=",".join(ENDPOINTS), help="generate_stream,chat,queue")
+    p.add_argument("--low-load-requests", type=int, default=8, help="requests sent one at a time (0 = skip)")
+    p.add_argument("--workers", default="1,2", help="worker counts; beyond the first only at saturation")
+    p.add_argument("--skip-anchors", action="store_true", help="no offline engine / transformers runs")
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--base-url", default=None, help="use this running API (its Redis/prefix from INFLIGHTQ_*)")
+    p.add_argument("--api-key", default=None, help="with --base-url: the key to present")
+    p.add_argument("--no-wait", action="store_true", help="do not wait for other benchmarks to finish")
+    p.add_argument("--out", default="bench/results", help="folder for serve-<date>.*; '' to skip writing")
+    return p.parse_args(argv)
+
+
+def bench_settings(args: argparse.Namespace) -> Settings:
+    base = get_settings()
+    update: dict[str, Any] = {"model": args.model or base.model, "dtype": args.dtype or base.dtype}
+    if args.base_url is None:  # a stack of our own: keys nobody else reads or deletes
+        update["key_prefix"] = f"bench-serve-{uuid.uuid4().hex[:8]}"
+        update["max_queue_depth"] = max(base.max_queue_depth, 4096)  # inf rate enqueues all at once
+    return base.model_copy(update=update)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    from shared.model_source import load_tokenizer
+
+    settings = bench_settings(args)
+    num = args.num_requests or (QUICK_REQUESTS if args.quick else 1000)
+    lo_in, hi_in = map(int, args.input_len.split(","))
+    lo_out, hi_out = map(int, args.output_len.split(","))
+    tokenizer = load_tokenizer(settings.model)
+    samples = synthetic_chat(tokenizer, num, input_len=(lo_in, hi_in), output_len=(lo_out, hi_out), seed=args.seed)
+    phases = {"low_load": samples[: args.low_load_requests], "sweep": samples, "scale": samples}
+    warm = synthetic_chat(tokenizer, 8, input_len=(40, 60), output_len=(4, 4), seed=args.seed + 1)
+    endpoints = [e for e in args.endpoints.split(",") if e]
+    rates = [float(r) for r in args.request_rate.split(",")]
+    workers = [int(w) for w in args.workers.split(",")]
+    report: dict[str, Any] = {
+        "command": "inflightq bench serve "
+        + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "model": settings.model,
+        "dtype": settings.dtype,
+        "engine": {
+            k: getattr(settings, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks")
+        },
+        "dataset": {
+            **describe(samples),
+            "seed": args.seed,
+            "input_len": [lo_in, hi_in],
+            "output_len": [lo_out, hi_out],
+        },
+        "anchors": {},
+        "runs": [],
+    }
+    if not args.no_wait:
+        report["contended"] = wait_for_quiet(set(), max_wait_s=300)
+    if not args.skip_anchors:
+        report["anchors"] = run_anchors(settings, samples, phases["low_load"], args)
+        report["dtype"] = report["anchors"].pop("dtype")
+    report["runs"] = run_stack(settings, args, endpoints, rates, workers, phases, warm)
+    report["targets"] = targets(report)
+    if args.out:
+        from bench.serve_report import write
+
+        write(report, Path(args.out))
+    return report
+
+
+def run_anchors(
+    settings: Settings, samples: list[ChatSample], low: list[ChatSample], args: argparse.Namespace
+) -> dict[str, Any]:
+    from bench.serve_anchors import load_offline, offline_generate, offline_one_at_a_time, transformers_cb, warm_up
+    from worker.engine.hardware import resolve_dtype
+
+    dtype = resolve_dtype(settings.dtype, None)
+    anchors: dict[str, Any] = {"dtype": str(dtype).replace("torch.", "")}
+    llm = load_offline(settings, dtype)
+    warm_up(llm, len(llm.tokenizer))
+    anchors["offline_engine"] = offline_generate(llm, samples)
+    print(f"offline engine (LLM.generate): {anchors['offline_engine']['output_throughput']} tok/s", flush=True)
+    if low:
+        anchors["offline_engine_low_load"] = offline_one_at_a_time(llm, low, tenant="low-load")
+        print_summary("offline engine, one request at a time", anchors["offline_engine_low_load"])
+    del llm
+    gc.collect()
+    if not args.skip_transformers:
+        anchors["transformers_cb"] = transformers_cb(settings, dtype, samples)
+        print(f"transformers CB: {anchors['transformers_cb']['output_throughput']} tok/s", flush=True)
+        gc.collect()
+    return anchors
+
+
+def run_stack(
+    settings: Settings,
+    args: argparse.Namespace,
+    endpoints: list[str],
+    rates: list[float],
+    workers: list[int],
+    phases: dict[str, list[ChatSample]],
+    warm: list[ChatSample],
+) -> list[dict[str, Any]]:
+    keys = [f"bench-{uuid.uuid4().hex[:12]}" for _ in range(256)]
+    stack = None if args.base_url else Stack(settings, keys)
+    try:
+        if stack is not None:
+            stack.start(workers=workers[0])
+            own = {c.pid for c in [stack.api, *stack.workers] if c is not None}
+            runner = Runner(settings, stack.base_url, keys, None if args.no_wait else own)
+        else:
+            runner = Runner(settings, args.base_url, [args.api_key] if args.api_key else [], None)
+        warm_stack(runner, endpoints, warm)
+        plan: list[dict[str, Any]] = []
+        if phases["low_load"]:
+            plan += [{"phase": "low_load", "endpoint": e, "workers": workers[0], "concurrency": 1} for e in endpoints]
+        plan += [
+            {"phase": "sweep", "endpoint": e, "workers": workers[0], "rate": r, "concurrency": args.max_concurrency}
+            for r in rates  # rate-major: the systems at one rate run close together in time
+            for e in endpoints
+        ]
+        runs = run_phase(runner, plan, phases)
+        for count in workers[1:]:
+            if stack is None:
+                print("--base-url: cannot add workers; skipping the worker-count comparison")
+                break
+            while len(stack.workers) < count:
+                stack.add_worker()
+            runner.quiet = None if args.no_wait else {c.pid for c in [stack.api, *stack.workers] if c is not None}
+            warm_stack(runner, endpoints[:1], warm)
+            scale = [
+                {"phase": "scale", "endpoint": endpoints[0], "workers": count, "concurrency": args.max_concurrency}
+            ]
+            runs += run_phase(runner, scale, phases)
+        if runner.contended:
+            print(f"WARNING: measured beside other benchmarks: {runner.contended[:3]}")
+        return runs
+    finally:
+        if stack is not None:
+            stack.stop()
+
+
+def warm_stack(runner: Runner, endpoints: list[str], warm: list[ChatSample]) -> None:
+    """First-call costs (model kernels, connection pools) out of the way, on prompts no run sends."""
+    quiet, runner.quiet = runner.quiet, None
+    for endpoint in endpoints:
+        asyncio.run(runner.run(endpoint, warm))
+    runner.quiet = quiet
+
+
+def targets(report: dict[str, Any]) -> dict[str, Any]:
+    """The issue's two targets, as ratios and differences against anchors from this same run."""
+    out: dict[str, Any] = {}
+    runs, anchors = report["runs"], report["anchors"]
+    first_workers = min((r["workers"] for r in runs), default=1)
+    saturated = {
+        r["endpoint"]: r for r in runs if r["phase"] == "sweep" and r["rate"] == "inf" and r["workers"] == first_workers
+    }
+    offline = anchors.get("offline_engine", {}).get("output_throughput")
+    if offline and saturated:
+        ratios = {e: round(r["metrics"]["output_throughput"] / offline, 3) for e, r in saturated.items()}
+        out["throughput_vs_offline_engine"] = {
+            "ratios": ratios,
+            "target": 0.9,
+            "met": {e: v >= 0.9 for e, v in ratios.items()},
+        }
+    low = {r["endpoint"]: r["metrics"]["ttft_ms"]["p50"] for r in runs if r["phase"] == "low_load"}
+    floors = {
+        "offline_engine": anchors.get("offline_engine_low_load", {}).get("ttft_ms", {}).get("p50"),
+        "queue client": low.get("queue"),
+    }
+    added = {
+        f"{e} vs {name}": round(low[e] - floor, 2)
+        for e in ("generate_stream", "chat")
+        if e in low
+        for name, floor in floors.items()
+        if floor is not None
+    }
+    if added:
+        out["p50_ttft_added_ms_at_low_load"] = {
+            "added": added,
+            "target": 15.0,
+            "met": {k: v <= 15.0 for k, v in added.items()},
+        }
+    scale = {r["workers"]: r["metrics"]["output_throughput"] for r in runs if r["phase"] == "scale"}
+    if scale and saturated.get(runs[-1]["endpoint"]):
+        base = saturated[runs[-1]["endpoint"]]["metrics"]["output_throughput"]
+        out["workers_scaling"] = {f"{w} vs {first_workers}": round(v / base, 3) for w, v in scale.items()}
+    return out
+
+
+def machine() -> str:
+    import torch
+
+    threads = torch.get_num_threads()
+    return f"{platform.machine()}, {os.cpu_count()} cpus, {threads} torch threads, torch {torch.__version__}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The anchors, in this process, on the serving benchmark's own prompts: our offline engine
+(``LLM.generate``, every request at once) and transformers' continuous batching (bench/engine.py's
+runner), plus the engine's time to first token for one request alone (the floor any serving
+path adds to)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from bench.engine import run_transformers_cb
+from bench.serve_dataset import ChatSample
+from bench.serve_metrics import RequestResult, summarize
+from shared.settings import Settings
+
+
+def load_offline(settings: Settings, dtype: torch.dtype) -> Any:
+    """An ``LLM`` sized exactly as ``inflightq worker`` sizes its engine from the same settings."""
+    from worker.engine import LLM
+
+    return LLM(
+        settings.model,
+        dtype=dtype,
+        device="cpu",
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        block_size=settings.block_size,
+        num_kv_blocks=settings.num_kv_blocks,
+    )
+
+
+def warm_up(llm: Any, vocab_size: int) -> None:
+    from worker.engine import SamplingParams
+
+    # Token ids no benchmark prompt starts with, so the warm-up leaves nothing useful in the prefix cache.
+    llm.generate([[vocab_size - 1 - i for i in range(24)]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+
+
+def offline_generate(llm: Any, samples: list[ChatSample]) -> dict[str, Any]:
+    """Throughput of ``LLM.generate`` with every request submitted at once (the saturation anchor)."""
+    from worker.engine import SamplingParams
+
+    params = [SamplingParams(max_new_tokens=s.output_len, ignore_eos=True) for s in samples]
+    started = time.perf_counter()
+    outs = llm.generate([s.prompt_token_ids for s in samples], params)
+    wall = time.perf_counter() - started
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {
+        "requests": len(samples),
+        "completed": sum(1 for o in outs if o.finish_reason is not None),
+        "total_output_tokens": tokens,
+        "duration_s": round(wall, 3),
+        "output_throughput": round(tokens / wall, 2),
+        "request_throughput": round(len(samples) / wall, 3),
+    }
+
+
+def offline_one_at_a_time(llm: Any, samples: list[ChatSample], tenant: str) -> dict[str, Any]:
+    """Each request alone in the engine, timed per token event as a streaming client would see it:
+    the low-load floor. ``tenant`` salts the prefix cache so earlier runs' blocks are not reused."""
+    from worker.engine import SamplingParams
+
+    engine = llm.engine
+    results = []
+    started_all = time.perf_counter()
+    for i, sample in enumerate(samples):
+        result = RequestResult(sample.prompt_len, sample.output_len)
+        params = SamplingParams(max_new_tokens=sample.output_len, ignore_eos=True)
+        started = last = time.perf_counter()
+        engine.add_request(f"{tenant}-{i}", sample.prompt_token_ids, params, tenant=tenant)
+        while engine.has_unfinished():
+            for event in engine.step():
+                if event.token_id >= 0:
+                    last = result.record_token(started, time.perf_counter(), last)
+        result.latency, result.success = last - started, True
+        results.append(result)
+    return summarize(results, time.perf_counter() - started_all)
+
+
+def transformers_cb(settings: Settings, dtype: torch.dtype, samples: list[ChatSample]) -> dict[str, Any]:
+    out = run_transformers_cb(
+        settings.model, dtype, [s.prompt_token_ids for s in samples], [s.output_len for s in samples]
+    )
+    return {
+        "requests": len(samples),
+        "total_output_tokens": out["tokens"],
+        "duration_s": out["seconds"],
+        "output_throughput": out["tok_per_s"],
+        "request_throughput": round(len(samples) / out["seconds"], 3),
+    }

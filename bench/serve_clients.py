@@ -1,0 +1,161 @@
+"""The load generator: one coroutine per way in (TGI SSE, OpenAI chat SSE, the queue client), and
+the driver that releases requests on a Poisson clock or under a concurrency cap.
+
+Every sender times the request itself from just before it is sent, so the three ways in are
+measured by the same ruler; an error never raises out of a sender, it is recorded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from bench.serve_dataset import ChatSample
+from bench.serve_metrics import RequestResult
+from shared.async_client import AsyncQueueClient
+from shared.schemas import DoneEvent, ErrorEvent, SamplingSpec, TokenEvent
+
+Sender = Callable[[ChatSample], Awaitable[RequestResult]]
+ENDPOINTS = ("generate_stream", "chat", "queue")
+
+
+async def sse_data(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return
+        yield json.loads(payload)
+
+
+def tgi_sender(http: httpx.AsyncClient, headers: dict[str, str]) -> Sender:
+    async def send(sample: ChatSample) -> RequestResult:
+        result = RequestResult(sample.prompt_len, sample.output_len)
+        body = {"inputs": sample.prompt_text, "parameters": {"max_new_tokens": sample.output_len, "ignore_eos": True}}
+        started = last = time.perf_counter()
+        try:
+            async with http.stream("POST", "/generate_stream", json=body, headers=headers) as response:
+                if response.status_code != 200:
+                    result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                    return result
+                async for data in sse_data(response):
+                    if "error" in data:
+                        result.error = f"{data.get('error_type')}: {data['error']}"
+                        return result
+                    last = result.record_token(started, time.perf_counter(), last)
+                    if data.get("details"):
+                        result.reported_tokens = data["details"]["generated_tokens"]
+                        result.reported_prompt_tokens = data["details"]["input_length"]
+        except httpx.HTTPError as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+            return result
+        result.latency = last - started
+        result.success = result.reported_tokens is not None
+        result.error = "" if result.success else "stream ended without details"
+        return result
+
+    return send
+
+
+def chat_sender(http: httpx.AsyncClient, headers: dict[str, str], model: str) -> Sender:
+    async def send(sample: ChatSample) -> RequestResult:
+        result = RequestResult(sample.prompt_len, sample.output_len)
+        body = {
+            "model": model,
+            "messages": sample.messages,
+            "max_tokens": sample.output_len,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        started = last = time.perf_counter()
+        try:
+            async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+                if response.status_code != 200:
+                    result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                    return result
+                async for data in sse_data(response):
+                    if "error" in data:
+                        result.error = f"{data['error'].get('type')}: {data['error'].get('message')}"
+                        return result
+                    if data.get("usage"):
+                        result.reported_tokens = data["usage"]["completion_tokens"]
+                        result.reported_prompt_tokens = data["usage"]["prompt_tokens"]
+                    for choice in data.get("choices", []):
+                        delta = choice.get("delta", {})
+                        # The server sends one chunk per token; the opening chunk carries only the role.
+                        if "content" in delta and "role" not in delta:
+                            last = result.record_token(started, time.perf_counter(), last)
+        except httpx.HTTPError as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+            return result
+        result.latency = last - started
+        result.success = result.reported_tokens is not None
+        result.error = "" if result.success else "stream ended without usage"
+        return result
+
+    return send
+
+
+def queue_sender(client: AsyncQueueClient, model: str, tenant: str | None) -> Sender:
+    async def send(sample: ChatSample) -> RequestResult:
+        result = RequestResult(sample.prompt_len, sample.output_len)
+        spec = SamplingSpec(max_new_tokens=sample.output_len, ignore_eos=True)
+        started = last = time.perf_counter()
+        try:
+            request_id = await client.submit(model, sample.prompt_token_ids, spec, tenant=tenant)
+            async for event in client.stream(request_id, timeout=600):
+                if isinstance(event, TokenEvent):
+                    last = result.record_token(started, time.perf_counter(), last)
+                elif isinstance(event, DoneEvent):
+                    result.reported_tokens = event.result.usage.completion_tokens
+                    result.reported_prompt_tokens = event.result.usage.prompt_tokens
+                elif isinstance(event, ErrorEvent):
+                    result.error = f"{event.error_type}: {event.message}"
+                    return result
+        except Exception as exc:  # a benchmark records a failure and goes on
+            result.error = f"{type(exc).__name__}: {exc}"
+            return result
+        result.latency = last - started
+        result.success = result.reported_tokens is not None
+        result.error = "" if result.success else "stream ended without a result"
+        return result
+
+    return send
+
+
+async def run_load(
+    send: Sender,
+    samples: list[ChatSample],
+    *,
+    request_rate: float = math.inf,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+) -> tuple[list[RequestResult], float]:
+    """Releases ``samples`` in order with exponential gaps (Poisson arrivals; inf = all at once),
+    at most ``max_concurrency`` in flight; returns the results and the wall time of the whole run."""
+    rng = random.Random(seed)
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def one(sample: ChatSample) -> RequestResult:
+        if gate is None:
+            return await send(sample)
+        async with gate:
+            return await send(sample)
+
+    started = time.perf_counter()
+    tasks = []
+    for sample in samples:
+        tasks.append(asyncio.create_task(one(sample)))
+        if not math.isinf(request_rate):
+            await asyncio.sleep(rng.expovariate(request_rate))
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - started

@@ -1,0 +1,157 @@
+"""The serving benchmark's outputs: JSON (everything), a markdown table, a plot, and the README snippet."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def _clean(value: Any) -> Any:
+    """NaN (a statistic of no samples) is not JSON: write null."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def _ms(stats: dict[str, Any] | None, key: str) -> str:
+    value = (stats or {}).get(key)
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.0f}"
+
+
+def table(report: dict[str, Any]) -> list[str]:
+    lines = [
+        "| system | workers | rate (req/s) | concurrency | ok / failed | req/s | out tok/s "
+        "| TTFT p50 / p90 / p99 ms | TPOT p50 ms | ITL p50 / p99 ms | E2E p50 / p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    anchors = report.get("anchors", {})
+    for name, label in (("offline_engine", "offline engine `LLM.generate`"), ("transformers_cb", "transformers CB")):
+        if name in anchors:
+            a = anchors[name]
+            lines.append(
+                f"| {label} | - | inf | all | {a.get('completed', a['requests'])} / - | {a['request_throughput']} "
+                f"| **{a['output_throughput']}** | - | - | - | - |"
+            )
+    rows = (
+        [("offline engine, one request at a time", 1, "-", 1, anchors["offline_engine_low_load"])]
+        if ("offline_engine_low_load" in anchors)
+        else []
+    )
+    rows += [
+        (r["system"], r["workers"], r.get("rate", "-"), r.get("concurrency"), r["metrics"]) for r in report["runs"]
+    ]
+    for system, workers, rate, concurrency, m in rows:
+        ttft, itl, e2e = m["ttft_ms"], m["itl_ms"], m["e2e_ms"]
+        lines.append(
+            f"| {system} | {workers} | {rate} | {concurrency or '-'} | {m['completed']} / {m['failed']} "
+            f"| {m['request_throughput']} | **{m['output_throughput']}** "
+            f"| {_ms(ttft, 'p50')} / {_ms(ttft, 'p90')} / {_ms(ttft, 'p99')} | {_ms(m['tpot_ms'], 'p50')} "
+            f"| {_ms(itl, 'p50')} / {_ms(itl, 'p99')} | {_ms(e2e, 'p50')} / {_ms(e2e, 'p99')} |"
+        )
+    return lines
+
+
+def targets_lines(report: dict[str, Any]) -> list[str]:
+    t = report.get("targets", {})
+    lines = []
+    if "throughput_vs_offline_engine" in t:
+        x = t["throughput_vs_offline_engine"]
+        shown = ", ".join(f"{e} {v:.0%} ({'met' if x['met'][e] else 'NOT met'})" for e, v in x["ratios"].items())
+        lines.append(f"- Saturation throughput vs the offline engine (target >= 90%): {shown}.")
+    if "p50_ttft_added_ms_at_low_load" in t:
+        x = t["p50_ttft_added_ms_at_low_load"]
+        shown = ", ".join(f"{k} {v:+.1f} ms ({'met' if x['met'][k] else 'NOT met'})" for k, v in x["added"].items())
+        lines.append(f"- p50 TTFT added at low load (target <= +15 ms): {shown}.")
+    if "workers_scaling" in t:
+        shown = ", ".join(f"{k} workers: {v:.2f}x" for k, v in t["workers_scaling"].items())
+        lines.append(f"- Throughput with more workers, at saturation: {shown}.")
+    return lines
+
+
+def header(report: dict[str, Any]) -> list[str]:
+    d = report["dataset"]
+    return [
+        f"Command: `{report['command']}`  ",
+        f"Date: {report['date']}; machine: {report['machine']}; model `{report['model']}`, {report['dtype']}; "
+        f"engine {json.dumps(report['engine'])}  ",
+        f"Workload: {d['requests']} seeded synthetic chat requests (seed {d['seed']}), prompts {d['input_len'][0]}-"
+        f"{d['input_len'][1]} tokens ({d['prompt_tokens']['total']} in all), outputs {d['output_len'][0]}-"
+        f"{d['output_len'][1]} tokens ({d['output_tokens']['total']} in all), greedy, ignore_eos. "
+        "Each run uses a fresh prefix-cache tenant, so no run reuses another's KV blocks.",
+    ]
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in report["runs"] if r["phase"] in ("sweep", "scale")]
+    rates = sorted({r["rate"] for r in runs}, key=lambda x: math.inf if x == "inf" else float(x))
+    xs = {rate: i for i, rate in enumerate(rates)}
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    systems: dict[str, list[dict]] = {}
+    for r in runs:
+        systems.setdefault(f"{r['system']}, {r['workers']} worker{'s' if r['workers'] > 1 else ''}", []).append(r)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, rs) in enumerate(systems.items()):
+        color = colors[i % len(colors)]
+        x = [xs[r["rate"]] for r in rs]
+        axes[0].plot(x, [r["metrics"]["output_throughput"] for r in rs], "o-", color=color, label=label)
+        for ax, metric in ((axes[1], "ttft_ms"), (axes[2], "itl_ms")):
+            ax.plot(x, [r["metrics"][metric]["p50"] for r in rs], "o-", color=color, label=f"{label} p50")
+            ax.plot(x, [r["metrics"][metric]["p99"] for r in rs], "x--", color=color, label=f"{label} p99")
+    anchors = report.get("anchors", {})
+    for name, label, style in (
+        ("offline_engine", "offline engine (LLM.generate)", "k--"),
+        ("transformers_cb", "transformers CB", "k:"),
+    ):
+        if name in anchors:
+            axes[0].axhline(anchors[name]["output_throughput"], linestyle=style[1:], color="k", label=label)
+    titles = ("output tokens/s", "TTFT (ms, log)", "ITL (ms)")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_xticks(range(len(rates)), [str(r) for r in rates])
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[1].set_yscale("log")
+    axes[0].set_ylim(bottom=0)
+    axes[2].set_ylim(bottom=0)
+    axes[0].legend(fontsize=7)
+    axes[2].legend(fontsize=6)
+    fig.suptitle(
+        f"inflightq bench serve: {report['model']}, {report['dtype']}, {report['dataset']['requests']} requests"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(report: dict[str, Any], folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"serve-{report['date'][:10]}"
+    stem.with_suffix(".json").write_text(json.dumps(_clean(report), indent=2) + "\n")
+    if report["runs"]:
+        plot(report, stem.with_suffix(".png"))
+    body = [*header(report), "", *table(report), "", *targets_lines(report)]
+    stem.with_suffix(".md").write_text("\n".join([f"# Serving benchmark, {report['date']}", "", *body]) + "\n")
+    snippet = [
+        "### Serving benchmark",
+        "",
+        "`inflightq bench serve` drives the whole stack (API + Redis + worker) with a `vllm bench serve`-style",
+        "load and runs the offline engine and transformers' continuous batching on the same prompts in the same run.",
+        "",
+        *body,
+        "",
+        f"![serving benchmark](bench/results/{stem.name}.png)",
+    ]
+    (folder / "README-serve.md").write_text("\n".join(snippet) + "\n")
+    print(f"wrote {stem}.json, .md, .png and {folder / 'README-serve.md'}")
+    return stem

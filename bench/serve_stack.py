@@ -1,0 +1,150 @@
+"""The stack under test, started as the real thing: ``inflightq api`` and ``inflightq worker``
+subprocesses on a free port, under a key prefix of their own, on the given Redis.
+
+Each benchmark run presents its own API key. The API hands a key's id to the worker as the tenant,
+and the engine salts prefix-cache hashes by tenant, so no run reuses KV blocks another run left
+in the cache (the same prompts are sent many times)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import redis
+
+from shared.keys import Keys
+from shared.redis_server import free_port
+from shared.settings import Settings
+
+
+@dataclass
+class Stack:
+    settings: Settings  # redis_url, key_prefix, model and engine sizes the children get
+    api_keys: list[str]
+    port: int = field(default_factory=free_port)
+    logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="inflightq-bench-serve-")))
+    api: subprocess.Popen[bytes] | None = None
+    workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _env(self) -> dict[str, str]:
+        s = self.settings
+        env = {
+            "INFLIGHTQ_REDIS_URL": s.redis_url,
+            "INFLIGHTQ_KEY_PREFIX": s.key_prefix,
+            "INFLIGHTQ_MODEL": s.model,
+            "INFLIGHTQ_DTYPE": s.dtype,
+            "INFLIGHTQ_MAX_NUM_SEQS": str(s.max_num_seqs),
+            "INFLIGHTQ_MAX_NUM_BATCHED_TOKENS": str(s.max_num_batched_tokens),
+            "INFLIGHTQ_BLOCK_SIZE": str(s.block_size),
+            "INFLIGHTQ_MAX_QUEUE_DEPTH": str(s.max_queue_depth),
+            "INFLIGHTQ_API_KEYS": ",".join(self.api_keys),
+        }
+        if s.num_kv_blocks is not None:
+            env["INFLIGHTQ_NUM_KV_BLOCKS"] = str(s.num_kv_blocks)
+        return {**os.environ, **env}
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        log = (self.logs / f"{name}.log").open("wb")
+        return subprocess.Popen([sys.executable, "-m", "inflightq_cli", *args], env=self._env(), stdout=log, stderr=log)
+
+    def start(self, workers: int = 1, timeout: float = 300.0) -> Stack:
+        self.api = self._spawn(
+            "api", ["api", "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
+        )
+        for _ in range(workers):
+            self.add_worker(timeout=timeout)
+        return self
+
+    def add_worker(self, timeout: float = 300.0) -> None:
+        name = f"bench-worker-{len(self.workers)}"
+        self.workers.append(self._spawn(name, ["worker", "--name", name]))
+        self.wait_ready(len(self.workers), timeout)
+
+    def wait_ready(self, workers: int, timeout: float) -> None:
+        """Until /health answers and counts ``workers`` live workers for the model."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for child in [self.api, *self.workers]:
+                if child is not None and child.poll() is not None:
+                    raise RuntimeError(f"a stack process exited with {child.returncode}; logs in {self.logs}")
+            try:
+                health = httpx.get(f"{self.base_url}/health", timeout=2).json()
+                if health.get("workers", {}).get(self.settings.model, 0) >= workers:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"the stack was not ready with {workers} worker(s) in {timeout:.0f}s; logs in {self.logs}")
+
+    def stop(self) -> None:
+        children = [c for c in [*self.workers, self.api] if c is not None]
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 40
+        for child in children:
+            try:
+                child.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        self.workers, self.api = [], None
+        delete_prefix(self.settings)
+
+
+def delete_prefix(settings: Settings) -> None:
+    """Deletes this benchmark's keys, and only those (the Redis may be shared)."""
+    client = redis.Redis.from_url(settings.redis_url)
+    try:
+        for key in client.scan_iter(match=Keys.for_prefix(settings.key_prefix).prefix + "*", count=1000):
+            client.delete(key)
+    finally:
+        client.close()
+
+
+def _ancestors(pid: int) -> set[int]:
+    found = set()
+    while pid > 1:
+        found.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return found
+
+
+def other_benchmarks(own: set[int]) -> list[str]:
+    """Command lines of other running benchmarks (``pgrep -af bench``, less this process's family):
+    on a shared machine a measurement taken beside one is worthless."""
+    mine = own | _ancestors(os.getpid())
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in mine:
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        if "bench" in cmdline and "bench-worker" not in cmdline:
+            found.append(f"{entry.name} {cmdline[:160]}")
+    return found
+
+
+def wait_for_quiet(own: set[int], max_wait_s: float) -> list[str]:
+    """Waits (up to ``max_wait_s``) until no other benchmark runs; returns what still ran, if anything."""
+    deadline = time.monotonic() + max_wait_s
+    while (others := other_benchmarks(own)) and time.monotonic() < deadline:
+        print(f"waiting: another benchmark runs: {others[0]}", flush=True)
+        time.sleep(10)
+    return others
