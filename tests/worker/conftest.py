@@ -136,9 +136,6 @@ def reference(tiny_model_dir: Path) -> Callable[[list[int], int], list[int]]:
 
     from worker.engine import LLM, SamplingParams
 
-    # Like the workers (OMP_NUM_THREADS=1): on two shared cores a second intra-op thread makes
-    # every step several times slower, and float64 greedy output does not depend on it.
-    torch.set_num_threads(1)
     llm = LLM(str(tiny_model_dir), dtype="float64", device="cpu", num_kv_blocks=256)
     cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
@@ -146,7 +143,14 @@ def reference(tiny_model_dir: Path) -> Callable[[list[int], int], list[int]]:
         key = (tuple(prompt), max_new_tokens)
         if key not in cache:
             params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-            cache[key] = llm.generate([prompt], params)[0].token_ids
+            # Like the workers (OMP_NUM_THREADS=1): on two shared cores a second intra-op thread
+            # makes every step several times slower; float64 greedy output does not depend on it.
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                cache[key] = llm.generate([prompt], params)[0].token_ids
+            finally:
+                torch.set_num_threads(threads)
         return cache[key]
 
     return generate
