@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from producer_api.auth import authenticate
-from producer_api.routes_files import batch_store
+from producer_api.routes_files import batch_store, owner_of
 from shared.batch_queue import cancel_batch, create_batch
 from shared.batch_store import BatchObject, BatchPage, BatchStore
 
@@ -26,7 +26,9 @@ class BatchCreate(BaseModel):
 
 
 @router.post("/v1/batches", response_model=BatchObject, summary="Create a batch from an uploaded file")
-def create(body: BatchCreate, store: BatchStore = Depends(batch_store)) -> BatchObject:
+def create(
+    body: BatchCreate, store: BatchStore = Depends(batch_store), owner: str | None = Depends(owner_of)
+) -> BatchObject:
     return create_batch(
         store.settings,
         store,
@@ -35,6 +37,7 @@ def create(body: BatchCreate, store: BatchStore = Depends(batch_store)) -> Batch
         completion_window=body.completion_window,
         metadata=body.metadata,
         model=body.model,
+        owner=owner,
         connection=store.redis,
     )
 
@@ -44,15 +47,20 @@ def list_batches(
     limit: int = Query(20, ge=1, le=100),
     after: str | None = Query(None, description="The last id of the previous page."),
     store: BatchStore = Depends(batch_store),
+    owner: str | None = Depends(owner_of),
 ) -> BatchPage:
-    return store.list(limit=limit, after=after)
+    return store.list(limit=limit, after=after, owner=owner)
 
 
 @router.get("/v1/batches/{batch_id}", response_model=BatchObject, summary="A batch's status and counts")
-def retrieve(batch_id: str, store: BatchStore = Depends(batch_store)) -> BatchObject:
-    return store.get(batch_id)
+def retrieve(
+    batch_id: str, store: BatchStore = Depends(batch_store), owner: str | None = Depends(owner_of)
+) -> BatchObject:
+    return store.get(batch_id, owner=owner)
 
 
 @router.post("/v1/batches/{batch_id}/cancel", response_model=BatchObject, summary="Cancel a batch")
-def cancel(batch_id: str, store: BatchStore = Depends(batch_store)) -> BatchObject:
-    return cancel_batch(store.settings, store, batch_id, connection=store.redis)
+def cancel(
+    batch_id: str, store: BatchStore = Depends(batch_store), owner: str | None = Depends(owner_of)
+) -> BatchObject:
+    return cancel_batch(store.settings, store, batch_id, connection=store.redis, owner=owner)

@@ -15,7 +15,7 @@ from anyio import to_thread
 from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import BaseModel
 
-from producer_api.auth import authenticate
+from producer_api.auth import ApiKey, authenticate
 from producer_api.state import state_of
 from shared.batch_files import FileObject, FilePage
 from shared.batch_store import BatchStore
@@ -34,6 +34,12 @@ def batch_store(request: Request) -> BatchStore:
     return store
 
 
+def owner_of(key: ApiKey | None = Depends(authenticate)) -> str | None:
+    """Files and batches belong to the API key that made them; with auth off, to everyone.
+    (FastAPI runs ``authenticate`` once per request, though the router depends on it too.)"""
+    return key.key_id if key else None
+
+
 def _form_parts(content_type: str, body: bytes) -> dict[str, Message]:
     """multipart/form-data -> parts by field name, with the standard library's MIME parser
     (the body is already capped by the API's body-size limit, so reading it whole is fine)."""
@@ -49,7 +55,7 @@ def _form_parts(content_type: str, body: bytes) -> dict[str, Message]:
 
 
 @router.post("/v1/files", response_model=FileObject, summary="Upload a JSONL file (purpose=batch)")
-async def create_file(request: Request) -> FileObject:
+async def create_file(request: Request, owner: str | None = Depends(owner_of)) -> FileObject:
     body = await request.body()
     parts = _form_parts(request.headers.get("content-type", ""), body)
     if "file" not in parts:
@@ -62,7 +68,7 @@ async def create_file(request: Request) -> FileObject:
     content = file_part.get_payload(decode=True) or b""
     filename = file_part.get_filename() or "upload.jsonl"
     store = batch_store(request)
-    return await to_thread.run_sync(lambda: store.files.put(content, filename=filename, purpose=purpose))
+    return await to_thread.run_sync(lambda: store.files.put(content, filename=filename, purpose=purpose, owner=owner))
 
 
 @router.get("/v1/files", response_model=FilePage, summary="Files, newest first")
@@ -71,18 +77,23 @@ def list_files(
     limit: int = Query(100, ge=1, le=10_000),
     after: str | None = Query(None, description="The last id of the previous page."),
     store: BatchStore = Depends(batch_store),
+    owner: str | None = Depends(owner_of),
 ) -> FilePage:
-    return store.files.list(purpose=purpose, limit=limit, after=after)
+    return store.files.list(purpose=purpose, limit=limit, after=after, owner=owner)
 
 
 @router.get("/v1/files/{file_id}", response_model=FileObject, summary="A file's metadata")
-def retrieve_file(file_id: str, store: BatchStore = Depends(batch_store)) -> FileObject:
-    return store.files.get(file_id)
+def retrieve_file(
+    file_id: str, store: BatchStore = Depends(batch_store), owner: str | None = Depends(owner_of)
+) -> FileObject:
+    return store.files.get(file_id, owner=owner)
 
 
 @router.get("/v1/files/{file_id}/content", summary="A file's bytes (input, output or error JSONL)")
-def file_content(file_id: str, store: BatchStore = Depends(batch_store)) -> Response:
-    return Response(store.files.content(file_id), media_type="application/jsonl")
+def file_content(
+    file_id: str, store: BatchStore = Depends(batch_store), owner: str | None = Depends(owner_of)
+) -> Response:
+    return Response(store.files.content(file_id, owner=owner), media_type="application/jsonl")
 
 
 class FileDeleted(BaseModel):
@@ -92,6 +103,8 @@ class FileDeleted(BaseModel):
 
 
 @router.delete("/v1/files/{file_id}", response_model=FileDeleted, summary="Delete a file")
-def delete_file(file_id: str, store: BatchStore = Depends(batch_store)) -> FileDeleted:
-    store.files.delete(file_id)
+def delete_file(
+    file_id: str, store: BatchStore = Depends(batch_store), owner: str | None = Depends(owner_of)
+) -> FileDeleted:
+    store.files.delete(file_id, owner=owner)
     return FileDeleted(id=file_id)

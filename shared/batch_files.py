@@ -62,8 +62,12 @@ class FileStore:
     def max_bytes(self) -> int:
         return MAX_FILE_BYTES if self.settings.batch_file_dir else MAX_REDIS_FILE_BYTES
 
-    def put(self, content: bytes, *, filename: str, purpose: str, file_id: str | None = None) -> FileObject:
-        """Store a file; a given ``file_id`` overwrites, which keeps a job's re-run idempotent."""
+    def put(
+        self, content: bytes, *, filename: str, purpose: str, file_id: str | None = None, owner: str | None = None
+    ) -> FileObject:
+        """Store a file; a given ``file_id`` overwrites, which keeps a job's re-run idempotent.
+
+        ``owner`` (an API key's id) makes the file visible to that key only."""
         if purpose not in ("batch", "batch_output"):
             raise ValidationError(f"purpose must be 'batch', not {purpose!r}", field="purpose")
         if len(content) > self.max_bytes():
@@ -78,6 +82,8 @@ class FileStore:
             "purpose": purpose,
             "expires_at": created + self.ttl_s,
         }
+        if owner:
+            meta["owner"] = owner
         with self.redis.pipeline() as pipe:
             if self.settings.batch_file_dir and len(content) > INLINE_FILE_BYTES:
                 meta["path"] = self._write_to_disk(file_id, content)
@@ -118,11 +124,18 @@ class FileStore:
             expires_at=int(meta["expires_at"]) if meta.get("expires_at") else None,
         )
 
-    def get(self, file_id: str) -> FileObject:
-        return self._object(self._meta(file_id))
+    def get(self, file_id: str, *, owner: str | None = None) -> FileObject:
+        """The file; with ``owner``, only when that key owns it (anyone else gets not-found)."""
+        return self._object(self._visible(file_id, owner))
 
-    def content(self, file_id: str) -> bytes:
+    def _visible(self, file_id: str, owner: str | None) -> dict[str, str]:
         meta = self._meta(file_id)
+        if owner is not None and meta.get("owner") != owner:
+            raise NotFoundError(f"no file {file_id!r}")
+        return meta
+
+    def content(self, file_id: str, *, owner: str | None = None) -> bytes:
+        meta = self._visible(file_id, owner)
         if "path" in meta:
             try:
                 return Path(meta["path"]).read_bytes()
@@ -133,7 +146,9 @@ class FileStore:
             raise NotFoundError(f"the content of file {file_id!r} has expired")
         return data if isinstance(data, bytes) else str(data).encode()
 
-    def list(self, *, purpose: str | None = None, limit: int = 100, after: str | None = None) -> FilePage:
+    def list(
+        self, *, purpose: str | None = None, limit: int = 100, after: str | None = None, owner: str | None = None
+    ) -> FilePage:
         """Newest first; ``after`` is the last id of the previous page. Expired files drop out here."""
         limit = max(1, min(limit, 10_000))
         start = 0
@@ -151,12 +166,13 @@ class FileStore:
             start += len(ids)
             for file_id in ids:
                 try:
-                    item = self.get(file_id)
+                    meta = self._meta(file_id)
                 except NotFoundError:
                     self.redis.zrem(self.keys.files(), file_id)
                     start -= 1
                     continue
-                if purpose is None or item.purpose == purpose:
+                item = self._object(meta)
+                if (purpose is None or item.purpose == purpose) and (owner is None or meta.get("owner") == owner):
                     if len(found) == limit:
                         has_more = True
                         break
@@ -193,8 +209,8 @@ class FileStore:
                 removed.append(path.name)
         return removed
 
-    def delete(self, file_id: str) -> None:
-        meta = self._meta(file_id)
+    def delete(self, file_id: str, *, owner: str | None = None) -> None:
+        meta = self._visible(file_id, owner)
         if "path" in meta:
             Path(meta["path"]).unlink(missing_ok=True)
         self.redis.delete(self.keys.file(file_id), self.keys.file_content(file_id))

@@ -168,6 +168,7 @@ def create_batch(
     completion_window: str = "24h",
     metadata: dict[str, str] | None = None,
     model: str | None = None,
+    owner: str | None = None,
     connection: redis.Redis | None = None,
 ) -> BatchObject:
     batch = store.create(
@@ -176,16 +177,21 @@ def create_batch(
         completion_window=completion_window,
         metadata=metadata,
         model=model,
+        owner=owner,
     )
     enqueue_run(settings, store, batch.id, connection)
     return batch
 
 
 def cancel_batch(
-    settings: Settings, store: BatchStore, batch_id: str, connection: redis.Redis | None = None
+    settings: Settings,
+    store: BatchStore,
+    batch_id: str,
+    connection: redis.Redis | None = None,
+    owner: str | None = None,
 ) -> BatchObject:
     """Cancel a batch: at once when no run has started it, else through ``cancelling``."""
-    batch = store.get(batch_id)
+    batch = store.get(batch_id, owner=owner)
     if batch.status.is_final:
         return batch
     # No run has queued anything yet; a run that starts now finds the batch final and leaves.

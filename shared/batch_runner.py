@@ -95,6 +95,7 @@ class BatchRunner:
         self.token = uuid.uuid4().hex
         self.lease_lost = False
         self.endpoint = ""
+        self.owner: str | None = None
 
     # Entry -----------------------------------------------------------------------------
     def run(self) -> BatchStatus:
@@ -140,6 +141,8 @@ class BatchRunner:
         if batch.status.is_final:
             return batch.status
         self.endpoint = batch.endpoint
+        # The creating key: its tenant keeps the batch's prefix cache apart, and it owns the results.
+        self.owner = self.store.owner(self.batch_id)
         # Validating: the whole file is read and its lines checked before any request is queued.
         try:
             lines = parse_lines(self.store.files.content(batch.input_file_id), batch.endpoint)
@@ -208,6 +211,7 @@ class BatchRunner:
                 prepared.sampling,
                 priority=self.priority,
                 deadline=float(batch.expires_at) if batch.expires_at else None,
+                tenant=self.owner,
                 request_id=request_id,
                 check_depth=False,
             )
@@ -326,6 +330,7 @@ class BatchRunner:
                 filename=f"{self.batch_id}_output.jsonl",
                 purpose="batch_output",
                 file_id=f"file-{self.batch_id}-output",
+                owner=self.owner,
             )
             fields["output_file_id"] = out.id
         if errors:
@@ -334,6 +339,7 @@ class BatchRunner:
                 filename=f"{self.batch_id}_error.jsonl",
                 purpose="batch_output",
                 file_id=f"file-{self.batch_id}-error",
+                owner=self.owner,
             )
             fields["error_file_id"] = err.id
         self.store.set_fields(self.batch_id, **fields)

@@ -178,6 +178,7 @@ class BatchStore:
         completion_window: str = "24h",
         metadata: dict[str, str] | None = None,
         model: str | None = None,
+        owner: str | None = None,
     ) -> BatchObject:
         if endpoint not in SUPPORTED_ENDPOINTS:
             raise ValidationError(f"endpoint must be one of {', '.join(SUPPORTED_ENDPOINTS)}", field="endpoint")
@@ -187,7 +188,7 @@ class BatchStore:
             len(metadata) > 16 or any(len(k) > 64 or len(str(v)) > 512 for k, v in metadata.items())
         ):
             raise ValidationError("metadata: at most 16 pairs, keys <= 64 and values <= 512 chars", field="metadata")
-        input_file = self.files.get(input_file_id)
+        input_file = self.files.get(input_file_id, owner=owner)
         if input_file.purpose != "batch":
             raise ValidationError(
                 f"file {input_file_id!r} was not uploaded with purpose 'batch'", field="input_file_id"
@@ -220,6 +221,8 @@ class BatchStore:
             fields["metadata"] = json.dumps(metadata)
         if model:
             fields["model"] = model
+        if owner:
+            fields["owner"] = owner
         self.files.keep(input_file_id, self._ttl())
         with self.redis.pipeline() as pipe:
             pipe.hset(self.keys.batch(batch.id), mapping=fields)
@@ -232,11 +235,25 @@ class BatchStore:
         # A batch record must outlive its completion window, plus the time its results are kept.
         return max(COMPLETION_WINDOWS["24h"], 0) + self.settings.result_ttl_s
 
-    def get(self, batch_id: str) -> BatchObject:
+    def _fields(self, batch_id: str, owner: str | None = None) -> dict[str, str]:
         raw = self.redis.hgetall(self.keys.batch(batch_id))
-        if not raw:
-            raise NotFoundError(f"no batch {batch_id!r}")
         f = {as_text(k): as_text(v) for k, v in raw.items()}  # type: ignore[union-attr]
+        # Another key's batch does not exist, as far as this key can tell.
+        if not f or (owner is not None and f.get("owner") != owner):
+            raise NotFoundError(f"no batch {batch_id!r}")
+        return f
+
+    def owner(self, batch_id: str) -> str | None:
+        """The id of the API key that created the batch (None when auth is off)."""
+        return self._fields(batch_id).get("owner") or None
+
+    def get(self, batch_id: str, *, owner: str | None = None) -> BatchObject:
+        """The batch; with ``owner``, only when that key created it."""
+        f = self._fields(batch_id, owner)
+        return self._object(f)
+
+    @staticmethod
+    def _object(f: dict[str, str]) -> BatchObject:
 
         def opt_int(name: str) -> int | None:
             return int(f[name]) if f.get(name) else None
@@ -274,7 +291,7 @@ class BatchStore:
             raise NotFoundError(f"no batch {batch_id!r}")
         return BatchStatus(as_text(value))
 
-    def list(self, *, limit: int = 20, after: str | None = None) -> BatchPage:
+    def list(self, *, limit: int = 20, after: str | None = None, owner: str | None = None) -> BatchPage:
         """Newest first, as OpenAI pages; ``after`` is the last id of the previous page."""
         limit = max(1, min(limit, 100))
         start = 0
@@ -283,19 +300,32 @@ class BatchStore:
             if rank is None:
                 raise NotFoundError(f"no batch {after!r}")
             start = int(rank) + 1  # type: ignore[arg-type]
-        ids = [as_text(i) for i in self.redis.zrevrange(self.keys.batches(), start, start + limit)]  # type: ignore[union-attr]
-        batches: list[BatchObject] = []
-        for batch_id in ids[:limit]:
-            try:
-                batches.append(self.get(batch_id))
-            except NotFoundError:
-                # The record expired before its index entry; drop the stale entry.
-                self.redis.zrem(self.keys.batches(), batch_id)
+        found: list[BatchObject] = []
+        has_more = False
+        while not has_more:
+            ids = [as_text(i) for i in self.redis.zrevrange(self.keys.batches(), start, start + limit)]  # type: ignore[union-attr]
+            if not ids:
+                break
+            start += len(ids)
+            for batch_id in ids:
+                try:
+                    f = self._fields(batch_id)
+                except NotFoundError:
+                    # The record expired before its index entry; drop the stale entry.
+                    self.redis.zrem(self.keys.batches(), batch_id)
+                    start -= 1
+                    continue
+                if owner is not None and f.get("owner") != owner:
+                    continue
+                if len(found) == limit:
+                    has_more = True
+                    break
+                found.append(self._object(f))
         return BatchPage(
-            data=batches,
-            first_id=batches[0].id if batches else None,
-            last_id=batches[-1].id if batches else None,
-            has_more=len(ids) > limit,
+            data=found,
+            first_id=found[0].id if found else None,
+            last_id=found[-1].id if found else None,
+            has_more=has_more,
         )
 
     # Moves ----------------------------------------------------------------------------

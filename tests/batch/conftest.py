@@ -19,7 +19,7 @@ import httpx
 import pytest
 import redis
 
-from shared.batch_queue import queue_name
+from shared.batch_queue import batch_queue, queue_name
 from shared.batch_store import BatchObject, BatchStore
 from shared.client import QueueClient
 from shared.settings import Settings
@@ -159,9 +159,11 @@ def batch_worker_factory(
         proc.stop()
     # RQ's own keys are not under our prefix: drop this module's queue and registries.
     conn = redis.Redis.from_url(stack_settings.redis_url)
+    batch_queue(stack_settings, conn).empty()  # runs nobody took: their job hashes have no TTL
     name = queue_name(stack_settings)
     for key in conn.scan_iter(match=f"rq:*{name}*"):
         conn.delete(key)
+    conn.srem("rq:queues", f"rq:queue:{name}")
     conn.close()
 
 
