@@ -9,6 +9,7 @@ here; a line therefore fails in a batch exactly when it would fail over HTTP."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 from typing import Any
@@ -32,9 +33,8 @@ _TOKENIZERS: dict[str, Any] = {}
 
 def warm_up(settings: Settings) -> None:
     """Import what a run needs and load the served models' tokenizers, once, before RQ forks."""
-    import producer_api.models_openai
-    import producer_api.tokenization  # noqa: F401
-
+    for module in ("producer_api.models_openai", "producer_api.tokenization", "producer_api.validation"):
+        importlib.import_module(module)
     for model in settings.served_models:
         try:
             _TOKENIZERS.setdefault(model, load_tokenizer(model))
