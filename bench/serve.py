@@ -104,7 +104,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--input-len", default="50,500", help="prompt tokens, min,max (uniform)")
     p.add_argument("--output-len", default="10,200", help="new tokens, min,max (uniform; ignore_eos)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--request-rate", default="inf", help="comma list of requests/s; inf = all at once")
+    p.add_argument(
+        "--request-rate", default=None, help="requests/s, comma list; inf = all at once (default 1,inf; full: 1,2,inf)"
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight in rate runs")
     p.add_argument("--endpoints", default=",".join(ENDPOINTS), help="generate_stream,chat,queue")
     p.add_argument("--low-load-requests", type=int, default=8, help="requests sent one at a time (0 = skip)")
@@ -115,6 +117,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None, help="with --base-url: the key to present")
     p.add_argument("--no-wait", action="store_true", help="do not wait for other benchmarks to finish")
     p.add_argument("--out", default="bench/results", help="folder for serve-<date>.*; '' to skip writing")
+    p.add_argument("--tag", default="", help="name files serve-<date>-<tag>.* and leave README-serve.md alone")
     return p.parse_args(argv)
 
 
@@ -140,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     phases = {"low_load": samples[: args.low_load_requests], "sweep": samples, "scale": samples}
     warm = synthetic_chat(tokenizer, 8, input_len=(40, 60), output_len=(4, 4), seed=args.seed + 1)
     endpoints = [e for e in args.endpoints.split(",") if e]
-    rates = [float(r) for r in args.request_rate.split(",")]
+    rates = [float(r) for r in (args.request_rate or ("1,inf" if args.quick else "1,2,inf")).split(",")]
     workers = [int(w) for w in args.workers.split(",")]
     report: dict[str, Any] = {
         "command": "inflightq bench serve "
@@ -171,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.out:
         from bench.serve_report import write
 
-        write(report, Path(args.out))
+        write(report, Path(args.out), tag=args.tag)
     return report
 
 

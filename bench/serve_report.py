@@ -134,9 +134,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def write(report: dict[str, Any], folder: Path) -> Path:
+def write(report: dict[str, Any], folder: Path, tag: str = "") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    stem = folder / f"serve-{report['date'][:10]}"
+    stem = folder / f"serve-{report['date'][:10]}{'-' + tag if tag else ''}"
     stem.with_suffix(".json").write_text(json.dumps(_clean(report), indent=2) + "\n")
     if report["runs"]:
         plot(report, stem.with_suffix(".png"))
@@ -152,6 +152,7 @@ def write(report: dict[str, Any], folder: Path) -> Path:
         "",
         f"![serving benchmark](bench/results/{stem.name}.png)",
     ]
-    (folder / "README-serve.md").write_text("\n".join(snippet) + "\n")
-    print(f"wrote {stem}.json, .md, .png and {folder / 'README-serve.md'}")
+    if not tag:  # the README shows the everyday (untagged) run
+        (folder / "README-serve.md").write_text("\n".join(snippet) + "\n")
+    print(f"wrote {stem}.json, .md, .png" + ("" if tag else f" and {folder / 'README-serve.md'}"))
     return stem
