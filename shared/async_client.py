@@ -11,27 +11,25 @@ from collections.abc import AsyncIterator
 import redis
 import redis.asyncio as aioredis
 
-from shared.client import (
-    NOTIFY_KEEP,
-    TERMINAL_ONLY,
-    cancelled_event,
-    depth_of,
-    filter_heartbeats,
-    first_undelivered,
-    raise_for,
-    redis_kwargs,
-)
 from shared.errors import NotFoundError, OverloadedError
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.queue_protocol import (
+    NOTIFY_KEEP,
+    TERMINAL_ONLY,
     AnyEvent,
     EventSequencer,
     build_request,
+    cancelled_event,
     deadline_from,
+    depth_of,
+    filter_heartbeats,
+    first_undelivered,
     hash_fields,
     log_maxlen,
     normalize,
     parse_log_entry,
+    raise_for,
+    redis_kwargs,
     remaining,
     terminal_from_info,
 )

@@ -12,26 +12,31 @@ caller comes, and a request that is already final is replayed and ends. Call ``s
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import redis
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
 
-from shared.errors import NotFoundError, OverloadedError, error_from_type
+from shared.errors import NotFoundError, OverloadedError
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.queue_protocol import (
+    NOTIFY_KEEP,
+    TERMINAL_ONLY,
     AnyEvent,
     EventSequencer,
     build_request,
+    cancelled_event,
     deadline_from,
+    depth_of,
+    filter_heartbeats,
+    first_undelivered,
     hash_fields,
     log_maxlen,
     normalize,
     parse_log_entry,
+    raise_for,
+    redis_kwargs,
     remaining,
     terminal_from_info,
 )
@@ -47,33 +52,6 @@ from shared.schemas import (
 )
 from shared.settings import Settings, get_settings
 from shared.transitions import CANCEL, STREAM_FIELD
-
-# Index past any real token: following from here yields only the terminal event.
-TERMINAL_ONLY = sys.maxsize
-# Wake-up tokens kept in a model's notify list; one per idle worker is all that matters.
-NOTIFY_KEEP = 64
-
-
-def redis_kwargs() -> dict[str, Any]:
-    """Connection options both clients use: text replies, retries with backoff across a restart."""
-    return {
-        "decode_responses": True,
-        "retry": Retry(ExponentialBackoff(cap=2.0, base=0.05), 8),
-        "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
-        "health_check_interval": 30,
-    }
-
-
-def is_nogroup(error: Exception) -> bool:
-    return "NOGROUP" in str(error)
-
-
-def cancelled_event(request_id: str) -> ErrorEvent:
-    return ErrorEvent(request_id=request_id, error_type="cancelled", message="cancelled by client")
-
-
-def raise_for(event: ErrorEvent) -> None:
-    raise error_from_type(event.error_type, event.message)
 
 
 class QueueClient:
@@ -302,34 +280,6 @@ class QueueClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def depth_of(length: object, pending: object) -> int:
-    if isinstance(length, Exception):
-        return 0
-    taken = 0 if isinstance(pending, Exception) or not pending else int(pending["pending"])  # type: ignore[index]
-    return max(0, int(length) - taken)  # type: ignore[call-overload]
-
-
-def first_undelivered(groups: list[dict[str, Any]]) -> str:
-    for group in groups:
-        if group.get("name") == CONSUMER_GROUP:
-            return "(" + str(group["last-delivered-id"])
-    return "-"
-
-
-def filter_heartbeats(raw: list[str | None], model: str | None) -> list[WorkerHeartbeat]:
-    beats = []
-    for doc in raw:
-        if not doc:
-            continue
-        try:
-            beat = WorkerHeartbeat.model_validate_json(doc)
-        except ValueError:
-            continue
-        if model is None or beat.model == model:
-            beats.append(beat)
-    return beats
 
 
 def __getattr__(name: str) -> Any:

@@ -6,10 +6,17 @@ Kept free of I/O so both clients (and tests) use the same rules."""
 from __future__ import annotations
 
 import random
+import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
-from shared.errors import ValidationError
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from shared.errors import ValidationError, error_from_type
+from shared.keys import CONSUMER_GROUP
 from shared.lifecycle import RequestStatus
 from shared.schemas import (
     DoneEvent,
@@ -18,12 +25,37 @@ from shared.schemas import (
     RequestInfo,
     SamplingSpec,
     TokenEvent,
+    WorkerHeartbeat,
     parse_event,
 )
 from shared.settings import Settings
 from shared.transitions import LOG_FIELD
 
 AnyEvent = TokenEvent | DoneEvent | ErrorEvent
+
+# Index past any real token: following from here yields only the terminal event.
+TERMINAL_ONLY = sys.maxsize
+# Wake-up tokens kept in a model's notify list; one per idle worker is all that matters.
+NOTIFY_KEEP = 64
+
+
+def redis_kwargs() -> dict[str, Any]:
+    """Connection options both clients use: text replies, retries with backoff across a restart."""
+    return {
+        "decode_responses": True,
+        "retry": Retry(ExponentialBackoff(cap=2.0, base=0.05), 8),
+        "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
+        "health_check_interval": 30,
+    }
+
+
+def cancelled_event(request_id: str) -> ErrorEvent:
+    return ErrorEvent(request_id=request_id, error_type="cancelled", message="cancelled by client")
+
+
+def raise_for(event: ErrorEvent) -> None:
+    raise error_from_type(event.error_type, event.message)
+
 
 # How long a follower waits on pub/sub before it re-reads the replay log and the hash: the
 # safety net for a lost pub/sub message or a dropped connection, not the normal path.
@@ -146,3 +178,31 @@ def remaining(deadline: float | None) -> float:
     if left <= 0:
         raise TimeoutError("timed out waiting for the request's events")
     return min(IDLE_CHECK_S, left)
+
+
+def depth_of(length: object, pending: object) -> int:
+    if isinstance(length, Exception):
+        return 0
+    taken = 0 if isinstance(pending, Exception) or not pending else int(pending["pending"])  # type: ignore[index]
+    return max(0, int(length) - taken)  # type: ignore[call-overload]
+
+
+def first_undelivered(groups: list[dict[str, Any]]) -> str:
+    for group in groups:
+        if group.get("name") == CONSUMER_GROUP:
+            return "(" + str(group["last-delivered-id"])
+    return "-"
+
+
+def filter_heartbeats(raw: list[str | None], model: str | None) -> list[WorkerHeartbeat]:
+    beats = []
+    for doc in raw:
+        if not doc:
+            continue
+        try:
+            beat = WorkerHeartbeat.model_validate_json(doc)
+        except ValueError:
+            continue
+        if model is None or beat.model == model:
+            beats.append(beat)
+    return beats

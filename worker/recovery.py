@@ -21,7 +21,7 @@ import redis
 
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.settings import Settings
-from shared.transitions import REFRESH
+from shared.transitions import DELIVERIES, REFRESH
 from worker.admission import Admission
 from worker.intake import ensure_groups
 from worker.reconnect import TRANSIENT, Backoff
@@ -97,7 +97,14 @@ class Recovery(threading.Thread):
                 if self.admission.admit(stream, entry_id, fields):
                     room -= 1
 
-    def hand_back(self, stream: str, entry_id: str) -> None:
-        """Leaves the entry pending but idle enough for any worker's next XAUTOCLAIM."""
+    def hand_back(self, stream: str, entry_id: str, request_id: str, *, failed: bool) -> None:
+        """Leaves the entry pending but idle enough for any worker's next XAUTOCLAIM. A graceful
+        hand-back (drain) gives its delivery back, so rolling restarts never dead-letter a long
+        generation; one after an engine failure keeps it, so a request that keeps breaking the
+        engine ends in the dead letters."""
         idle_ms = self.min_idle_ms * 10 + 60_000
-        self.redis.xclaim(stream, CONSUMER_GROUP, self.service.name, 0, [entry_id], idle=idle_ms, justid=True)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xclaim(stream, CONSUMER_GROUP, self.service.name, 0, [entry_id], idle=idle_ms, justid=True)
+        if not failed:
+            pipe.hincrby(self.keys.request(request_id), DELIVERIES, -1)
+        pipe.execute()

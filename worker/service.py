@@ -24,9 +24,7 @@ import socket
 import threading
 import time
 import uuid
-from collections import deque
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import redis
 
@@ -37,6 +35,7 @@ from worker.active import ActiveRequest
 from worker.admission import Admission
 from worker.cancel_listener import CancelListener
 from worker.heartbeat import Heartbeat
+from worker.inbox import Inbox, InboxItem, OwnedEntries
 from worker.intake import Intake, ensure_groups
 from worker.publisher import Publisher
 from worker.reconnect import TRANSIENT
@@ -46,13 +45,6 @@ log = logging.getLogger("inflightq.worker")
 
 # Cancels that arrive before their request reaches the loop are remembered this long.
 EARLY_CANCEL_TTL_S = 60.0
-
-
-@dataclass
-class InboxItem:
-    kind: Literal["start", "cancel", "lost"]
-    request_id: str
-    active: ActiveRequest | None = None
 
 
 def default_name() -> str:
@@ -84,13 +76,10 @@ class WorkerService:
         self.counters: dict[str, int] = dict.fromkeys(
             ("taken_over", "dead_lettered", "cancelled", "expired", "completed", "generated_tokens", "handed_back"), 0
         )
-        self._inbox: deque[InboxItem] = deque()
-        self._inbox_cond = threading.Condition()
-        self._in_transit = 0
+        self.inbox = Inbox()
+        self.owned = OwnedEntries()
         self._active: dict[str, ActiveRequest] = {}  # engine-loop thread only
         self._early_cancels: dict[str, float] = {}
-        self._inflight: dict[str, tuple[str, str]] = {}  # request id -> (stream, entry id); any thread
-        self._inflight_lock = threading.Lock()
 
         self.redis = redis.Redis.from_url(settings.redis_url, **redis_kwargs())
         self.publisher = Publisher(settings, self.redis, self.name)
@@ -104,22 +93,16 @@ class WorkerService:
 
     # Read by the I/O threads ---------------------------------------------------------
     def room(self) -> int:
-        with self._inbox_cond:
-            return self.engine.free_seq_slots - self._in_transit
+        return self.engine.free_seq_slots - self.inbox.in_transit
 
     def can_admit(self, num_prompt_tokens: int) -> bool:
         return bool(self.engine.can_admit(num_prompt_tokens))
 
     def is_idle(self) -> bool:
-        with self._inbox_cond:
-            return self._in_transit == 0 and not self.engine.has_unfinished()
+        return self.inbox.in_transit == 0 and not self.engine.has_unfinished()
 
     def inflight_by_stream(self) -> dict[str, list[str]]:
-        by_stream: dict[str, list[str]] = {}
-        with self._inflight_lock:
-            for stream, entry_id in self._inflight.values():
-                by_stream.setdefault(stream, []).append(entry_id)
-        return by_stream
+        return self.owned.by_stream()
 
     def heartbeat(self) -> WorkerHeartbeat:
         stats = self.engine.stats
@@ -140,26 +123,17 @@ class WorkerService:
 
     # Called by the I/O threads -------------------------------------------------------
     def cancel(self, request_id: str) -> None:
-        self._put(InboxItem("cancel", request_id))
+        self.inbox.put(InboxItem("cancel", request_id))
 
     def lost(self, stream: str, entry_id: str) -> None:
-        with self._inflight_lock:
-            owner = next((rid for rid, where in self._inflight.items() if where == (stream, entry_id)), None)
+        owner = self.owned.owner(stream, entry_id)
         if owner is not None:
             log.warning("request %s was taken over by another worker; dropping it here", owner)
-            self._put(InboxItem("lost", owner))
+            self.inbox.put(InboxItem("lost", owner))
 
     def _hand_over(self, active: ActiveRequest) -> None:
-        with self._inflight_lock:
-            self._inflight[active.id] = (active.stream, active.entry_id)
-        with self._inbox_cond:
-            self._in_transit += 1
-        self._put(InboxItem("start", active.id, active))
-
-    def _put(self, item: InboxItem) -> None:
-        with self._inbox_cond:
-            self._inbox.append(item)
-            self._inbox_cond.notify()
+        self.owned.add(active)
+        self.inbox.put(InboxItem("start", active.id, active))
 
     # The engine loop -----------------------------------------------------------------
     def run(self) -> int:
@@ -189,8 +163,7 @@ class WorkerService:
             wait = self.settings.drain_timeout_s if timeout is None else timeout
             self._drain_deadline = time.monotonic() + wait
             self.draining.set()
-        with self._inbox_cond:
-            self._inbox_cond.notify()
+        self.inbox.wake()
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -199,17 +172,12 @@ class WorkerService:
             signal.signal(sig, lambda _signum, _frame: self.drain())
 
     def _take_inbox(self, *, block: bool) -> None:
-        with self._inbox_cond:
-            if block and not self._inbox and not self.draining.is_set():
-                self._inbox_cond.wait(0.5)
-            items = list(self._inbox)
-            self._inbox.clear()
+        items = self.inbox.take(0.5 if block and not self.draining.is_set() else 0.0)
         for item in items:
             if item.kind == "start":
                 assert item.active is not None
                 self._start(item.active)
-                with self._inbox_cond:
-                    self._in_transit -= 1
+                self.inbox.started()
             elif item.kind == "cancel":
                 self._cancel(item.request_id)
             else:
@@ -268,7 +236,7 @@ class WorkerService:
             log.exception("engine step failed; handing %d requests back", len(self._active))
             for active in list(self._active.values()):
                 self.engine.abort(active.id)
-                self._hand_back(active)
+                self._hand_back(active, failed=True)
             return
         self.publisher.publish_tokens(
             (event, self._active[event.request_id].attempt) for event in events if event.request_id in self._active
@@ -298,15 +266,14 @@ class WorkerService:
 
     def _drop(self, request_id: str) -> None:
         self._active.pop(request_id, None)
-        with self._inflight_lock:
-            self._inflight.pop(request_id, None)
+        self.owned.discard(request_id)
         self.capacity_changed.set()
 
-    def _hand_back(self, active: ActiveRequest) -> None:
+    def _hand_back(self, active: ActiveRequest, *, failed: bool = False) -> None:
         self._drop(active.id)
         self.counters["handed_back"] += 1
         try:
-            self.recovery.hand_back(active.stream, active.entry_id)
+            self.recovery.hand_back(active.stream, active.entry_id, active.id, failed=failed)
         except TRANSIENT as error:  # it stays pending: XAUTOCLAIM takes it after reclaim_after_s anyway
             log.warning("could not hand %s back (%s)", active.id, error)
 

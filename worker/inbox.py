@@ -1,0 +1,86 @@
+"""How the I/O threads talk to the engine loop, which owns the engine and never waits on Redis.
+
+``Inbox``: starts, cancels and "lost" notices, drained by the loop between steps. A start
+counts as in transit from hand-over until the loop has added it, so the intake never promises
+the same free slot twice.
+
+``OwnedEntries``: the stream entries this worker is running, by request, read by the refresher
+that keeps them from being taken over."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+from worker.active import ActiveRequest
+
+
+@dataclass
+class InboxItem:
+    kind: Literal["start", "cancel", "lost"]
+    request_id: str
+    active: ActiveRequest | None = None
+
+
+class Inbox:
+    def __init__(self) -> None:
+        self._items: deque[InboxItem] = deque()
+        self._cond = threading.Condition()
+        self._in_transit = 0
+
+    @property
+    def in_transit(self) -> int:
+        with self._cond:
+            return self._in_transit
+
+    def put(self, item: InboxItem) -> None:
+        with self._cond:
+            if item.kind == "start":
+                self._in_transit += 1
+            self._items.append(item)
+            self._cond.notify()
+
+    def take(self, wait_s: float = 0.0) -> list[InboxItem]:
+        """Everything waiting, after up to ``wait_s`` for something to arrive."""
+        with self._cond:
+            if wait_s > 0 and not self._items:
+                self._cond.wait(wait_s)
+            items = list(self._items)
+            self._items.clear()
+            return items
+
+    def started(self) -> None:
+        """The loop has dealt with one start (added, refused or handed back)."""
+        with self._cond:
+            self._in_transit -= 1
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+class OwnedEntries:
+    def __init__(self) -> None:
+        self._where: dict[str, tuple[str, str]] = {}  # request id -> (stream, entry id)
+        self._lock = threading.Lock()
+
+    def add(self, active: ActiveRequest) -> None:
+        with self._lock:
+            self._where[active.id] = (active.stream, active.entry_id)
+
+    def discard(self, request_id: str) -> None:
+        with self._lock:
+            self._where.pop(request_id, None)
+
+    def by_stream(self) -> dict[str, list[str]]:
+        grouped: dict[str, list[str]] = {}
+        with self._lock:
+            for stream, entry_id in self._where.values():
+                grouped.setdefault(stream, []).append(entry_id)
+        return grouped
+
+    def owner(self, stream: str, entry_id: str) -> str | None:
+        with self._lock:
+            return next((rid for rid, where in self._where.items() if where == (stream, entry_id)), None)
