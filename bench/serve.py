@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import functools
 import gc
 import math
 import os
@@ -35,7 +36,7 @@ import httpx
 from bench.serve_clients import ENDPOINTS, Sender, chat_sender, queue_sender, run_load, tgi_sender
 from bench.serve_dataset import ChatSample, describe, synthetic_chat
 from bench.serve_metrics import print_summary, summarize
-from bench.serve_stack import Stack, wait_for_quiet
+from bench.serve_stack import Stack, measure
 from shared.async_client import AsyncQueueClient
 from shared.settings import Settings, get_settings
 
@@ -50,11 +51,10 @@ def rate_label(rate: float) -> str | float:
 class Runner:
     """Runs load against one stack; each run presents a fresh API key (a fresh prefix-cache tenant)."""
 
-    def __init__(self, settings: Settings, base_url: str, api_keys: list[str], quiet: set[int] | None = None) -> None:
+    def __init__(self, settings: Settings, base_url: str, api_keys: list[str], own: set[int] | None = None) -> None:
         self.settings, self.base_url, self.api_keys = settings, base_url, api_keys
         self.used = 0
-        self.quiet = quiet  # own pids, when runs must wait for other benchmarks to finish
-        self.contended: list[str] = []
+        self.own = own  # this benchmark's process ids, when runs must not overlap other benchmarks
 
     def _sender(self, endpoint: str, http: httpx.AsyncClient, queue: AsyncQueueClient) -> Sender:
         key = self.api_keys[self.used % len(self.api_keys)] if self.api_keys else ""
@@ -69,8 +69,6 @@ class Runner:
     async def run(
         self, endpoint: str, samples: list[ChatSample], *, rate: float = math.inf, concurrency: int | None = None
     ) -> dict[str, Any]:
-        if self.quiet is not None:
-            self.contended += wait_for_quiet(self.quiet, max_wait_s=300)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         timeout = httpx.Timeout(None, connect=30)
         async with (
@@ -87,9 +85,15 @@ def run_phase(runner: Runner, plan: list[dict[str, Any]], samples: dict[str, lis
     done = []
     for spec in plan:
         rate, concurrency = spec.get("rate", math.inf), spec.get("concurrency")
-        metrics = asyncio.run(runner.run(spec["endpoint"], samples[spec["phase"]], rate=rate, concurrency=concurrency))
+        title = f"{LABELS[spec['endpoint']]}, {spec['workers']} worker(s), rate {rate_label(rate)}, concurrency"
+        title += f" {concurrency}"
+        one = functools.partial(
+            runner.run, spec["endpoint"], samples[spec["phase"]], rate=rate, concurrency=concurrency
+        )
+        metrics, contended = measure(lambda _, one=one: asyncio.run(one()), runner.own, title)
         row = {**spec, "rate": rate_label(rate), "system": LABELS[spec["endpoint"]], "metrics": metrics}
-        title = f"{row['system']}, {spec['workers']} worker(s), rate {row['rate']}, concurrency {concurrency}"
+        if contended:
+            row["contended_by"] = contended
         print_summary(title, metrics)
         done.append(row)
     return done
@@ -164,8 +168,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "anchors": {},
         "runs": [],
     }
-    if not args.no_wait:
-        report["contended"] = wait_for_quiet(set(), max_wait_s=300)
     if not args.skip_anchors:
         report["anchors"] = run_anchors(settings, samples, phases["low_load"], args)
         report["dtype"] = report["anchors"].pop("dtype")
@@ -181,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def run_anchors(
     settings: Settings, samples: list[ChatSample], low: list[ChatSample], args: argparse.Namespace
 ) -> dict[str, Any]:
+    """Each anchor measured on a quiet machine (see ``measure``); what still overlapped is recorded."""
     from bench.serve_anchors import load_offline, offline_generate, offline_one_at_a_time, transformers_cb, warm_up
     from worker.engine.hardware import resolve_dtype
 
@@ -188,17 +191,28 @@ def run_anchors(
     anchors: dict[str, Any] = {"dtype": str(dtype).replace("torch.", "")}
     llm = load_offline(settings, dtype)
     warm_up(llm, len(llm.tokenizer))
-    anchors["offline_engine"] = offline_generate(llm, samples)
+    own = None if args.no_wait else set()
+    contended: dict[str, list[str]] = {}
+    anchors["offline_engine"], contended["offline_engine"] = measure(
+        lambda _, llm=llm: offline_generate(llm, samples), own, "offline engine"
+    )
     print(f"offline engine (LLM.generate): {anchors['offline_engine']['output_throughput']} tok/s", flush=True)
     if low:
-        anchors["offline_engine_low_load"] = offline_one_at_a_time(llm, low, tenant="low-load")
+        anchors["offline_engine_low_load"], contended["offline_engine_low_load"] = measure(
+            lambda attempt, llm=llm: offline_one_at_a_time(llm, low, tenant=f"low-load-{attempt}"),
+            own,
+            "offline, one at a time",
+        )
         print_summary("offline engine, one request at a time", anchors["offline_engine_low_load"])
     del llm
     gc.collect()
     if not args.skip_transformers:
-        anchors["transformers_cb"] = transformers_cb(settings, dtype, samples)
+        anchors["transformers_cb"], contended["transformers_cb"] = measure(
+            lambda _: transformers_cb(settings, dtype, samples), own, "transformers CB"
+        )
         print(f"transformers CB: {anchors['transformers_cb']['output_throughput']} tok/s", flush=True)
         gc.collect()
+    anchors["contended_by"] = {k: v for k, v in contended.items() if v}
     return anchors
 
 
@@ -217,7 +231,7 @@ def run_stack(
         if stack is not None:
             stack.start(workers=workers[0])
             own = {c.pid for c in [stack.api, *stack.workers] if c is not None}
-            runner = Runner(settings, stack.base_url, keys, None if args.no_wait else own)
+            runner = Runner(settings, stack.base_url, keys, None if args.no_wait else own)  # type: ignore[arg-type]
         else:
             runner = Runner(settings, args.base_url, [args.api_key] if args.api_key else [], None)
         warm_stack(runner, endpoints, warm)
@@ -236,14 +250,12 @@ def run_stack(
                 break
             while len(stack.workers) < count:
                 stack.add_worker()
-            runner.quiet = None if args.no_wait else {c.pid for c in [stack.api, *stack.workers] if c is not None}
+            runner.own = None if args.no_wait else {c.pid for c in [stack.api, *stack.workers] if c is not None}
             warm_stack(runner, endpoints[:1], warm)
             scale = [
                 {"phase": "scale", "endpoint": endpoints[0], "workers": count, "concurrency": args.max_concurrency}
             ]
             runs += run_phase(runner, scale, phases)
-        if runner.contended:
-            print(f"WARNING: measured beside other benchmarks: {runner.contended[:3]}")
         return runs
     finally:
         if stack is not None:
@@ -252,10 +264,8 @@ def run_stack(
 
 def warm_stack(runner: Runner, endpoints: list[str], warm: list[ChatSample]) -> None:
     """First-call costs (model kernels, connection pools) out of the way, on prompts no run sends."""
-    quiet, runner.quiet = runner.quiet, None
     for endpoint in endpoints:
         asyncio.run(runner.run(endpoint, warm))
-    runner.quiet = quiet
 
 
 def targets(report: dict[str, Any]) -> dict[str, Any]:

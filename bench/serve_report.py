@@ -68,6 +68,10 @@ def targets_lines(report: dict[str, Any]) -> list[str]:
         x = t["p50_ttft_added_ms_at_low_load"]
         shown = ", ".join(f"{k} {v:+.1f} ms ({'met' if x['met'][k] else 'NOT met'})" for k, v in x["added"].items())
         lines.append(f"- p50 TTFT added at low load (target <= +15 ms): {shown}.")
+    contended = [f"{r['system']} ({r['workers']} w, rate {r['rate']})" for r in report["runs"] if r.get("contended_by")]
+    contended += list(report.get("anchors", {}).get("contended_by", {}))
+    if contended:
+        lines.append(f"- Another benchmark ran alongside (even after a retry): {', '.join(contended)}.")
     if "workers_scaling" in t:
         shown = ", ".join(f"{k} workers: {v:.2f}x" for k, v in t["workers_scaling"].items())
         lines.append(f"- Throughput with more workers, at saturation: {shown}.")

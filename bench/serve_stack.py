@@ -12,9 +12,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import redis
@@ -22,6 +25,8 @@ import redis
 from shared.keys import Keys
 from shared.redis_server import free_port
 from shared.settings import Settings
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -148,3 +153,42 @@ def wait_for_quiet(own: set[int], max_wait_s: float) -> list[str]:
         print(f"waiting: another benchmark runs: {others[0]}", flush=True)
         time.sleep(10)
     return others
+
+
+class ContentionWatch:
+    """Samples the process table while a measurement runs, to tell whether another benchmark ran beside it."""
+
+    def __init__(self, own: set[int], every_s: float = 2.0) -> None:
+        self.own, self.every_s = own, every_s
+        self.seen: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.seen += [c for c in other_benchmarks(self.own) if c not in self.seen]
+
+    def __enter__(self) -> ContentionWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def measure(fn: Callable[[int], T], own: set[int] | None, label: str, retries: int = 1) -> tuple[T, list[str]]:
+    """``fn(attempt)`` on a quiet machine: waits for other benchmarks to end, and measures again (up to
+    ``retries`` times) when one ran alongside. Returns the result and what ran beside its last attempt.
+    ``own`` None: measure once, watch nothing."""
+    attempt = 0
+    while True:
+        if own is None:
+            return fn(attempt), []
+        wait_for_quiet(own, max_wait_s=300)
+        with ContentionWatch(own) as watch:
+            out = fn(attempt)
+        if not watch.seen or attempt >= retries:
+            return out, watch.seen
+        print(f"{label}: another benchmark ran alongside ({watch.seen[0]}); measuring again", flush=True)
+        attempt += 1
