@@ -93,6 +93,10 @@ class Recovery(threading.Thread):
                 ensure_groups(self.redis, self.keys, self.service.model, self.settings.priority_levels)
                 continue
             for entry_id, fields in reply[1]:
+                if self.service.owned.owner(stream, entry_id) is not None:
+                    # Our own entry went idle (a stalled refresh, or a Redis restart that kept the
+                    # old delivery time): XAUTOCLAIM just refreshed it, and it is still running here.
+                    continue
                 log.info("taking over entry %s of %s", entry_id, stream)
                 if self.admission.admit(stream, entry_id, fields):
                     room -= 1

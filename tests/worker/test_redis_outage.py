@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,8 @@ import redis
 
 from shared.client import QueueClient
 from shared.lifecycle import RequestStatus
-from shared.redis_server import PrivateRedis, free_port
+from shared.redis_server import PrivateRedis, find_redis_binary, free_port, redis_answers
+from shared.schemas import DoneEvent, TokenEvent
 from tests.worker.conftest import greedy
 from tests.worker.test_worker import PROMPT, tokens_sent, wait_for
 
@@ -54,3 +59,49 @@ def test_takeover_and_a_redis_restart_on_redis_6_2(spawn_worker, settings, refer
             assert heir.wait(timeout=30) == 0
     finally:
         server.stop()
+
+
+@contextmanager
+def persistent_redis(port: int, workdir: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A redis-server with an append-only file, so a restart keeps what it held."""
+    args = [find_redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    args += ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(workdir)]
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: redis_answers(f"redis://127.0.0.1:{port}/0", timeout=0.2), timeout=10)
+        yield process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.wait(timeout=10)
+
+
+def test_a_redis_restart_mid_generation_loses_nothing_redis_kept(spawn_worker, settings, reference, tmp_path) -> None:
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    n = 600
+    with persistent_redis(port, tmp_path) as first:
+        spawn_worker("steady", url=url)
+        client = QueueClient(settings.model_copy(update={"redis_url": url}))
+        request_id = client.submit(client.settings.model, PROMPT, greedy(n))
+        events: list = []
+        follower = threading.Thread(target=lambda: events.extend(client.stream(request_id, timeout=180)))
+        follower.start()
+        wait_for(lambda: tokens_sent(client, request_id) > 20)
+        assert tokens_sent(client, request_id) < n, "Redis must go away mid-generation"
+        first.terminate()  # a clean shutdown: the append-only file has everything
+        first.wait(timeout=10)
+    time.sleep(1.0)
+    with persistent_redis(port, tmp_path):
+        try:
+            result = client.result(request_id, timeout=180)
+            follower.join(timeout=180)
+            assert result.token_ids == reference(PROMPT, n)
+            tokens = [e for e in events if isinstance(e, TokenEvent)]
+            assert [e.index for e in tokens] == list(range(n)), "the follower saw no gap and no duplicate"
+            assert isinstance(events[-1], DoneEvent)
+            info = client.status(request_id)
+            assert info is not None and info.status is RequestStatus.DONE
+            assert info.attempt == 0 and info.worker == "steady", "the worker kept its request through the outage"
+        finally:
+            client.close()
