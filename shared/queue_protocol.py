@@ -163,8 +163,17 @@ class EventSequencer:
             # A hole inside the log itself (trimmed log) cannot be filled: move on past it.
             self.next_index = event.index + 1
             return [event]
+        if not from_log and self.next_index < tokens_before(event):
+            self.gap = True  # the end, seen live before some of its tokens: read them first
+            return []
         self.finished = True
         return [event]
+
+
+def tokens_before(event: DoneEvent | ErrorEvent) -> int:
+    if isinstance(event, DoneEvent):
+        return len(event.result.token_ids)
+    return event.index or 0
 
 
 def deadline_from(timeout: float | None) -> float | None:

@@ -132,6 +132,22 @@ def test_stream_fills_a_missed_live_event_from_the_log(client, redis_client, key
     assert [e.index for e in events[:-1]] == [0, 1]
 
 
+def test_stream_never_ends_before_the_tokens_its_end_accounts_for(client, redis_client, keys) -> None:
+    request_id = client.submit(MODEL, [1])
+
+    def worker() -> None:
+        time.sleep(0.3)
+        for i in range(2):  # in the log, but their live messages were lost
+            redis_client.xadd(keys.replay_log(request_id), {LOG_FIELD: token(request_id, i).to_json()})
+        emit(redis_client, keys, done(request_id, 2))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    events = list(client.stream(request_id, timeout=10))
+    thread.join()
+    assert [e.index for e in events[:-1]] == [0, 1] and isinstance(events[-1], DoneEvent)
+
+
 def test_stream_from_index_skips_what_the_caller_has(client, redis_client, keys) -> None:
     request_id = client.submit(MODEL, [1])
     for i in range(4):
