@@ -22,6 +22,7 @@ class ActiveRequest:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     first_token_at: float | None = None
+    steps_survived: int = 0  # engine steps since it was added; 0 makes it a suspect if a step fails
 
     @property
     def id(self) -> str:

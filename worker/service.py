@@ -231,13 +231,18 @@ class WorkerService:
         try:
             events = self.engine.step()
         except Exception:
-            # The batch's state is unknown: give every request back. Each retry counts as a
-            # delivery, so a request that keeps breaking the engine ends in the dead letters.
+            # The batch's state is unknown: give every request back. The suspects are those that
+            # had not yet survived a step (a poison request usually fails its first); only they
+            # are charged a delivery, so one poison does not drag its batch into the dead letters.
+            # With no newcomer in the batch, everyone is a suspect.
             log.exception("engine step failed; handing %d requests back", len(self._active))
+            newcomers = {a.id for a in self._active.values() if a.steps_survived == 0}
             for active in list(self._active.values()):
                 self.engine.abort(active.id)
-                self._hand_back(active, failed=True)
+                self._hand_back(active, failed=not newcomers or active.id in newcomers)
             return
+        for active in self._active.values():
+            active.steps_survived += 1
         self.publisher.publish_tokens(
             (event, self._active[event.request_id].attempt) for event in events if event.request_id in self._active
         )

@@ -240,15 +240,23 @@ def test_a_seeded_sampled_request_is_reproducible(spawn_worker, client) -> None:
     assert first.token_ids == second.token_ids
 
 
-def test_a_request_that_breaks_the_engine_is_dead_lettered_after_max_deliveries(spawn_worker, client) -> None:
+def test_a_request_that_breaks_the_engine_is_dead_lettered_after_max_deliveries(
+    spawn_worker, client, reference
+) -> None:
     spawn_worker("breakable")
     model = client.settings.model
+    innocent = client.submit(model, PROMPT, greedy(300))
+    wait_for(lambda: tokens_sent(client, innocent) > 3)
     breaker = client.submit(model, [10**9], greedy(2))  # a token id far past the vocabulary
     events = list(client.stream(breaker, timeout=60))
     assert isinstance(events[-1], ErrorEvent) and events[-1].error_type == "generation"
     info = client.status(breaker)
     assert info is not None and info.status is RequestStatus.FAILED
-    assert info.deliveries == client.settings.max_deliveries + 1
+    # Refused by add_request it fails at once; raising inside a step, it is retried up to max_deliveries.
+    assert 1 <= info.deliveries <= client.settings.max_deliveries + 1
     letters = [DeadLetter.model_validate_json(f["letter"]) for f in client.dead_letters(model)]
     assert [letter.request_id for letter in letters] == [breaker]
+    # Its batch mate was handed back uncharged each time, resumed, and finished as if nothing happened.
+    assert client.result(innocent, timeout=120).token_ids == reference(PROMPT, 300)
+    assert client.status(innocent).deliveries == 1  # type: ignore[union-attr]
     assert client.result(client.submit(model, PROMPT, greedy(3)), timeout=30).usage.completion_tokens == 3
