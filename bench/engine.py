@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import random
 import shlex
@@ -58,6 +59,10 @@ QUESTIONS = [
 ]
 
 
+KV_TOKENS = 16384  # KV cache room for both engines: the workload needs about 32 x 300 tokens
+MAX_BATCH_TOKENS = 1024
+
+
 def workload(tokenizer: Any, num_prompts: int, seed: int) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(seed)
     prompts = []
@@ -68,10 +73,18 @@ def workload(tokenizer: Any, num_prompts: int, seed: int) -> tuple[list[list[int
     return prompts, [rng.randint(32, 256) for _ in prompts]
 
 
-def run_ours(model_name: str, dtype: torch.dtype, prompts: list[list[int]], lengths: list[int], **kw: Any) -> dict:
+def run_ours(model_name: str, dtype: torch.dtype, prompts: list[list[int]], lengths: list[int]) -> dict:
     from worker.engine import LLM, SamplingParams
 
-    llm = LLM(model_name, dtype=dtype, device="cpu", max_num_seqs=len(prompts), num_kv_blocks=kw.get("num_kv_blocks"))
+    llm = LLM(
+        model_name,
+        dtype=dtype,
+        device="cpu",
+        max_num_seqs=len(prompts),
+        max_num_batched_tokens=MAX_BATCH_TOKENS,
+        num_kv_blocks=KV_TOKENS // 16,
+        block_size=16,
+    )
     llm.generate(prompts[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up: first-call costs
     stats = llm.engine.stats
     before = (stats.forward_time_s, stats.step_time_s, stats.steps)
@@ -94,15 +107,20 @@ def run_ours(model_name: str, dtype: torch.dtype, prompts: list[list[int]], leng
 
 def run_transformers_cb(model_name: str, dtype: torch.dtype, prompts: list[list[int]], lengths: list[int]) -> dict:
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     from worker.engine.model_loader import load_model
 
     model, _ = load_model(model_name, dtype, "cpu")
     config = GenerationConfig(max_new_tokens=max(lengths), do_sample=False, eos_token_id=-1, pad_token_id=0)
+    # Left to itself it takes 90% of free RAM for its cache; give it the same room and token budget as ours.
+    cb_config = ContinuousBatchingConfig(num_blocks=KV_TOKENS // 256, max_batch_tokens=MAX_BATCH_TOKENS)
 
     def run(batch: list[list[int]], news: list[int]) -> int:
         tokens = 0
-        with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=30) as manager:
+        with model.continuous_batching_context_manager(
+            generation_config=config, continuous_batching_config=cb_config, block=True, timeout=30
+        ) as manager:
             for i, (ids, n) in enumerate(zip(batch, news, strict=True)):
                 manager.add_request(ids, request_id=f"r{i}", max_new_tokens=n)
             done = 0
@@ -128,10 +146,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads for both engines (0: torch's default)")
     parser.add_argument("--skip-transformers", action="store_true", help="run only our engine (for profiling)")
     parser.add_argument("--out", default="bench/results", help="folder for engine-<date>.json/.md; '' to skip")
     args = parser.parse_args(argv)
     from worker.engine.model_loader import load_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     tokenizer = load_tokenizer(args.model)
     prompts, lengths = workload(tokenizer, args.num_prompts, args.seed)
@@ -139,16 +161,19 @@ def main(argv: list[str] | None = None) -> dict:
         "command": "python -m bench.engine "
         + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, "
+        f"torch {torch.__version__}",
         "workload": {"prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "new_tokens": sum(lengths)},
         "runs": {},
     }
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
-        row: dict[str, Any] = {"ours": run_ours(args.model, dtype, prompts, lengths)}
+        row: dict[str, Any] = {"load_average_before": os.getloadavg()[0]}
+        row["ours"] = run_ours(args.model, dtype, prompts, lengths)
         print(f"[{name}] ours: {row['ours']['tok_per_s']} tok/s, forward share {row['ours']['forward_share_of_step']}")
         if not args.skip_transformers:
             row["transformers_cb"] = run_transformers_cb(args.model, dtype, prompts, lengths)
+            row["load_average_after"] = os.getloadavg()[0]
             row["ratio"] = round(row["ours"]["tok_per_s"] / row["transformers_cb"]["tok_per_s"], 2)
             print(f"[{name}] transformers CB: {row['transformers_cb']['tok_per_s']} tok/s -> ratio {row['ratio']}x")
         results["runs"][name] = row
@@ -168,13 +193,14 @@ def write(results: dict, folder: Path) -> None:
         f"Machine: {results['machine']}  ",
         f"Workload: {json.dumps(results['workload'])}, greedy, ignore_eos, all submitted at once",
         "",
-        "| dtype | ours tok/s | transformers CB tok/s | ratio | forward share of step |",
-        "|---|---|---|---|---|",
+        "| dtype | ours tok/s | transformers CB tok/s | ratio | forward share of step | load avg before/after |",
+        "|---|---|---|---|---|---|",
     ]
     for name, row in results["runs"].items():
         cb = row.get("transformers_cb", {}).get("tok_per_s", "-")
         share = row["ours"]["forward_share_of_step"]
-        lines.append(f"| {name} | {row['ours']['tok_per_s']} | {cb} | {row.get('ratio', '-')} | {share:.0%} |")
+        load = f"{row['load_average_before']:.1f} / {row.get('load_average_after', float('nan')):.1f}"
+        lines.append(f"| {name} | {row['ours']['tok_per_s']} | {cb} | {row.get('ratio', '-')} | {share:.0%} | {load} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {stem}.json and {stem}.md")
 

@@ -9,6 +9,7 @@ import torch
 
 from worker.engine import attention
 from worker.engine.attention.metadata import AttentionMetadata, PrefillChunk
+from worker.engine.fast_linear import prepack_linears, prepack_supported
 from worker.engine.sequence import Sequence
 
 
@@ -29,6 +30,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         attention_backend: str = "auto",
+        prepack_weights: bool = True,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -45,6 +47,8 @@ class ModelRunner:
             for _ in range(num_layers)
         ]
         attention.register()
+        if prepack_weights and prepack_supported(self.device, self.dtype):
+            prepack_linears(model)
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
 
     @staticmethod
