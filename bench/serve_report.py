@@ -91,14 +91,19 @@ def header(report: dict[str, Any]) -> list[str]:
     ]
 
 
+LOW = "1 at a time"
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in report["runs"] if r["phase"] in ("sweep", "scale")]
-    rates = sorted({r["rate"] for r in runs}, key=lambda x: math.inf if x == "inf" else float(x))
+    # x: one request at a time (the low-load runs) on the left, then each request rate.
+    runs = report["runs"]
+    point = {id(r): LOW if r["phase"] == "low_load" else r["rate"] for r in runs}
+    rates = sorted(set(point.values()), key=lambda x: -1.0 if x == LOW else math.inf if x == "inf" else float(x))
     xs = {rate: i for i, rate in enumerate(rates)}
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     systems: dict[str, list[dict]] = {}
@@ -107,12 +112,16 @@ def plot(report: dict[str, Any], path: Path) -> None:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (label, rs) in enumerate(systems.items()):
         color = colors[i % len(colors)]
-        x = [xs[r["rate"]] for r in rs]
+        x = [xs[point[id(r)]] for r in rs]
         axes[0].plot(x, [r["metrics"]["output_throughput"] for r in rs], "o-", color=color, label=label)
         for ax, metric in ((axes[1], "ttft_ms"), (axes[2], "itl_ms")):
             ax.plot(x, [r["metrics"][metric]["p50"] for r in rs], "o-", color=color, label=f"{label} p50")
             ax.plot(x, [r["metrics"][metric]["p99"] for r in rs], "x--", color=color, label=f"{label} p99")
     anchors = report.get("anchors", {})
+    if "offline_engine_low_load" in anchors and LOW in xs:
+        for ax, metric in ((axes[1], "ttft_ms"), (axes[2], "itl_ms")):
+            stats = anchors["offline_engine_low_load"][metric]
+            ax.plot([xs[LOW]] * 2, [stats["p50"], stats["p99"]], "k*", label="offline engine, alone (p50, p99)")
     for name, label, style in (
         ("offline_engine", "offline engine (LLM.generate)", "k--"),
         ("transformers_cb", "transformers CB", "k:"),
@@ -122,7 +131,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     titles = ("output tokens/s", "TTFT (ms, log)", "ITL (ms)")
     for ax, title in zip(axes, titles, strict=True):
         ax.set_xticks(range(len(rates)), [str(r) for r in rates])
-        ax.set_xlabel("request rate (req/s)")
+        ax.set_xlabel("load: request rate (req/s), or one request at a time")
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[1].set_yscale("log")
