@@ -28,6 +28,7 @@ from shared.queue_protocol import (
     log_maxlen,
     normalize,
     parse_log_entry,
+    queued_stream,
     raise_for,
     redis_kwargs,
     remaining,
@@ -44,7 +45,7 @@ from shared.schemas import (
     parse_event,
 )
 from shared.settings import Settings, get_settings
-from shared.transitions import CANCEL, STREAM_FIELD
+from shared.transitions import CANCEL, ENQUEUE, STREAM_FIELD
 
 
 class AsyncQueueClient:
@@ -53,6 +54,7 @@ class AsyncQueueClient:
         self.keys = Keys.for_prefix(self.settings.key_prefix)
         self.redis: aioredis.Redis = client or aioredis.Redis.from_url(self.settings.redis_url, **redis_kwargs())
         self._cancel = self.redis.register_script(CANCEL)
+        self._enqueue = self.redis.register_script(ENQUEUE)
         self._models_with_groups: set[str] = set()
 
     # Submitting --------------------------------------------------------------------
@@ -83,19 +85,29 @@ class AsyncQueueClient:
     async def enqueue(self, request: QueuedRequest, *, check_depth: bool = True) -> str:
         request = normalize(self.settings, request)
         await self.ensure_groups(request.model)
-        if check_depth:
-            waiting = sum((await self.queue_depth(request.model)).values())
-            if waiting >= self.settings.max_queue_depth:
-                raise OverloadedError(f"queue for {request.model} is full ({waiting} waiting)")
-        ttl = self.settings.result_ttl_s
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(self.keys.request(request.id), mapping=hash_fields(request))
-        pipe.expire(self.keys.request(request.id), ttl)
-        pipe.xadd(self.keys.stream(request.model, request.priority), {STREAM_FIELD: request.to_json()})
-        pipe.lpush(self.keys.notify(request.model), "1")
-        pipe.ltrim(self.keys.notify(request.model), 0, NOTIFY_KEEP - 1)
-        pipe.sadd(self.keys.models(), request.model)
-        await pipe.execute()
+        model_streams = [self.keys.stream(request.model, p) for p in range(self.settings.priority_levels)]
+        fields = [item for pair in hash_fields(request).items() for item in pair]
+        verdict, detail = await self._enqueue(
+            keys=[
+                self.keys.request(request.id),
+                self.keys.stream(request.model, request.priority),
+                self.keys.notify(request.model),
+                self.keys.models(),
+                *model_streams,
+            ],
+            args=[
+                self.settings.result_ttl_s,
+                request.to_json(),
+                NOTIFY_KEEP,
+                request.model,
+                self.settings.max_queue_depth if check_depth else 0,
+                CONSUMER_GROUP,
+                STREAM_FIELD,
+                *fields,
+            ],
+        )
+        if verdict in (b"overloaded", "overloaded"):
+            raise OverloadedError(f"queue for {request.model} is full ({int(detail)} waiting)")
         return request.id
 
     async def ensure_groups(self, model: str) -> None:
@@ -194,12 +206,14 @@ class AsyncQueueClient:
         return RequestInfo.from_hash(fields) if fields else None
 
     async def cancel(self, request_id: str) -> bool:
+        where = await self.redis.hmget(self.keys.request(request_id), "model", "priority")
         outcome = await self._cancel(
             keys=[
                 self.keys.request(request_id),
                 self.keys.replay_log(request_id),
                 self.keys.tokens_channel(request_id),
                 self.keys.cancel_channel(),
+                *queued_stream(self.keys, where),
             ],
             args=[
                 request_id,
@@ -207,6 +221,7 @@ class AsyncQueueClient:
                 repr(time.time()),
                 self.settings.result_ttl_s,
                 log_maxlen(self.settings),
+                CONSUMER_GROUP,
             ],
         )
         if outcome == -1:

@@ -35,6 +35,7 @@ from shared.queue_protocol import (
     log_maxlen,
     normalize,
     parse_log_entry,
+    queued_stream,
     raise_for,
     redis_kwargs,
     remaining,
@@ -51,7 +52,7 @@ from shared.schemas import (
     parse_event,
 )
 from shared.settings import Settings, get_settings
-from shared.transitions import CANCEL, STREAM_FIELD
+from shared.transitions import CANCEL, ENQUEUE, STREAM_FIELD
 
 
 class QueueClient:
@@ -60,6 +61,7 @@ class QueueClient:
         self.keys = Keys.for_prefix(self.settings.key_prefix)
         self.redis: redis.Redis = client or redis.Redis.from_url(self.settings.redis_url, **redis_kwargs())
         self._cancel = self.redis.register_script(CANCEL)
+        self._enqueue = self.redis.register_script(ENQUEUE)
         self._models_with_groups: set[str] = set()
 
     # Submitting --------------------------------------------------------------------
@@ -90,20 +92,29 @@ class QueueClient:
     def enqueue(self, request: QueuedRequest, *, check_depth: bool = True) -> str:
         request = normalize(self.settings, request)
         self.ensure_groups(request.model)
-        if check_depth:
-            waiting = sum(self.queue_depth(request.model).values())
-            if waiting >= self.settings.max_queue_depth:
-                raise OverloadedError(f"queue for {request.model} is full ({waiting} waiting)")
-        ttl = self.settings.result_ttl_s
-        pipe = self.redis.pipeline(transaction=True)
-        # Hash first, so a worker that reads the entry always finds the record it moves.
-        pipe.hset(self.keys.request(request.id), mapping=hash_fields(request))
-        pipe.expire(self.keys.request(request.id), ttl)
-        pipe.xadd(self.keys.stream(request.model, request.priority), {STREAM_FIELD: request.to_json()})
-        pipe.lpush(self.keys.notify(request.model), "1")
-        pipe.ltrim(self.keys.notify(request.model), 0, NOTIFY_KEEP - 1)
-        pipe.sadd(self.keys.models(), request.model)
-        pipe.execute()
+        model_streams = [self.keys.stream(request.model, p) for p in range(self.settings.priority_levels)]
+        fields = [item for pair in hash_fields(request).items() for item in pair]
+        verdict, detail = self._enqueue(
+            keys=[
+                self.keys.request(request.id),
+                self.keys.stream(request.model, request.priority),
+                self.keys.notify(request.model),
+                self.keys.models(),
+                *model_streams,
+            ],
+            args=[
+                self.settings.result_ttl_s,
+                request.to_json(),
+                NOTIFY_KEEP,
+                request.model,
+                self.settings.max_queue_depth if check_depth else 0,
+                CONSUMER_GROUP,
+                STREAM_FIELD,
+                *fields,
+            ],
+        )
+        if verdict in (b"overloaded", "overloaded"):
+            raise OverloadedError(f"queue for {request.model} is full ({int(detail)} waiting)")
         return request.id
 
     def ensure_groups(self, model: str) -> None:
@@ -204,12 +215,14 @@ class QueueClient:
 
     def cancel(self, request_id: str) -> bool:
         """True when the request was queued (now cancelled) or running (its worker is told)."""
+        where = self.redis.hmget(self.keys.request(request_id), "model", "priority")
         outcome = self._cancel(
             keys=[
                 self.keys.request(request_id),
                 self.keys.replay_log(request_id),
                 self.keys.tokens_channel(request_id),
                 self.keys.cancel_channel(),
+                *queued_stream(self.keys, where),
             ],
             args=[
                 request_id,
@@ -217,6 +230,7 @@ class QueueClient:
                 repr(time.time()),
                 self.settings.result_ttl_s,
                 log_maxlen(self.settings),
+                CONSUMER_GROUP,
             ],
         )
         if outcome == -1:

@@ -4,9 +4,12 @@ The request hash (``keys.request``) is the record; these scripts are the only wr
 ``status`` field, so the lifecycle in ``shared/lifecycle.py`` holds however clients and
 workers race:
 
-- ``enqueue`` (client, a MULTI, no script needed): hash ``queued``, then XADD, then wake-up.
-- ``CANCEL`` (client): queued -> cancelled at once (a worker that reads the entry later skips
-  it); running -> ``cancel_requested`` is set and the cancel channel tells the running worker,
+- ``ENQUEUE`` (client): checks the model's queue depth, writes the hash ``queued`` (with the
+  stream entry's id), XADDs, wakes a worker, all at once, so concurrent submits cannot push a
+  queue past its limit.
+- ``CANCEL`` (client): queued -> cancelled at once, and an entry no worker has read yet is
+  withdrawn from its stream so it stops counting against the queue's depth (a worker that
+  read it already skips it); running -> ``cancel_requested`` is set and the cancel channel tells the running worker,
   which moves it to cancelled at its next step. The flag also stops a takeover from resuming it.
 - ``START`` (worker): queued -> running, or running -> running on takeover (attempt + 1).
   Counts deliveries so a request that keeps killing workers is dead-lettered.
@@ -33,8 +36,41 @@ ATTEMPT = "attempt"
 STREAM_FIELD = "request"
 LOG_FIELD = "e"
 
-# KEYS: request hash, replay log, token channel, cancel channel.
-# ARGV: request id, terminal event JSON, now, ttl, log maxlen.
+# KEYS: request hash, target priority stream, notify list, models set, then every priority
+# stream of the model (for the depth check).
+# ARGV: ttl, entry JSON, notify keep, model, max depth (0 = unchecked), group, stream field,
+# then the hash's field/value pairs.
+# Returns {'ok', entry id} or {'overloaded', waiting}.
+ENQUEUE = """
+local max_depth = tonumber(ARGV[5])
+if max_depth > 0 then
+  local waiting = 0
+  for i = 5, #KEYS do
+    local length = redis.call('XLEN', KEYS[i])
+    if length > 0 then
+      local ok, pending = pcall(redis.call, 'XPENDING', KEYS[i], ARGV[6])
+      local taken = 0
+      if ok then taken = tonumber(pending[1]) end
+      waiting = waiting + math.max(0, length - taken)
+    end
+  end
+  if waiting >= max_depth then return {'overloaded', waiting} end
+end
+local fields = {}
+for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[1], unpack(fields))
+local id = redis.call('XADD', KEYS[2], '*', ARGV[7], ARGV[2])
+redis.call('HSET', KEYS[1], 'entry_id', id)
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('LPUSH', KEYS[3], '1')
+redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[3]) - 1)
+redis.call('SADD', KEYS[4], ARGV[4])
+return {'ok', id}
+"""
+
+# KEYS: request hash, replay log, token channel, cancel channel, and (optional) the request's
+# priority stream.
+# ARGV: request id, terminal event JSON, now, ttl, log maxlen, consumer group.
 # Returns 1 cancelled while queued, 2 cancel sent to the running worker, 0 already final, -1 unknown.
 CANCEL = """
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -46,6 +82,13 @@ if status == 'queued' then
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'e', ARGV[2])
   redis.call('EXPIRE', KEYS[2], ARGV[4])
   redis.call('PUBLISH', KEYS[3], ARGV[2])
+  local entry = redis.call('HGET', KEYS[1], 'entry_id')
+  if KEYS[5] and entry then
+    -- Only an entry no worker has read: a delivered one is in the group's pending list and
+    -- its worker acknowledges it when it skips it.
+    local ok, pending = pcall(redis.call, 'XPENDING', KEYS[5], ARGV[6], entry, entry, 1)
+    if ok and #pending == 0 then redis.call('XDEL', KEYS[5], entry) end
+  end
   return 1
 end
 if status == 'running' then
