@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 KV_MEMORY_FRACTION = 0.25  # of the memory free now; the rest stays for activations and other processes
@@ -21,3 +24,14 @@ def available_memory_bytes(device: torch.device) -> int:
 def auto_num_kv_blocks(bytes_per_block: int, device: torch.device, *, max_blocks: int) -> int:
     budget = int(available_memory_bytes(device) * KV_MEMORY_FRACTION)
     return max(16, min(budget // bytes_per_block, max_blocks))
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros that cost memory only where written. On CPU an anonymous mmap hands out zero pages
+    on first touch, so a KV cache sized for the worst case commits only what sequences fill
+    (torch.zeros would commit it all at once on a box shared with other processes)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    buffer = mmap.mmap(-1, max(1, count * torch.empty((), dtype=dtype).element_size()))
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)  # the tensor keeps the mmap alive

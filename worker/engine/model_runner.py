@@ -10,6 +10,7 @@ import torch
 from worker.engine import attention
 from worker.engine.attention.metadata import AttentionMetadata, PrefillChunk
 from worker.engine.fast_linear import prepack_linears, prepack_supported
+from worker.engine.memory import lazy_zeros
 from worker.engine.sequence import Sequence
 
 
@@ -41,8 +42,8 @@ class ModelRunner:
         shape = self.backend.cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                lazy_zeros(shape, self.dtype, self.device),
+                lazy_zeros(shape, self.dtype, self.device),
             )
             for _ in range(num_layers)
         ]
