@@ -22,11 +22,13 @@ import asyncio
 import datetime as dt
 import functools
 import gc
+import json
 import math
 import os
 import platform
 import shlex
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -36,11 +38,12 @@ import httpx
 from bench.serve_clients import ENDPOINTS, Sender, chat_sender, queue_sender, run_load, tgi_sender
 from bench.serve_dataset import ChatSample, describe, synthetic_chat
 from bench.serve_metrics import print_summary, summarize
-from bench.serve_stack import Stack, measure
+from bench.serve_stack import Quiet, Stack, measure
 from shared.async_client import AsyncQueueClient
 from shared.settings import Settings, get_settings
 
 QUICK_REQUESTS = 100
+PARTIAL = Path(tempfile.gettempdir()) / "inflightq-bench-serve-partial.json"
 LABELS = {"generate_stream": "API /generate_stream", "chat": "API /v1/chat/completions", "queue": "queue client"}
 
 
@@ -51,10 +54,11 @@ def rate_label(rate: float) -> str | float:
 class Runner:
     """Runs load against one stack; each run presents a fresh API key (a fresh prefix-cache tenant)."""
 
-    def __init__(self, settings: Settings, base_url: str, api_keys: list[str], own: set[int] | None = None) -> None:
+    def __init__(self, settings: Settings, base_url: str, api_keys: list[str], quiet: Quiet | None = None) -> None:
         self.settings, self.base_url, self.api_keys = settings, base_url, api_keys
         self.used = 0
-        self.own = own  # this benchmark's process ids, when runs must not overlap other benchmarks
+        self.quiet = quiet  # None: measure whatever else runs
+        self.report: dict[str, Any] = {}
 
     def _sender(self, endpoint: str, http: httpx.AsyncClient, queue: AsyncQueueClient) -> Sender:
         key = self.api_keys[self.used % len(self.api_keys)] if self.api_keys else ""
@@ -80,9 +84,10 @@ class Runner:
         return summarize(results, duration)
 
 
-def run_phase(runner: Runner, plan: list[dict[str, Any]], samples: dict[str, list[ChatSample]]) -> list[dict]:
-    """Runs each planned run in order; returns them with their metrics."""
-    done = []
+def run_phase(
+    runner: Runner, plan: list[dict[str, Any]], samples: dict[str, list[ChatSample]], done: list[dict[str, Any]]
+) -> list[dict]:
+    """Runs each planned run in order, appending each to ``done`` with its metrics as it ends."""
     for spec in plan:
         rate, concurrency = spec.get("rate", math.inf), spec.get("concurrency")
         title = f"{LABELS[spec['endpoint']]}, {spec['workers']} worker(s), rate {rate_label(rate)}, concurrency"
@@ -90,12 +95,13 @@ def run_phase(runner: Runner, plan: list[dict[str, Any]], samples: dict[str, lis
         one = functools.partial(
             runner.run, spec["endpoint"], samples[spec["phase"]], rate=rate, concurrency=concurrency
         )
-        metrics, contended = measure(lambda _, one=one: asyncio.run(one()), runner.own, title)
+        metrics, contended = measure(lambda _, one=one: asyncio.run(one()), runner.quiet, title)
         row = {**spec, "rate": rate_label(rate), "system": LABELS[spec["endpoint"]], "metrics": metrics}
         if contended:
             row["contended_by"] = contended
         print_summary(title, metrics)
         done.append(row)
+        checkpoint(runner.report)
     return done
 
 
@@ -115,14 +121,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--endpoints", default=",".join(ENDPOINTS), help="generate_stream,chat,queue")
     p.add_argument("--low-load-requests", type=int, default=8, help="requests sent one at a time (0 = skip)")
     p.add_argument("--workers", default="1,2", help="worker counts; beyond the first only at saturation")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per engine (default 3072)")
     p.add_argument("--skip-anchors", action="store_true", help="no offline engine / transformers runs")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--base-url", default=None, help="use this running API (its Redis/prefix from INFLIGHTQ_*)")
     p.add_argument("--api-key", default=None, help="with --base-url: the key to present")
     p.add_argument("--no-wait", action="store_true", help="do not wait for other benchmarks to finish")
+    p.add_argument("--max-wait", type=float, default=300.0, help="seconds to wait for other benchmarks, per run")
+    p.add_argument("--retries", type=int, default=1, help="measure again when another benchmark ran alongside")
     p.add_argument("--out", default="bench/results", help="folder for serve-<date>.*; '' to skip writing")
     p.add_argument("--tag", default="", help="name files serve-<date>-<tag>.* and leave README-serve.md alone")
     return p.parse_args(argv)
+
+
+def quiet_policy(args: argparse.Namespace) -> Quiet | None:
+    return None if args.no_wait else Quiet(max_wait_s=args.max_wait, retries=args.retries)
 
 
 def bench_settings(args: argparse.Namespace) -> Settings:
@@ -131,6 +144,8 @@ def bench_settings(args: argparse.Namespace) -> Settings:
     if args.base_url is None:  # a stack of our own: keys nobody else reads or deletes
         update["key_prefix"] = f"bench-serve-{uuid.uuid4().hex[:8]}"
         update["max_queue_depth"] = max(base.max_queue_depth, 4096)  # inf rate enqueues all at once
+    # Sized from memory the cache takes most of RAM (6 GB here); a fixed size is the same for every system.
+    update["num_kv_blocks"] = args.num_kv_blocks or base.num_kv_blocks or 3072
     return base.model_copy(update=update)
 
 
@@ -171,7 +186,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.skip_anchors:
         report["anchors"] = run_anchors(settings, samples, phases["low_load"], args)
         report["dtype"] = report["anchors"].pop("dtype")
-    report["runs"] = run_stack(settings, args, endpoints, rates, workers, phases, warm)
+    checkpoint(report)
+    run_stack(settings, args, endpoints, rates, workers, phases, warm, report)
     report["targets"] = targets(report)
     if args.out:
         from bench.serve_report import write
@@ -191,16 +207,16 @@ def run_anchors(
     anchors: dict[str, Any] = {"dtype": str(dtype).replace("torch.", "")}
     llm = load_offline(settings, dtype)
     warm_up(llm, len(llm.tokenizer))
-    own = None if args.no_wait else set()
+    quiet = quiet_policy(args)
     contended: dict[str, list[str]] = {}
     anchors["offline_engine"], contended["offline_engine"] = measure(
-        lambda _, llm=llm: offline_generate(llm, samples), own, "offline engine"
+        lambda _, llm=llm: offline_generate(llm, samples), quiet, "offline engine"
     )
     print(f"offline engine (LLM.generate): {anchors['offline_engine']['output_throughput']} tok/s", flush=True)
     if low:
         anchors["offline_engine_low_load"], contended["offline_engine_low_load"] = measure(
             lambda attempt, llm=llm: offline_one_at_a_time(llm, low, tenant=f"low-load-{attempt}"),
-            own,
+            quiet,
             "offline, one at a time",
         )
         print_summary("offline engine, one request at a time", anchors["offline_engine_low_load"])
@@ -208,7 +224,7 @@ def run_anchors(
     gc.collect()
     if not args.skip_transformers:
         anchors["transformers_cb"], contended["transformers_cb"] = measure(
-            lambda _: transformers_cb(settings, dtype, samples), own, "transformers CB"
+            lambda _: transformers_cb(settings, dtype, samples), quiet, "transformers CB"
         )
         print(f"transformers CB: {anchors['transformers_cb']['output_throughput']} tok/s", flush=True)
         gc.collect()
@@ -224,16 +240,19 @@ def run_stack(
     workers: list[int],
     phases: dict[str, list[ChatSample]],
     warm: list[ChatSample],
-) -> list[dict[str, Any]]:
+    report: dict[str, Any],
+) -> None:
     keys = [f"bench-{uuid.uuid4().hex[:12]}" for _ in range(256)]
     stack = None if args.base_url else Stack(settings, keys)
     try:
         if stack is not None:
             stack.start(workers=workers[0])
             own = {c.pid for c in [stack.api, *stack.workers] if c is not None}
-            runner = Runner(settings, stack.base_url, keys, None if args.no_wait else own)  # type: ignore[arg-type]
+            policy = quiet_policy(args)
+            runner = Runner(settings, stack.base_url, keys, policy.with_own(own) if policy else None)
         else:
             runner = Runner(settings, args.base_url, [args.api_key] if args.api_key else [], None)
+        runner.report = report
         warm_stack(runner, endpoints, warm)
         plan: list[dict[str, Any]] = []
         if phases["low_load"]:
@@ -243,23 +262,31 @@ def run_stack(
             for r in rates  # rate-major: the systems at one rate run close together in time
             for e in endpoints
         ]
-        runs = run_phase(runner, plan, phases)
+        runs = run_phase(runner, plan, phases, report["runs"])
         for count in workers[1:]:
             if stack is None:
                 print("--base-url: cannot add workers; skipping the worker-count comparison")
                 break
             while len(stack.workers) < count:
                 stack.add_worker()
-            runner.own = None if args.no_wait else {c.pid for c in [stack.api, *stack.workers] if c is not None}
+            own = {c.pid for c in [stack.api, *stack.workers] if c is not None}
+            runner.quiet = runner.quiet.with_own(own) if runner.quiet else None
             warm_stack(runner, endpoints[:1], warm)
             scale = [
                 {"phase": "scale", "endpoint": endpoints[0], "workers": count, "concurrency": args.max_concurrency}
             ]
-            runs += run_phase(runner, scale, phases)
-        return runs
+            run_phase(runner, scale, phases, runs)
     finally:
         if stack is not None:
             stack.stop()
+
+
+def checkpoint(report: dict[str, Any]) -> None:
+    """The report so far, so that a run cut short still leaves its figures behind."""
+    from bench.serve_report import _clean
+
+    if report:
+        PARTIAL.write_text(json.dumps(_clean(report), indent=2) + "\n")
 
 
 def warm_stack(runner: Runner, endpoints: list[str], warm: list[ChatSample]) -> None:

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from bench.engine import run_transformers_cb
 from bench.serve_dataset import ChatSample
 from bench.serve_metrics import RequestResult, summarize
 from shared.settings import Settings
@@ -80,9 +79,16 @@ def offline_one_at_a_time(llm: Any, samples: list[ChatSample], tenant: str) -> d
 
 
 def transformers_cb(settings: Settings, dtype: torch.dtype, samples: list[ChatSample]) -> dict[str, Any]:
-    out = run_transformers_cb(
-        settings.model, dtype, [s.prompt_token_ids for s in samples], [s.output_len for s in samples]
-    )
+    from bench import engine
+
+    prompts, lengths = [s.prompt_token_ids for s in samples], [s.output_len for s in samples]
+    # bench/engine.py sizes transformers' KV cache by its module constant: give it the room our engine has here.
+    engine.KV_TOKENS = settings.num_kv_blocks * settings.block_size if settings.num_kv_blocks else engine.KV_TOKENS
+    # bench/engine.py is being reshaped (function -> class); take whichever this tree has.
+    if hasattr(engine, "TransformersCB"):
+        out = engine.TransformersCB(settings.model, dtype).run(prompts, lengths)
+    else:
+        out = engine.run_transformers_cb(settings.model, dtype, prompts, lengths)
     return {
         "requests": len(samples),
         "total_output_tokens": out["tokens"],

@@ -177,18 +177,30 @@ class ContentionWatch:
         self._thread.join()
 
 
-def measure(fn: Callable[[int], T], own: set[int] | None, label: str, retries: int = 1) -> tuple[T, list[str]]:
-    """``fn(attempt)`` on a quiet machine: waits for other benchmarks to end, and measures again (up to
-    ``retries`` times) when one ran alongside. Returns the result and what ran beside its last attempt.
-    ``own`` None: measure once, watch nothing."""
+@dataclass
+class Quiet:
+    """How a measurement keeps clear of other benchmarks: ``own`` process ids are not others."""
+
+    own: set[int] = field(default_factory=set)
+    max_wait_s: float = 300.0
+    retries: int = 1
+
+    def with_own(self, own: set[int]) -> Quiet:
+        return Quiet(own, self.max_wait_s, self.retries)
+
+
+def measure(fn: Callable[[int], T], quiet: Quiet | None, label: str) -> tuple[T, list[str]]:
+    """``fn(attempt)`` on a quiet machine: waits (up to ``max_wait_s``) for other benchmarks to end,
+    and measures again (up to ``retries`` times) when one ran alongside. Returns the result and what
+    ran beside its last attempt. ``quiet`` None: measure once, watch nothing."""
     attempt = 0
     while True:
-        if own is None:
+        if quiet is None:
             return fn(attempt), []
-        wait_for_quiet(own, max_wait_s=300)
-        with ContentionWatch(own) as watch:
+        wait_for_quiet(quiet.own, max_wait_s=quiet.max_wait_s)
+        with ContentionWatch(quiet.own) as watch:
             out = fn(attempt)
-        if not watch.seen or attempt >= retries:
+        if not watch.seen or attempt >= quiet.retries:
             return out, watch.seen
         print(f"{label}: another benchmark ran alongside ({watch.seen[0]}); measuring again", flush=True)
         attempt += 1
