@@ -129,8 +129,10 @@ class ModelRunner:
         meta.decode_blocks = torch.tensor(tables, dtype=torch.long, device=self.device).view(-1)
         context = torch.tensor(lens, device=self.device).unsqueeze(1)
         padding = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) >= context
-        bias = torch.zeros(padding.shape, dtype=self.dtype, device=self.device).masked_fill_(padding, float("-inf"))
-        meta.decode_bias = bias.view(len(seqs), 1, 1, -1)
+        # Scores are summed in fp32 (fp64 for fp64 models), so the bias is in that dtype.
+        acc = torch.float64 if self.dtype == torch.float64 else torch.float32
+        bias = torch.zeros(padding.shape, dtype=acc, device=self.device).masked_fill_(padding, float("-inf"))
+        meta.decode_bias = bias.view(1, len(seqs), 1, -1)
 
     def _flat_views(self, meta: AttentionMetadata, seqs: list[Sequence], num_new_tokens: list[int]) -> None:
         lens = [s.num_computed_tokens + n for s, n in zip(seqs, num_new_tokens, strict=True)]

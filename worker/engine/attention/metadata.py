@@ -29,7 +29,7 @@ class AttentionMetadata:
     block_size: int
     num_decodes: int  # the first num_decodes rows are single-token entries
     decode_blocks: torch.Tensor | None = None  # [B * max_blocks] each decode's block table, padded, flattened
-    decode_bias: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] 0 on real context, -inf on padding
+    decode_bias: torch.Tensor | None = None  # [1, B, 1, max_blocks * block_size] 0 on context, -inf on padding
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Flash-attn style views of the same batch (built only when a backend asks for them).
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32
