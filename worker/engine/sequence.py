@@ -54,8 +54,6 @@ class Sequence:
         self.arrival_step = 0  # scheduler step at arrival, for aging
         self.detokenizer = detokenizer
         self.finish_reason: str | None = None
-        self.logprobs: list[float] | None = [] if params.logprobs is not None else None
-        self.top_logprobs: list[list[tuple[int, str, float]]] | None = [] if params.logprobs else None
 
     @property
     def prompt_token_ids(self) -> list[int]:
