@@ -2,7 +2,7 @@
 picking up batches whose run died.
 
 RQ only orchestrates, with its JSON serializer (never pickle): the job it runs
-(``worker.batch_job.run_batch``, named by string so nothing here imports it) submits lines into
+(``producer_api.batch_job.run_batch``, named by string so nothing here imports it) submits lines into
 the model queues like any other client and never touches a model."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from shared.settings import Settings
 
 log = logging.getLogger("inflightq.batch")
 
-JOB_FUNC = "worker.batch_job.run_batch"
+JOB_FUNC = "producer_api.batch_job.run_batch"
 QUEUE_NAME = "inflightq-batches"
 # The completion window plus slack: RQ must not kill a run that is still inside its window.
 JOB_TIMEOUT_S = 24 * 3600 + 600

@@ -10,7 +10,7 @@ A run is safe to repeat at any point (RQ retry, a crashed batch worker, two work
 - output and error files have ids derived from the batch id, so rewriting them is harmless.
 
 The runner knows nothing of the OpenAI body formats: ``LineHandler`` turns a line's body into
-a queue request and a result into a response body (``worker/batch_job.py`` supplies the one
+a queue request and a result into a response body (``producer_api/batch_job.py`` supplies the one
 the API routes use)."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ A batch moves through OpenAI's statuses:
         └──► expired   (completion_window passed before the batch finished)
 
 Who moves it: ``BatchStore.create`` writes ``validating``; ``BatchStore.cancel`` (API or CLI)
-writes ``cancelling``; the RQ job (``worker/batch_job.py``) writes every other state.
+writes ``cancelling``; the RQ job (``producer_api/batch_job.py``) writes every other state.
 
 Files are in ``shared/batch_files.py``. Every per-line fact is written once (HSETNX), so a job
 that runs twice after a crash counts and writes each line once."""

@@ -160,9 +160,9 @@ def test_bad_lines_carry_their_error_and_good_ones_their_body() -> None:
 
 
 def test_a_batch_past_its_window_expires_without_queueing_anything(store: BatchStore) -> None:
+    from producer_api.batch_job import ApiLineHandler
     from shared.batch_runner import BatchRunner
     from shared.client import QueueClient
-    from worker.batch_job import ApiLineHandler
 
     line = _line("late").encode()
     batch = store.create(input_file_id=store.files.put(line, filename="f", purpose="batch").id, endpoint=_CHAT)

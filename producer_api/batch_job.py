@@ -1,0 +1,193 @@
+"""The RQ job behind ``/v1/batches``: one run of one batch (``shared/batch_runner.py``).
+
+RQ calls ``run_batch`` by name with JSON arguments. It never touches a model or torch: it
+tokenizes lines and queues them at the lowest priority, as the API does for its own requests.
+
+It lives with the API because a batch line's body is an OpenAI request body: it is checked by
+the very code the routes use (request models, chat template, token limits), so a line fails in
+a batch exactly when it would fail over HTTP. Those modules are imported lazily, and warmed up
+before RQ forks a run."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from typing import Any
+
+import pydantic
+
+from shared.batch_runner import BatchRunner, PreparedRequest
+from shared.batch_store import BatchStore
+from shared.client import QueueClient
+from shared.errors import ValidationError
+from shared.model_source import load_tokenizer
+from shared.schemas import FinalResult
+from shared.settings import Settings, get_settings
+
+log = logging.getLogger("inflightq.batch")
+
+# Tokenizers by model, shared by every run in this process. The batch worker fills it before
+# it forks a run (``warm_up``), so a run starts without loading transformers again.
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def warm_up(settings: Settings) -> None:
+    """Import what a run needs and load the served models' tokenizers, once, before RQ forks."""
+    for module in ("producer_api.models_openai", "producer_api.tokenization", "producer_api.validation"):
+        importlib.import_module(module)
+    for model in settings.served_models:
+        try:
+            _TOKENIZERS.setdefault(model, load_tokenizer(model))
+        except Exception:  # a model that cannot load here fails its lines later, with a message
+            log.warning("no tokenizer for %s yet; lines naming it will load it or fail", model, exc_info=True)
+
+
+def run_batch(batch_id: str, key_prefix: str) -> str:
+    """Run (or resume) a batch until it is completed, cancelled, expired or failed."""
+    settings = get_settings().model_copy(update={"key_prefix": key_prefix})
+    client = QueueClient(settings)
+    try:
+        store = BatchStore(settings, client.redis)
+        status = BatchRunner(store, client, ApiLineHandler(settings), batch_id).run()
+        log.info("batch %s: %s", batch_id, status.value)
+        return status.value
+    finally:
+        client.close()
+
+
+def _field_error(exc: pydantic.ValidationError) -> ValidationError:
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or "body"
+    return ValidationError(f"{field}: {err['msg']}", field=field)
+
+
+class ApiLineHandler:
+    """Line bodies -> queue requests, and results -> response bodies, with the API's own code."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._loaded = _TOKENIZERS
+
+    def _tokenizers(self, model: str) -> Any:
+        from producer_api.tokenization import Tokenizers
+
+        if model not in self.settings.served_models:
+            raise ValidationError(
+                f"model {model!r} is not served here; served: {', '.join(self.settings.served_models)}",
+                field="model",
+            )
+        if model not in self._loaded:
+            self._loaded[model] = load_tokenizer(model)
+        return Tokenizers(self.settings, self._loaded)
+
+    def prepare(self, endpoint: str, body: dict[str, Any], model: str | None) -> PreparedRequest:
+        from producer_api.models_openai import ChatCompletionRequest, CompletionRequest
+        from producer_api.tokenization import enforce_limits
+        from producer_api.validation import check_stops, sampling_spec
+
+        if model:
+            body = {**body, "model": model}
+        request: ChatCompletionRequest | CompletionRequest
+        try:
+            if endpoint == "/v1/chat/completions":
+                request = ChatCompletionRequest.model_validate(body)
+            else:
+                request = CompletionRequest.model_validate(body)
+        except pydantic.ValidationError as exc:
+            raise _field_error(exc) from None
+        _refuse_unsupported(request)
+        tokenizers = self._tokenizers(request.model)
+        if isinstance(request, ChatCompletionRequest):
+            messages = [{"role": m.role, "content": m.text} for m in request.messages]
+            ids = tokenizers.apply_chat_template(request.model, messages)
+            max_new = request.max_completion_tokens or request.max_tokens
+            prompt_field = "messages"
+        else:
+            ids = _completion_prompt(tokenizers, request)
+            max_new = request.max_tokens
+            prompt_field = "prompt"
+        ids, max_new = enforce_limits(
+            self.settings, ids, max_new, prompt_field=prompt_field, max_new_tokens_field="max_tokens"
+        )
+        spec = sampling_spec(
+            max_new_tokens=max_new,
+            temperature=1.0 if request.temperature is None else request.temperature,  # OpenAI's default, as the API
+            top_p=request.top_p,
+            top_k=request.top_k,
+            min_p=request.min_p,
+            repetition_penalty=request.repetition_penalty,
+            frequency_penalty=request.frequency_penalty,
+            presence_penalty=request.presence_penalty,
+            seed=request.seed,
+            stop=check_stops(self.settings, request.stop_list),
+            ignore_eos=request.ignore_eos,
+        )
+        return PreparedRequest(model=request.model, prompt_token_ids=ids, sampling=spec)
+
+    def response_body(self, endpoint: str, request_id: str, result: FinalResult) -> dict[str, Any]:
+        from producer_api.models_openai import (
+            AssistantMessage,
+            ChatChoice,
+            ChatCompletion,
+            Completion,
+            CompletionChoice,
+            Usage,
+        )
+
+        finish = "length" if result.finish_reason == "length" else "stop"
+        created = int(result.timings.finished_at or time.time())
+        usage = Usage(**result.usage.model_dump())
+        if endpoint == "/v1/chat/completions":
+            return ChatCompletion(
+                id=f"chatcmpl-{request_id}",
+                created=created,
+                model=result.model,
+                choices=[ChatChoice(index=0, message=AssistantMessage(content=result.text), finish_reason=finish)],
+                usage=usage,
+            ).model_dump(mode="json")
+        return Completion(
+            id=f"cmpl-{request_id}",
+            created=created,
+            model=result.model,
+            choices=[CompletionChoice(index=0, text=result.text, finish_reason=finish)],
+            usage=usage,
+        ).model_dump(mode="json")
+
+
+def _refuse_unsupported(request: Any) -> None:
+    """What a batch line cannot ask for: one choice, no streaming, no logprobs (not in results)."""
+    if request.n != 1:
+        raise ValidationError("n must be 1 in a batch line", field="n")
+    if request.stream:
+        raise ValidationError("stream is not available in a batch", field="stream")
+    if getattr(request, "logit_bias", None):
+        raise ValidationError("logit_bias is not supported", field="logit_bias")
+    if getattr(request, "tools", None):
+        raise ValidationError("tools are not supported", field="tools")
+    response_format = getattr(request, "response_format", None)
+    if response_format and response_format.get("type") != "text":
+        raise ValidationError("only response_format {'type': 'text'} is supported", field="response_format")
+    logprobs = getattr(request, "logprobs", None)
+    if logprobs:
+        raise ValidationError("logprobs are not available in batch results", field="logprobs")
+    if getattr(request, "echo", False):
+        raise ValidationError("echo is not supported in a batch", field="echo")
+    if getattr(request, "suffix", None):
+        raise ValidationError("suffix is not supported", field="suffix")
+    if (getattr(request, "best_of", None) or 1) > 1:
+        raise ValidationError("best_of must be 1", field="best_of")
+
+
+def _completion_prompt(tokenizers: Any, request: Any) -> list[int]:
+    prompt = request.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # one prompt in a list is still one request
+    if isinstance(prompt, str):
+        return list(tokenizers.encode(request.model, prompt))
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        vocab = len(tokenizers.get(request.model))
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ValidationError(f"prompt holds token ids outside the vocabulary (0..{vocab - 1})", field="prompt")
+        return list(prompt)
+    raise ValidationError("a batch line takes one prompt (a string or a list of token ids)", field="prompt")
