@@ -20,8 +20,12 @@ from producer_api.middleware import BodyLimitMiddleware, MetricsMiddleware
 from producer_api.state import AppState
 from producer_api.tokenization import Tokenizers
 from shared.async_client import AsyncQueueClient
+from shared.batch_files import max_file_bytes
 from shared.keys import Keys
 from shared.settings import Settings, get_settings
+
+# Room for a multipart upload's boundaries and part headers around the file itself.
+MULTIPART_OVERHEAD_BYTES = 64 * 1024
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +100,10 @@ def create_app(settings: Settings | None = None, *, tokenizers: Tokenizers | Non
     app.include_router(routes_batches.router)
     app.include_router(routes_ops.router)
     # Added last = outermost: metrics see every request, including 413s.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_body_bytes,
+        path_limits={"/v1/files": max_file_bytes(settings) + MULTIPART_OVERHEAD_BYTES},
+    )
     app.add_middleware(MetricsMiddleware)
     return app

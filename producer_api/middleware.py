@@ -54,17 +54,20 @@ class BodyLimitMiddleware:
     The body is read here in full (at most max_bytes) and replayed to the app; later receive()
     calls go to the server so the app still hears a disconnect."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, path_limits: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        # Routes whose bodies are legitimately larger (batch input files) get their own cap.
+        self.path_limits = path_limits or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             await self.app(scope, receive, send)
             return
+        max_bytes = self.path_limits.get(scope.get("path", ""), self.max_bytes)
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await self._reject(scope, send)
+        if declared is not None and (not declared.isdigit() or int(declared) > max_bytes):
+            await self._reject(scope, send, max_bytes)
             return
         chunks: list[bytes] = []
         size = 0
@@ -74,8 +77,8 @@ class BodyLimitMiddleware:
                 break  # disconnected while sending the body: nothing to answer
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.max_bytes:
-                await self._reject(scope, send)
+            if size > max_bytes:
+                await self._reject(scope, send, max_bytes)
                 return
             if not message.get("more_body", False):
                 break
@@ -90,8 +93,8 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _reject(self, scope: Scope, send: Send) -> None:
-        error = PayloadTooLargeError(f"request body is larger than {self.max_bytes} bytes")
+    async def _reject(self, scope: Scope, send: Send, max_bytes: int) -> None:
+        error = PayloadTooLargeError(f"request body is larger than {max_bytes} bytes")
         response = error_response(scope["path"], error, scope.setdefault("state", {}))
         response.headers["connection"] = "close"  # the unread rest of the body must not be parsed as a request
         await response(scope, _no_body, send)

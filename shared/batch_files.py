@@ -26,6 +26,10 @@ MAX_REDIS_FILE_BYTES = 64 * 1024 * 1024
 INLINE_FILE_BYTES = 1024 * 1024
 
 
+def max_file_bytes(settings: Settings) -> int:
+    return MAX_FILE_BYTES if settings.batch_file_dir else MAX_REDIS_FILE_BYTES
+
+
 class FileObject(BaseModel):
     """OpenAI's ``File`` object."""
 
@@ -60,7 +64,7 @@ class FileStore:
         self.ttl_s = settings.result_ttl_s
 
     def max_bytes(self) -> int:
-        return MAX_FILE_BYTES if self.settings.batch_file_dir else MAX_REDIS_FILE_BYTES
+        return max_file_bytes(self.settings)
 
     def put(
         self, content: bytes, *, filename: str, purpose: str, file_id: str | None = None, owner: str | None = None

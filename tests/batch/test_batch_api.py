@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -115,6 +116,20 @@ def test_unknown_ids_and_bad_uploads_are_openai_errors(oai: openai.OpenAI) -> No
     assert uploaded.id not in [f.id for f in oai.files.list()]
     with pytest.raises(openai.NotFoundError):
         oai.files.content(uploaded.id)
+
+
+def test_batch_files_may_be_larger_than_an_ordinary_request_body(
+    oai: openai.OpenAI, api_url: str, stack_settings: Settings
+) -> None:
+    line = chat_line("big", str(stack_settings.model), "x" * 200) + "\n"
+    content = (line * (stack_settings.max_body_bytes // len(line) + 10)).encode()
+    assert len(content) > stack_settings.max_body_bytes
+    uploaded = oai.files.create(file=("big.jsonl", content), purpose="batch")
+    assert uploaded.bytes == len(content)
+    assert oai.files.content(uploaded.id).content == content
+    oai.files.delete(uploaded.id)
+    too_big = httpx.post(api_url + "/v1/completions", content=b" " * (stack_settings.max_body_bytes + 1))
+    assert too_big.status_code == 413
 
 
 def test_cancel_stops_the_batch_and_its_queued_requests(
