@@ -29,14 +29,16 @@ def settings_table() -> None:
 @app.command("up")
 def up(
     workers: int = typer.Option(1, min=1, help="Worker processes to start."),
+    batch_workers: int = typer.Option(1, min=0, help="Batch (RQ) worker processes to start for /v1/batches."),
     host: str | None = typer.Option(None, help="API bind address (default INFLIGHTQ_API_HOST)."),
     port: int | None = typer.Option(None, help="API port (default INFLIGHTQ_API_PORT)."),
 ) -> None:
-    """Run everything on this machine: Redis (a private one if none answers), the API, the workers."""
+    """Run everything on this machine: Redis (a private one if none answers), the API, the workers
+    and a batch worker."""
     from shared.settings import get_settings
     from shared.supervisor import run_stack
 
-    raise typer.Exit(run_stack(get_settings(), workers=workers, host=host, port=port))
+    raise typer.Exit(run_stack(get_settings(), workers=workers, batch_workers=batch_workers, host=host, port=port))
 
 
 # Batches (OpenAI Batch API over RQ) ------------------------------------------------------

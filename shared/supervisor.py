@@ -1,6 +1,6 @@
 """``inflightq up``: one command that runs the whole service on one machine.
 
-Starts a private Redis when none answers, then the API and worker processes as children,
+Starts a private Redis when none answers, then the API, worker and batch-worker processes as children,
 and stops them all when any one exits or on Ctrl-C / SIGTERM."""
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ def _spawn(args: Sequence[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "inflightq_cli", *args], env=env)
 
 
-def run_stack(settings: Settings, *, workers: int = 1, host: str | None = None, port: int | None = None) -> int:
+def run_stack(
+    settings: Settings, *, workers: int = 1, batch_workers: int = 1, host: str | None = None, port: int | None = None
+) -> int:
     redis_url, private = ensure_redis(settings.redis_url)
     if private is not None:
         print(f"inflightq: no Redis at {settings.redis_url}; started a private one at {redis_url}", flush=True)
@@ -29,6 +31,7 @@ def run_stack(settings: Settings, *, workers: int = 1, host: str | None = None, 
     port = port or settings.api_port
     children = [_spawn(["api", "--host", host, "--port", str(port)], env)]
     children += [_spawn(["worker", "--name", f"{os.uname().nodename}-{i}"], env) for i in range(workers)]
+    children += [_spawn(["batch-worker"], env) for _ in range(batch_workers)]
     print(
         f"inflightq: API on http://{host}:{port} (docs at /docs), {workers} worker(s) for {settings.model}.\n"
         "First request (the worker needs a few seconds to load the model):\n"

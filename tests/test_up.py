@@ -1,0 +1,70 @@
+"""``inflightq up``, the Quick start's service command: with no Redis at the configured URL it
+starts a private one, the API, a worker and a batch worker; a first request is answered; SIGTERM
+stops everything, the private Redis included."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from shared.redis_server import free_port, redis_answers
+
+
+def test_up_serves_a_first_request_and_stops_cleanly(tiny_model_dir: Path, run_prefix: str) -> None:
+    redis_port, api_port = free_port(), free_port()
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    assert not redis_answers(redis_url)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFLIGHTQ_")}
+    env |= {
+        "INFLIGHTQ_REDIS_URL": redis_url,
+        "INFLIGHTQ_KEY_PREFIX": f"{run_prefix}-up",
+        "INFLIGHTQ_MODEL": str(tiny_model_dir),
+        "INFLIGHTQ_DTYPE": "float32",
+        "INFLIGHTQ_DRAIN_TIMEOUT_S": "5",
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "inflightq_cli", "up", "--port", str(api_port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{api_port}"
+    try:
+        deadline = time.monotonic() + 120
+        answer = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                response = httpx.post(
+                    base + "/generate",
+                    json={"inputs": "Hello", "parameters": {"max_new_tokens": 4, "ignore_eos": True}},
+                    timeout=30,
+                )
+                if response.status_code == 200:
+                    answer = response.json()
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        assert answer is not None, "no answer from the stack started by inflightq up"
+        assert isinstance(answer["generated_text"], str)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            output, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+    assert proc.returncode == 0, output[-3000:]
+    assert "curl" in output, "up prints how to send a first request"
+    private = re.search(r"started a private one at (redis://\S+)", output)
+    assert private, "with nothing at INFLIGHTQ_REDIS_URL, up starts a private Redis"
+    assert not redis_answers(private.group(1)), "and stops it on exit"
