@@ -152,6 +152,8 @@ class Dispatcher:
                         finished = True
                         if isinstance(event, DoneEvent):
                             metrics.QUEUE_TIME.labels(model).observe(event.result.timings.queue_time_s)
+                            if (done_at := event.result.timings.finished_at) is not None:
+                                metrics.E2E_LATENCY.labels(model).observe(done_at - event.result.timings.submitted_at)
                     yield event
                     if finished:
                         return

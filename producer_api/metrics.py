@@ -44,6 +44,13 @@ QUEUE_TIME = Histogram(
     buckets=_LATENCY_BUCKETS,
     registry=REGISTRY,
 )
+E2E_LATENCY = Histogram(
+    "inflightq_api_e2e_latency_seconds",
+    "Time from a request's submission to the queue to its final result (queue wait + generation).",
+    ["model"],
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
 PROMPT_TOKENS = Counter(
     "inflightq_api_prompt_tokens_total", "Prompt tokens of submitted requests.", ["model"], registry=REGISTRY
 )

@@ -39,6 +39,8 @@ class WorkerCollector:
         gauges = {
             "running_requests": ("Sequences running in the engine.", stats.num_running),
             "waiting_requests": ("Sequences admitted but waiting inside the engine.", stats.num_waiting),
+            "engine_batch_tokens": ("Tokens in the last engine step's forward.", stats.batch_tokens),
+            "engine_batch_sequences": ("Sequences in the last engine step's forward.", stats.batch_seqs),
             "free_kv_blocks": ("Free KV cache blocks.", engine.num_free_blocks),
             "kv_blocks": ("KV cache blocks in total.", engine.num_total_blocks),
             "draining": ("1 while the worker drains after SIGTERM.", int(self.service.draining.is_set())),
