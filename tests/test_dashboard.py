@@ -82,6 +82,8 @@ def test_dashboard_covers_what_operators_watch() -> None:
         "inflightq_api_time_to_first_token_seconds_bucket",
         "inflightq_api_inter_token_latency_seconds_bucket",
         "inflightq_api_request_duration_seconds_bucket",
+        "inflightq_api_e2e_latency_seconds_bucket",
+        "inflightq_worker_engine_batch_tokens",
         "inflightq_queue_depth",
         "inflightq_workers_live",
         "inflightq_api_requests_total",
