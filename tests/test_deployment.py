@@ -441,6 +441,8 @@ def test_k8s_pods_announce_the_port_prometheus_scrapes() -> None:
 def test_keda_scales_workers_on_the_lag_of_every_priority_stream() -> None:
     scaled = _k8s("ScaledObject", "worker")
     assert scaled["spec"]["scaleTargetRef"]["name"] == "worker"
+    # The interactive routes enqueue only while a worker lives: at zero replicas no lag would ever appear.
+    assert scaled["spec"]["minReplicaCount"] >= 1
     configmap = _configmap()
     keys = Keys.for_prefix(configmap["INFLIGHTQ_KEY_PREFIX"])
     model = configmap["INFLIGHTQ_MODEL"]
