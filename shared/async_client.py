@@ -28,7 +28,6 @@ from shared.queue_protocol import (
     log_maxlen,
     normalize,
     parse_log_entry,
-    queued_stream,
     raise_for,
     redis_kwargs,
     remaining,
@@ -206,14 +205,12 @@ class AsyncQueueClient:
         return RequestInfo.from_hash(fields) if fields else None
 
     async def cancel(self, request_id: str) -> bool:
-        where = await self.redis.hmget(self.keys.request(request_id), "model", "priority")
         outcome = await self._cancel(
             keys=[
                 self.keys.request(request_id),
                 self.keys.replay_log(request_id),
                 self.keys.tokens_channel(request_id),
                 self.keys.cancel_channel(),
-                *queued_stream(self.keys, where),
             ],
             args=[
                 request_id,
@@ -221,7 +218,6 @@ class AsyncQueueClient:
                 repr(time.time()),
                 self.settings.result_ttl_s,
                 log_maxlen(self.settings),
-                CONSUMER_GROUP,
             ],
         )
         if outcome == -1:

@@ -35,7 +35,6 @@ from shared.queue_protocol import (
     log_maxlen,
     normalize,
     parse_log_entry,
-    queued_stream,
     raise_for,
     redis_kwargs,
     remaining,
@@ -215,14 +214,12 @@ class QueueClient:
 
     def cancel(self, request_id: str) -> bool:
         """True when the request was queued (now cancelled) or running (its worker is told)."""
-        where = self.redis.hmget(self.keys.request(request_id), "model", "priority")
         outcome = self._cancel(
             keys=[
                 self.keys.request(request_id),
                 self.keys.replay_log(request_id),
                 self.keys.tokens_channel(request_id),
                 self.keys.cancel_channel(),
-                *queued_stream(self.keys, where),
             ],
             args=[
                 request_id,
@@ -230,7 +227,6 @@ class QueueClient:
                 repr(time.time()),
                 self.settings.result_ttl_s,
                 log_maxlen(self.settings),
-                CONSUMER_GROUP,
             ],
         )
         if outcome == -1:

@@ -16,7 +16,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from shared.errors import ValidationError, error_from_type
-from shared.keys import CONSUMER_GROUP, Keys
+from shared.keys import CONSUMER_GROUP
 from shared.lifecycle import RequestStatus
 from shared.schemas import (
     DoneEvent,
@@ -109,14 +109,6 @@ def hash_fields(request: QueuedRequest) -> dict[str, str]:
         "attempt": str(request.attempt),
         "deliveries": "0",
     }
-
-
-def queued_stream(keys: Keys, where: list[Any]) -> list[str]:
-    """The priority stream a request was queued on, from its hash's (model, priority); [] if unknown."""
-    model, priority = (v.decode() if isinstance(v, bytes) else v for v in where)
-    if model is None or priority is None:
-        return []
-    return [keys.stream(model, int(priority))]
 
 
 def log_maxlen(settings: Settings) -> int:

@@ -7,10 +7,12 @@ workers race:
 - ``ENQUEUE`` (client): checks the model's queue depth, writes the hash ``queued`` (with the
   stream entry's id), XADDs, wakes a worker, all at once, so concurrent submits cannot push a
   queue past its limit.
-- ``CANCEL`` (client): queued -> cancelled at once, and an entry no worker has read yet is
-  withdrawn from its stream so it stops counting against the queue's depth (a worker that
-  read it already skips it); running -> ``cancel_requested`` is set and the cancel channel tells the running worker,
-  which moves it to cancelled at its next step. The flag also stops a takeover from resuming it.
+- ``CANCEL`` (client): queued -> cancelled at once; its entry stays in the stream until a worker
+  reads and skips it. (Deleting an unread entry would leave a tombstone ahead of the group's
+  read position, and Redis then reports the group's lag as unknown, which blinds autoscaling
+  on lag exactly when the pool is saturated.) Running -> ``cancel_requested`` is set and the
+  cancel channel tells the running worker, which moves it to cancelled at its next step. The
+  flag also stops a takeover from resuming it.
 - ``START`` (worker): queued -> running, or running -> running on takeover (attempt + 1).
   Counts deliveries so a request that keeps killing workers is dead-lettered.
 - ``FINISH`` (worker): running/queued -> done | failed | cancelled | expired, stores the result
@@ -68,9 +70,8 @@ redis.call('SADD', KEYS[4], ARGV[4])
 return {'ok', id}
 """
 
-# KEYS: request hash, replay log, token channel, cancel channel, and (optional) the request's
-# priority stream.
-# ARGV: request id, terminal event JSON, now, ttl, log maxlen, consumer group.
+# KEYS: request hash, replay log, token channel, cancel channel.
+# ARGV: request id, terminal event JSON, now, ttl, log maxlen.
 # Returns 1 cancelled while queued, 2 cancel sent to the running worker, 0 already final, -1 unknown.
 CANCEL = """
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -82,13 +83,6 @@ if status == 'queued' then
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'e', ARGV[2])
   redis.call('EXPIRE', KEYS[2], ARGV[4])
   redis.call('PUBLISH', KEYS[3], ARGV[2])
-  local entry = redis.call('HGET', KEYS[1], 'entry_id')
-  if KEYS[5] and entry then
-    -- Only an entry no worker has read: a delivered one is in the group's pending list and
-    -- its worker acknowledges it when it skips it.
-    local ok, pending = pcall(redis.call, 'XPENDING', KEYS[5], ARGV[6], entry, entry, 1)
-    if ok and #pending == 0 then redis.call('XDEL', KEYS[5], entry) end
-  end
   return 1
 end
 if status == 'running' then

@@ -169,23 +169,6 @@ def test_cancel_of_a_queued_request_is_final_at_once(client) -> None:
     assert client.cancel(request_id) is False
 
 
-def test_a_cancelled_queued_request_gives_its_place_in_the_queue_back(client, redis_client, keys) -> None:
-    waiting = [client.submit(MODEL, [1], priority=1) for _ in range(3)]
-    with pytest.raises(OverloadedError):
-        client.submit(MODEL, [1], priority=1)
-    client.cancel(waiting[0])
-    assert client.queue_depth(MODEL)[1] == 2
-    assert redis_client.xlen(keys.stream(MODEL, 1)) == 2, "an entry no worker read is withdrawn"
-    client.submit(MODEL, [1], priority=1)
-
-
-def test_a_cancelled_request_a_worker_already_read_stays_for_that_worker_to_skip(client, redis_client, keys) -> None:
-    request_id = client.submit(MODEL, [1], priority=1)
-    redis_client.xreadgroup(CONSUMER_GROUP, "w", {keys.stream(MODEL, 1): ">"}, count=1)
-    assert client.cancel(request_id) is True
-    assert redis_client.xlen(keys.stream(MODEL, 1)) == 1
-
-
 def test_concurrent_submits_never_overfill_the_queue(client, redis_client, keys) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
