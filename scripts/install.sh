@@ -11,8 +11,11 @@ pip_q() { pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ign
 if ! python -c "import torch" 2>/dev/null; then
   if [ "${INFLIGHTQ_TORCH:-cpu}" = "cuda" ]; then
     pip_q torch
+  elif pip install -q --no-index --no-deps torch==2.13.0 >/dev/null 2>&1; then
+    : # a local CPU wheel (this machine kind keeps one on disk); its dependencies come below
   else
-    pip_q torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu
+    # PyPI's x86_64 Linux wheel is a CUDA build of several GB; the PyTorch CPU index has the CPU one.
+    pip_q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple
   fi
 fi
 pip_q -e ".[dev]"
