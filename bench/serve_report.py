@@ -71,7 +71,7 @@ def targets_lines(report: dict[str, Any]) -> list[str]:
     contended = [f"{r['system']} ({r['workers']} w, rate {r['rate']})" for r in report["runs"] if r.get("contended_by")]
     contended += list(report.get("anchors", {}).get("contended_by", {}))
     if contended:
-        lines.append(f"- Another benchmark ran alongside (even after a retry): {', '.join(contended)}.")
+        lines.append(f"- Another benchmark ran alongside (after any retries): {', '.join(contended)}.")
     if "workers_scaling" in t:
         shown = ", ".join(f"{k} workers: {v:.2f}x" for k, v in t["workers_scaling"].items())
         lines.append(f"- Throughput with more workers, at saturation: {shown}.")
