@@ -34,12 +34,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis.asyncio as aioredis
 
 from bench.serve_clients import ENDPOINTS, Sender, chat_sender, queue_sender, run_load, tgi_sender
 from bench.serve_dataset import ChatSample, describe, synthetic_chat
 from bench.serve_metrics import print_summary, summarize
 from bench.serve_stack import Quiet, Stack, measure
 from shared.async_client import AsyncQueueClient
+from shared.client import redis_kwargs
 from shared.settings import Settings, get_settings
 
 QUICK_REQUESTS = 100
@@ -77,11 +79,17 @@ class Runner:
         timeout = httpx.Timeout(None, connect=30)
         async with (
             httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=timeout) as http,
-            AsyncQueueClient(self.settings) as queue,
+            AsyncQueueClient(self.settings, client=queue_redis(self.settings)) as queue,
         ):
             send = self._sender(endpoint, http, queue)
             results, duration = await run_load(send, samples, request_rate=rate, max_concurrency=concurrency)
         return summarize(results, duration)
+
+
+def queue_redis(settings: Settings) -> aioredis.Redis:
+    """The queue client's connection, with room for every stream: each stream holds a pub/sub connection
+    for its whole life, and redis-py's default pool of 100 fails past that (MaxConnectionsError)."""
+    return aioredis.Redis.from_url(settings.redis_url, max_connections=100_000, **redis_kwargs())
 
 
 def run_phase(
