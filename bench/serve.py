@@ -89,7 +89,7 @@ class Runner:
 def queue_redis(settings: Settings) -> aioredis.Redis:
     """The queue client's connection, with room for every stream: each stream holds a pub/sub connection
     for its whole life, and redis-py's default pool of 100 fails past that (MaxConnectionsError)."""
-    return aioredis.Redis.from_url(settings.redis_url, max_connections=100_000, **redis_kwargs())
+    return aioredis.Redis.from_url(settings.redis_url, **(redis_kwargs(settings) | {"max_connections": 100_000}))
 
 
 def run_phase(

@@ -49,6 +49,7 @@ def _redis(settings: Settings) -> aioredis.Redis:
     return aioredis.Redis.from_url(
         settings.redis_url,
         decode_responses=True,
+        max_connections=settings.redis_max_connections,
         socket_connect_timeout=2.0,
         retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 3),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],

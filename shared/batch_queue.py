@@ -145,7 +145,7 @@ def run_batch_worker(
     job_module = importlib.import_module(JOB_FUNC.rsplit(".", 1)[0])
     if hasattr(job_module, "warm_up"):
         job_module.warm_up(settings)
-    store = BatchStore(settings, redis.Redis.from_url(settings.redis_url, **redis_kwargs()))
+    store = BatchStore(settings, redis.Redis.from_url(settings.redis_url, **redis_kwargs(settings)))
     worker = BatchWorker(
         settings,
         store,

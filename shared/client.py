@@ -58,7 +58,7 @@ class QueueClient:
     def __init__(self, settings: Settings | None = None, *, client: redis.Redis | None = None) -> None:
         self.settings = settings or get_settings()
         self.keys = Keys.for_prefix(self.settings.key_prefix)
-        self.redis: redis.Redis = client or redis.Redis.from_url(self.settings.redis_url, **redis_kwargs())
+        self.redis: redis.Redis = client or redis.Redis.from_url(self.settings.redis_url, **redis_kwargs(self.settings))
         self._cancel = self.redis.register_script(CANCEL)
         self._enqueue = self.redis.register_script(ENQUEUE)
         self._models_with_groups: set[str] = set()

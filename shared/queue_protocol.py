@@ -39,9 +39,12 @@ TERMINAL_ONLY = sys.maxsize
 NOTIFY_KEEP = 64
 
 
-def redis_kwargs() -> dict[str, Any]:
-    """Connection options both clients use: text replies, retries with backoff across a restart."""
+def redis_kwargs(settings: Settings) -> dict[str, Any]:
+    """Connection options both clients use: text replies, retries with backoff across a restart,
+    and a pool as large as the settings allow (redis-py's default of 100 would turn the 101st
+    followed stream into a spurious "Redis unreachable")."""
     return {
+        "max_connections": settings.redis_max_connections,
         "decode_responses": True,
         "retry": Retry(ExponentialBackoff(cap=2.0, base=0.05), 8),
         "retry_on_error": [redis.ConnectionError, redis.TimeoutError],

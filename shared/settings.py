@@ -18,6 +18,11 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="INFLIGHTQ_", extra="ignore")
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server every process talks to.")
+    redis_max_connections: int = Field(
+        10_000,
+        ge=8,
+        description="Redis connections one process may open; every stream an API follows holds one (pub/sub).",
+    )
     key_prefix: str = Field(
         "iq",
         description="Namespace for every key; wrapped in a hash tag ({iq}:) so one Redis (or Cluster) "

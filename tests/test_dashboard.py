@@ -211,6 +211,10 @@ def stack(
         _wait_until(lambda: _ok(f"{api}/health"), "the API", 120, processes)
         _wait_until(lambda: _ok(f"{prometheus}/-/ready"), "Prometheus", 60, processes)
         started = time.time()
+        # Two waves a few scrapes apart: a series born with its whole count in one scrape has a
+        # rate of 0 (histogram_quantile then gives NaN); the second wave makes every rate move.
+        _send_traffic(api)
+        time.sleep(3)
         _send_traffic(api)
         # Let Prometheus scrape the final counts (1 s interval) and a rate window past the traffic.
         time.sleep(4)

@@ -81,7 +81,7 @@ class WorkerService:
         self._active: dict[str, ActiveRequest] = {}  # engine-loop thread only
         self._early_cancels: dict[str, float] = {}
 
-        self.redis = redis.Redis.from_url(settings.redis_url, **redis_kwargs())
+        self.redis = redis.Redis.from_url(settings.redis_url, **redis_kwargs(settings))
         self.publisher = Publisher(settings, self.redis, self.name)
         self.admission = Admission(
             settings, self.redis, self.publisher, self.name, self.model, self._hand_over, self.counters

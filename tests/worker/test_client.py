@@ -229,3 +229,24 @@ def test_async_client_has_the_same_behaviour(client_settings, redis_client, keys
             assert await queue.live_workers() == []
 
     asyncio.run(scenario())
+
+
+def test_one_async_client_follows_more_streams_than_redis_py_default_pool(redis_url, key_prefix) -> None:
+    """Each followed stream holds a pub/sub connection; 150 at once must not exhaust the pool."""
+    settings = Settings(redis_url=redis_url, key_prefix=key_prefix, max_queue_depth=1000)
+
+    async def scenario() -> None:
+        async with AsyncQueueClient(settings) as queue:
+            ids = [await queue.submit(MODEL, [1]) for _ in range(150)]
+
+            async def follow(request_id: str) -> str:
+                events = [event async for event in queue.stream(request_id, timeout=30)]
+                return events[-1].error_type  # type: ignore[union-attr]
+
+            followers = [asyncio.create_task(follow(request_id)) for request_id in ids]
+            await asyncio.sleep(1.0)  # every follower is subscribed and waiting
+            for request_id in ids:
+                await queue.cancel(request_id)
+            assert await asyncio.gather(*followers) == ["cancelled"] * 150
+
+    asyncio.run(scenario())
