@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, StrictInt, TypeAdapter, model_validator
 
 from shared.lifecycle import RequestStatus
 
@@ -30,7 +30,7 @@ def new_request_id() -> str:
 class SamplingSpec(WireModel):
     max_new_tokens: int = Field(256, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 means greedy.")
-    top_k: int = Field(0, ge=0, description="0 disables.")
+    top_k: StrictInt = Field(0, ge=0, description="0 disables.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     typical_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -39,7 +39,7 @@ class SamplingSpec(WireModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[NonNegativeInt] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=20, description="Top logprobs per token; None = none.")
 
