@@ -1,6 +1,6 @@
 """Bodies of the async jobs API (/v1/jobs): submit now, collect or stream later.
 
-Sampling fields carry the engine's SamplingParams names (as shared.schemas.SamplingSpec does)."""
+Sampling fields are shared.schemas.SamplingFields: the engine's SamplingParams names and ranges."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from pydantic import ConfigDict, Field, model_validator
 from producer_api.models_common import RequestOptions, StrictModel
 from producer_api.models_openai import ChatMessage
 from shared.lifecycle import RequestStatus
+from shared.schemas import SamplingFields
 
 
-class JobRequest(RequestOptions, StrictModel):
+class JobRequest(RequestOptions, SamplingFields, StrictModel):
     model_config = ConfigDict(
         extra="forbid",
         allow_inf_nan=False,
@@ -28,18 +29,8 @@ class JobRequest(RequestOptions, StrictModel):
     prompt: str | list[int] | None = Field(None, description="Text, or token ids.", examples=["Once upon a time"])
     messages: list[ChatMessage] | None = Field(None, description="Chat messages (the model's chat template).")
     max_new_tokens: int | None = Field(None, ge=1, examples=[64])
-    temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 means greedy.")
-    top_k: int = Field(0, ge=0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    typical_p: float = Field(1.0, gt=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: list[str] = Field(default_factory=list)
+    # Checked against the model's vocabulary by the route, whose error names the field itself.
     stop_token_ids: list[int] = Field(default_factory=list)
-    logprobs: int | None = Field(None, ge=0, le=20)
     tenant: str | None = Field(None, max_length=128, description="Ignored when an API key names the tenant.")
 
     @model_validator(mode="before")

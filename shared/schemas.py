@@ -27,7 +27,10 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-class SamplingSpec(WireModel):
+class SamplingFields(WireModel):
+    """How a token is chosen: shared by the wire's SamplingSpec and the API bodies that take
+    these fields flat (``/v1/jobs``), so their names and ranges are defined once."""
+
     max_new_tokens: int = Field(256, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 means greedy.")
     top_k: StrictInt = Field(0, ge=0, description="0 disables.")
@@ -42,6 +45,10 @@ class SamplingSpec(WireModel):
     stop_token_ids: list[NonNegativeInt] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=20, description="Top logprobs per token; None = none.")
+
+
+class SamplingSpec(SamplingFields):
+    """The sampling part of a queued request, as it crosses Redis."""
 
     @model_validator(mode="after")
     def _stop_strings_not_empty(self) -> SamplingSpec:
