@@ -16,6 +16,15 @@ from shared.redis_server import ensure_redis
 from shared.settings import Settings
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Builds the CPU attention kernel before any test starts a worker process: a fresh machine's
+    first build takes half a minute, which would otherwise land inside some worker's start-up
+    timeout. Later runs only load the cached library."""
+    from worker.engine.attention.cpu_kernel import paged_decode_available
+
+    paged_decode_available()
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     url, server = ensure_redis(os.environ.get("INFLIGHTQ_REDIS_URL", "redis://127.0.0.1:6379/0"))

@@ -37,32 +37,40 @@ def check(llm: LLM, prompts: list[list[int]], tiny_ref: Any, refs: dict[tuple[in
         assert out.finish_reason in ("length", "eos_token")
 
 
-def make_llm(make_engine: Any, **kwargs: Any) -> LLM:
-    engine = make_engine(**kwargs)
+@pytest.fixture(params=["cpu", "torch"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Both CPU attention paths: the compiled paged-decode kernel and the plain-torch fallback."""
+    return request.param
+
+
+def make_llm(make_engine: Any, backend: str = "auto", **kwargs: Any) -> LLM:
+    engine = make_engine(attention_backend=backend, **kwargs)
     llm = LLM.__new__(LLM)  # wrap an engine built by the fixture, which checks blocks afterwards
     llm.engine, llm._next_id = engine, 0
     return llm
 
 
-def test_many_ragged_prompts_in_one_batch_match_generate(make_engine: Any, tiny_ref: Any, references: Any) -> None:
-    llm = make_llm(make_engine, max_num_batched_tokens=4096, num_kv_blocks=1024)
+def test_many_ragged_prompts_in_one_batch_match_generate(
+    make_engine: Any, tiny_ref: Any, references: Any, backend: str
+) -> None:
+    llm = make_llm(make_engine, backend, max_num_batched_tokens=4096, num_kv_blocks=1024)
     check(llm, random_prompts(32, seed=1), tiny_ref, references)
     assert llm.engine.stats.steps <= MAX_NEW + 1  # all 32 prefilled together, then decoded together
 
 
-def test_chunked_prefill_matches_generate(make_engine: Any, tiny_ref: Any, references: Any) -> None:
-    llm = make_llm(make_engine, max_num_batched_tokens=7)  # every prompt over 7 tokens is split
+def test_chunked_prefill_matches_generate(make_engine: Any, tiny_ref: Any, references: Any, backend: str) -> None:
+    llm = make_llm(make_engine, backend, max_num_batched_tokens=7)  # every prompt over 7 tokens is split
     check(llm, random_prompts(10, seed=1, low=20), tiny_ref, references)
 
 
-def test_preemption_recomputes_exactly(make_engine: Any, tiny_ref: Any, references: Any) -> None:
-    llm = make_llm(make_engine, num_kv_blocks=40, block_size=4, enable_prefix_caching=False)
+def test_preemption_recomputes_exactly(make_engine: Any, tiny_ref: Any, references: Any, backend: str) -> None:
+    llm = make_llm(make_engine, backend, num_kv_blocks=40, block_size=4, enable_prefix_caching=False)
     check(llm, random_prompts(12, seed=2, low=20, high=40), tiny_ref, references)
     assert llm.engine.stats.preemptions > 0
 
 
-def test_shared_prefixes_hit_the_prefix_cache(make_engine: Any, tiny_ref: Any, references: Any) -> None:
-    llm = make_llm(make_engine, block_size=4)
+def test_shared_prefixes_hit_the_prefix_cache(make_engine: Any, tiny_ref: Any, references: Any, backend: str) -> None:
+    llm = make_llm(make_engine, backend, block_size=4)
     system = random_prompts(1, seed=3, low=30, high=31)[0]
     first = [system + tail for tail in random_prompts(4, seed=4, high=10)]
     second = [system + tail for tail in random_prompts(6, seed=5, high=10)]

@@ -57,6 +57,7 @@ VALID_EDGES = [
     ("logprobs", 20),
 ]
 
+
 # top_k=True: pydantic's lax mode reads it as 1. Negative stop token ids: the wire has no bound.
 def test_defaults_are_greedy_without_history() -> None:
     params = SamplingParams()

@@ -27,7 +27,12 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def _packed_linear(packed: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked layout of an [out, in] linear weight (check ``prepack_supported`` first)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(packed: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -38,8 +43,9 @@ def prepack_linears(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) is not nn.Linear or module.weight.dtype not in PACKED_DTYPES:
             continue
-        packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+        if "forward" in module.__dict__:  # already rerouted (a fused sibling projection)
+            continue
         bias = module.bias.detach() if module.bias is not None else None
-        module.forward = functools.partial(_packed_linear, packed, bias)  # type: ignore[method-assign]
+        module.forward = functools.partial(packed_linear, pack_weight(module.weight), bias)  # type: ignore[method-assign]
         count += 1
     return count

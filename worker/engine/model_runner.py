@@ -10,6 +10,7 @@ import torch
 from worker.engine import attention
 from worker.engine.attention.metadata import AttentionMetadata, PrefillChunk
 from worker.engine.fast_linear import prepack_linears, prepack_supported
+from worker.engine.fused_projections import fuse_sibling_projections
 from worker.engine.memory import lazy_zeros
 from worker.engine.sequence import Sequence
 
@@ -32,6 +33,7 @@ class ModelRunner:
         block_size: int,
         attention_backend: str = "auto",
         prepack_weights: bool = True,
+        fuse_projections: bool = True,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -48,6 +50,8 @@ class ModelRunner:
             for _ in range(num_layers)
         ]
         attention.register()
+        if fuse_projections:
+            fuse_sibling_projections(model, pack=prepack_weights)
         if prepack_weights and prepack_supported(self.device, self.dtype):
             prepack_linears(model)
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
@@ -124,11 +128,14 @@ class ModelRunner:
         bs = self.block_size
         lens = [s.num_computed_tokens + 1 for s in seqs]
         max_blocks = -(-max(lens) // bs)
-        # Padding points at block 0: real memory, masked out by the bias.
+        # Padding points at block 0: real memory, masked out by the bias (the kernel never reads it).
         tables = [s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks])) for s in seqs]
         meta.decode_blocks = torch.tensor(tables, dtype=torch.long, device=self.device).view(-1)
-        context = torch.tensor(lens, device=self.device).unsqueeze(1)
-        padding = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) >= context
+        meta.decode_context_lens = torch.tensor(lens, dtype=torch.long, device=self.device)
+        if not self.backend.needs_decode_bias:
+            return
+        positions = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0)
+        padding = positions >= meta.decode_context_lens.unsqueeze(1)
         # Scores are summed in fp32 (fp64 for fp64 models), so the bias is in that dtype.
         acc = torch.float64 if self.dtype == torch.float64 else torch.float32
         bias = torch.zeros(padding.shape, dtype=acc, device=self.device).masked_fill_(padding, float("-inf"))

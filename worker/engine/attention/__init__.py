@@ -43,9 +43,20 @@ def make_backend(name: str, device: torch.device, block_size: int) -> AttentionB
     # flash-attn's paged kernels take blocks of a multiple of 256 tokens only.
     flash_ok = device.type == "cuda" and block_size % 256 == 0
     if name == "auto":
-        name = "flash" if flash_ok and _has_flash_attn() else "torch"
+        if device.type == "cpu":
+            name = "cpu" if _has_cpu_kernel() else "torch"
+        else:
+            name = "flash" if flash_ok and _has_flash_attn() else "torch"
     if name == "flash" and not flash_ok:
         raise ValueError("the flash backend needs a CUDA device and a block_size that is a multiple of 256")
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError("the cpu backend runs on CPU tensors only")
+        if not _has_cpu_kernel():
+            raise RuntimeError("the cpu backend's kernel could not be built (see the warning above); use torch")
+        from worker.engine.attention.cpu_backend import CpuKernelAttentionBackend
+
+        return CpuKernelAttentionBackend()
     if name == "torch":
         from worker.engine.attention.torch_backend import TorchAttentionBackend
 
@@ -54,7 +65,13 @@ def make_backend(name: str, device: torch.device, block_size: int) -> AttentionB
         from worker.engine.attention.flash_backend import FlashAttentionBackend
 
         return FlashAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r} (torch, flash, auto)")
+    raise ValueError(f"unknown attention backend {name!r} (torch, cpu, flash, auto)")
+
+
+def _has_cpu_kernel() -> bool:
+    from worker.engine.attention.cpu_kernel import paged_decode_available
+
+    return paged_decode_available()
 
 
 def _has_flash_attn() -> bool:

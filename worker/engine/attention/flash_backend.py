@@ -15,6 +15,7 @@ from worker.engine.attention.metadata import AttentionMetadata
 
 class FlashAttentionBackend:
     needs_flat_views = True
+    needs_decode_bias = False
 
     def __init__(self) -> None:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache

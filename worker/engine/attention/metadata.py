@@ -29,6 +29,7 @@ class AttentionMetadata:
     block_size: int
     num_decodes: int  # the first num_decodes rows are single-token entries
     decode_blocks: torch.Tensor | None = None  # [B * max_blocks] each decode's block table, padded, flattened
+    decode_context_lens: torch.Tensor | None = None  # [B] int64 tokens of context of each decode, its new one included
     decode_bias: torch.Tensor | None = None  # [1, B, 1, max_blocks * block_size] 0 on context, -inf on padding
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Flash-attn style views of the same batch (built only when a backend asks for them).
@@ -41,6 +42,7 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     needs_flat_views: bool  # wants block_tables / cu_seqlens rather than gathered slots
+    needs_decode_bias: bool  # wants decode_bias (the padding mask of the gathered decode contexts)
 
     def cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]: ...
 

@@ -18,6 +18,7 @@ from worker.engine.attention.metadata import AttentionMetadata
 
 class TorchAttentionBackend:
     needs_flat_views = False
+    needs_decode_bias = True
 
     def cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_kv_heads, num_blocks * block_size, head_dim)
@@ -40,20 +41,9 @@ class TorchAttentionBackend:
 
         q = query[0]  # [Hq, T, D]
         num_heads = q.shape[0]
-        group = num_heads // num_kv_heads
         out = q.new_empty(q.shape[1], num_heads, head_dim)
-        nd = meta.num_decodes
-        if nd:
-            assert meta.decode_blocks is not None and meta.decode_bias is not None
-            # Batched over (kv head, sequence), the layout the block gather produces, with plain matmuls:
-            # for one query per sequence this is 2-3x faster on CPU than SDPA's flash kernel.
-            qd = q[:, :nd].view(num_kv_heads, group, nd, head_dim).transpose(1, 2)  # [Hkv, B, G, D]
-            kd = blocks_k.index_select(1, meta.decode_blocks).view(num_kv_heads, nd, -1, head_dim)
-            vd = blocks_v.index_select(1, meta.decode_blocks).view(num_kv_heads, nd, -1, head_dim)
-            scores = torch.matmul(qd, kd.transpose(-1, -2)).to(meta.decode_bias.dtype) * scale + meta.decode_bias
-            probs = torch.softmax(scores, dim=-1).to(q.dtype)
-            od = torch.matmul(probs, vd)  # [Hkv, B, G, D]
-            out[:nd] = od.permute(1, 0, 2, 3).reshape(nd, num_heads, head_dim)
+        if meta.num_decodes:
+            self._attend_decodes(meta, layer, q, out, scale)
         for chunk in meta.prefills:
             qp = q[:, chunk.start : chunk.end].unsqueeze(0)  # [1, Hq, n, D]
             if chunk.blocks is None:
@@ -67,3 +57,24 @@ class TorchAttentionBackend:
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
             out[chunk.start : chunk.end] = op[0].transpose(0, 1)
         return out
+
+    def _attend_decodes(
+        self, meta: AttentionMetadata, layer: int, q: torch.Tensor, out: torch.Tensor, scale: float
+    ) -> None:
+        """Writes the attention of the first ``num_decodes`` rows of ``q`` ([Hq, T, D]) into ``out``."""
+        assert meta.decode_blocks is not None and meta.decode_bias is not None
+        k_cache, v_cache = meta.kv_caches[layer]
+        num_kv_heads, _, head_dim = k_cache.shape
+        num_heads, nd = q.shape[0], meta.num_decodes
+        group = num_heads // num_kv_heads
+        blocks_k = k_cache.view(num_kv_heads, -1, meta.block_size, head_dim)
+        blocks_v = v_cache.view(num_kv_heads, -1, meta.block_size, head_dim)
+        # Batched over (kv head, sequence), the layout the block gather produces, with plain matmuls:
+        # for one query per sequence this is 2-3x faster on CPU than SDPA's flash kernel.
+        qd = q[:, :nd].view(num_kv_heads, group, nd, head_dim).transpose(1, 2)  # [Hkv, B, G, D]
+        kd = blocks_k.index_select(1, meta.decode_blocks).view(num_kv_heads, nd, -1, head_dim)
+        vd = blocks_v.index_select(1, meta.decode_blocks).view(num_kv_heads, nd, -1, head_dim)
+        scores = torch.matmul(qd, kd.transpose(-1, -2)).to(meta.decode_bias.dtype) * scale + meta.decode_bias
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        od = torch.matmul(probs, vd)  # [Hkv, B, G, D]
+        out[:nd] = od.permute(1, 0, 2, 3).reshape(nd, num_heads, head_dim)

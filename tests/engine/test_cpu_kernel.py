@@ -1,0 +1,120 @@
+"""The compiled CPU paged-decode kernel computes what the plain-torch decode path computes, reads
+only the blocks a sequence owns, and rejects bad tables with an error instead of reading wild
+memory; the backend choice falls back to plain torch when the kernel can't be built."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from worker.engine import attention
+from worker.engine.attention.cpu_backend import CpuKernelAttentionBackend
+from worker.engine.attention.cpu_kernel import paged_decode_available
+from worker.engine.attention.metadata import AttentionMetadata
+from worker.engine.attention.torch_backend import TorchAttentionBackend
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel() -> None:
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the engine runs the plain-torch path here")
+    assert paged_decode_available(), "the kernel failed to build although a compiler is present"
+
+
+def decode_case(dtype: torch.dtype, num_kv_heads: int, group: int, lens: list[int], seed: int = 0):
+    """A cache with random K/V, and decodes whose blocks are scattered over it (never in order)."""
+    gen = torch.Generator().manual_seed(seed)
+    head_dim, num_blocks = 64, 256
+    k_cache = torch.randn(num_kv_heads, num_blocks * BLOCK, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_kv_heads, num_blocks * BLOCK, head_dim, generator=gen).to(dtype)
+    max_blocks = -(-max(lens) // BLOCK)
+    order = torch.randperm(num_blocks, generator=gen)
+    table = order[: len(lens) * max_blocks].view(len(lens), max_blocks).clone()
+    for i, n in enumerate(lens):  # padding entries point at block 0, as the model runner's do
+        table[i, -(-n // BLOCK) :] = 0
+    q = torch.randn(num_kv_heads * group, len(lens), head_dim, generator=gen).to(dtype)  # [Hq, B, D]
+    meta = AttentionMetadata(
+        backend=TorchAttentionBackend(),
+        kv_caches=[(k_cache, v_cache)],
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        block_size=BLOCK,
+        num_decodes=len(lens),
+        decode_blocks=table.view(-1),
+        decode_context_lens=torch.tensor(lens),
+    )
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    padding = torch.arange(max_blocks * BLOCK).unsqueeze(0) >= meta.decode_context_lens.unsqueeze(1)
+    bias = torch.zeros(padding.shape, dtype=acc).masked_fill_(padding, float("-inf"))
+    meta.decode_bias = bias.view(1, len(lens), 1, -1)
+    return meta, q
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tolerance"), [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
+)
+@pytest.mark.parametrize(("num_kv_heads", "group"), [(3, 3), (2, 1), (1, 8)])
+def test_kernel_matches_the_torch_decode_path(
+    dtype: torch.dtype, tolerance: float, num_kv_heads: int, group: int
+) -> None:
+    lens = [1, 15, 16, 17, 40, 200, 63, 129]  # one token, block edges, multi-block contexts
+    meta, q = decode_case(dtype, num_kv_heads, group, lens)
+    expected = q.new_empty(len(lens), q.shape[0], q.shape[2])
+    TorchAttentionBackend()._attend_decodes(meta, 0, q, expected, 0.125)
+    got = torch.full_like(expected, float("nan"))
+    CpuKernelAttentionBackend()._attend_decodes(meta, 0, q, got, 0.125)
+    assert not got.isnan().any()
+    assert torch.allclose(got.double(), expected.double(), atol=tolerance, rtol=tolerance)
+
+
+def test_kernel_ignores_blocks_past_the_context() -> None:
+    meta, q = decode_case(torch.float64, 2, 2, [20, 5])
+    out = q.new_empty(2, 4, 64)
+    CpuKernelAttentionBackend()._attend_decodes(meta, 0, q, out, 0.125)
+    k_cache, v_cache = meta.kv_caches[0]
+    table = meta.decode_blocks.view(2, -1)
+    # Poison every slot no sequence owns; the result must not move.
+    owned = torch.zeros(k_cache.shape[1], dtype=torch.bool)
+    for seq, n in enumerate([20, 5]):
+        for t in range(n):
+            owned[int(table[seq, t // BLOCK]) * BLOCK + t % BLOCK] = True
+    k_cache[:, ~owned] = float("nan")
+    v_cache[:, ~owned] = float("nan")
+    again = torch.empty_like(out)
+    CpuKernelAttentionBackend()._attend_decodes(meta, 0, q, again, 0.125)
+    assert torch.equal(out, again)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [("block", "outside the cache"), ("len_zero", "out of range"), ("len_long", "out of range")],
+)
+def test_kernel_rejects_bad_tables(bad: str, message: str) -> None:
+    meta, q = decode_case(torch.float32, 2, 2, [20, 5])
+    table = meta.decode_blocks.view(2, -1)
+    lens = meta.decode_context_lens
+    if bad == "block":
+        table[0, 1] = 10_000
+    elif bad == "len_zero":
+        lens[1] = 0
+    else:
+        lens[0] = table.shape[1] * BLOCK + 1
+    k_cache, v_cache = meta.kv_caches[0]
+    out = torch.empty(2, 4, 64)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.inflightq.paged_decode(
+            q.transpose(0, 1).contiguous(), k_cache, v_cache, table, lens, BLOCK, 0.125, out
+        )
+
+
+def test_auto_picks_the_kernel_on_cpu_and_falls_back_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert isinstance(attention.make_backend("auto", cpu, 16), CpuKernelAttentionBackend)
+    assert type(attention.make_backend("torch", cpu, 16)) is TorchAttentionBackend
+    monkeypatch.setattr(attention, "_has_cpu_kernel", lambda: False)
+    assert type(attention.make_backend("auto", cpu, 16)) is TorchAttentionBackend
+    with pytest.raises(RuntimeError, match="could not be built"):
+        attention.make_backend("cpu", cpu, 16)
