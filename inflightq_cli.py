@@ -229,8 +229,9 @@ def status(model: list[str] | None = typer.Option(None, help="Only these models 
         for w in sorted(workers, key=lambda w: (w.model, w.name)):
             state = " draining" if w.draining else ""
             print(
-                f"  {w.name}  model={w.model} device={w.device} dtype={w.dtype} running={w.running}/{w.max_num_seqs}"
-                f" waiting={w.waiting} free_kv_blocks={w.free_kv_blocks}/{w.num_kv_blocks}{state}"
+                f"  {w.name}  model={w.model} device={w.device} dtype={w.dtype} threads={w.threads}"
+                f" running={w.running}/{w.max_num_seqs} waiting={w.waiting}"
+                f" free_kv_blocks={w.free_kv_blocks}/{w.num_kv_blocks}{state}"
             )
         for name in model or sorted(set(client.models()) | {w.model for w in workers}):
             depth = client.queue_depth(name)

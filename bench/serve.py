@@ -275,8 +275,7 @@ def run_stack(
             if stack is None:
                 print("--base-url: cannot add workers; skipping the worker-count comparison")
                 break
-            while len(stack.workers) < count:
-                stack.add_worker()
+            stack.restart_workers(count)
             own = {c.pid for c in [stack.api, *stack.workers] if c is not None}
             runner.quiet = runner.quiet.with_own(own) if runner.quiet else None
             warm_stack(runner, endpoints[:1], warm)

@@ -25,6 +25,7 @@ import redis
 from shared.keys import Keys
 from shared.redis_server import free_port
 from shared.settings import Settings
+from shared.supervisor import worker_env
 
 T = TypeVar("T")
 
@@ -59,9 +60,11 @@ class Stack:
             env["INFLIGHTQ_NUM_KV_BLOCKS"] = str(s.num_kv_blocks)
         return {**os.environ, **env}
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = (self.logs / f"{name}.log").open("wb")
-        return subprocess.Popen([sys.executable, "-m", "inflightq_cli", *args], env=self._env(), stdout=log, stderr=log)
+        return subprocess.Popen(
+            [sys.executable, "-m", "inflightq_cli", *args], env=env or self._env(), stdout=log, stderr=log
+        )
 
     def start(self, workers: int = 1, timeout: float = 300.0) -> Stack:
         self.api = self._spawn(
@@ -75,6 +78,16 @@ class Stack:
         name = f"bench-worker-{len(self.workers)}"
         self.workers.append(self._spawn(name, ["worker", "--name", name]))
         self.wait_ready(len(self.workers), timeout)
+
+    def restart_workers(self, count: int, timeout: float = 300.0) -> None:
+        """Replaces the workers by ``count`` fresh ones, each with its share of the cores, as
+        ``inflightq up --workers N`` starts them (so the comparison is not one of oversubscription)."""
+        self._stop_children(self.workers)
+        self.workers = []
+        for i in range(count):
+            name = f"bench-worker-{count}x-{i}"
+            self.workers.append(self._spawn(name, ["worker", "--name", name], worker_env(self._env(), count)))
+        self.wait_ready(count, timeout)
 
     def wait_ready(self, workers: int, timeout: float) -> None:
         """Until /health answers and counts ``workers`` live workers for the model."""
@@ -93,7 +106,12 @@ class Stack:
         raise TimeoutError(f"the stack was not ready with {workers} worker(s) in {timeout:.0f}s; logs in {self.logs}")
 
     def stop(self) -> None:
-        children = [c for c in [*self.workers, self.api] if c is not None]
+        self._stop_children([c for c in [*self.workers, self.api] if c is not None])
+        self.workers, self.api = [], None
+        delete_prefix(self.settings)
+
+    @staticmethod
+    def _stop_children(children: list[subprocess.Popen[bytes]]) -> None:
         for child in children:
             if child.poll() is None:
                 child.send_signal(signal.SIGTERM)
@@ -104,8 +122,6 @@ class Stack:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
-        self.workers, self.api = [], None
-        delete_prefix(self.settings)
 
 
 def delete_prefix(settings: Settings) -> None:

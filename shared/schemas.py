@@ -164,6 +164,7 @@ class WorkerHeartbeat(WireModel):
     model: str
     device: str
     dtype: str
+    threads: int = 0  # the worker's intra-op CPU threads (0: not reported)
     max_num_seqs: int
     num_kv_blocks: int
     running: int

@@ -79,6 +79,12 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(512, ge=1, description="Tokens one engine step processes at most.")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; unset sizes it from memory.")
     block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
+    torch_threads: int = Field(
+        0,
+        ge=0,
+        description="Intra-op CPU threads per worker; 0 = torch's default (all cores). "
+        "`inflightq up --workers N` gives each worker its share of the cores.",
+    )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Worker Prometheus port; unset = none.")
     batch_file_dir: str | None = Field(
         None, description="Directory for large batch files; unset keeps them in Redis with a TTL."

@@ -20,6 +20,22 @@ def _spawn(args: Sequence[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "inflightq_cli", *args], env=env)
 
 
+def threads_per_worker(workers: int) -> int:
+    """Each local worker's share of the cores this process may use (at least one)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, workers))
+
+
+def worker_env(env: dict[str, str], workers: int) -> dict[str, str]:
+    """``env`` for one of ``workers`` local workers: its share of the cores unless the operator set one."""
+    if workers > 1 and not env.get("INFLIGHTQ_TORCH_THREADS"):
+        return {**env, "INFLIGHTQ_TORCH_THREADS": str(threads_per_worker(workers))}
+    return env
+
+
 def run_stack(
     settings: Settings, *, workers: int = 1, batch_workers: int = 1, host: str | None = None, port: int | None = None
 ) -> int:
@@ -30,7 +46,9 @@ def run_stack(
     host = host or settings.api_host
     port = port or settings.api_port
     children = [_spawn(["api", "--host", host, "--port", str(port)], env)]
-    children += [_spawn(["worker", "--name", f"{os.uname().nodename}-{i}"], env) for i in range(workers)]
+    children += [
+        _spawn(["worker", "--name", f"{os.uname().nodename}-{i}"], worker_env(env, workers)) for i in range(workers)
+    ]
     children += [_spawn(["batch-worker"], env) for _ in range(batch_workers)]
     print(
         f"inflightq: API on http://{host}:{port} (docs at /docs), {workers} worker(s) for {settings.model}.\n"

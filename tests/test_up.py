@@ -68,3 +68,13 @@ def test_up_serves_a_first_request_and_stops_cleanly(tiny_model_dir: Path, run_p
     private = re.search(r"started a private one at (redis://\S+)", output)
     assert private, "with nothing at INFLIGHTQ_REDIS_URL, up starts a private Redis"
     assert not redis_answers(private.group(1)), "and stops it on exit"
+
+
+def test_up_gives_each_worker_its_share_of_the_cores(monkeypatch) -> None:
+    from shared.supervisor import threads_per_worker, worker_env
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert [threads_per_worker(n) for n in (1, 2, 3, 8)] == [4, 2, 1, 1]
+    assert worker_env({}, 1) == {}, "one worker keeps torch's default"
+    assert worker_env({}, 2)["INFLIGHTQ_TORCH_THREADS"] == "2"
+    assert worker_env({"INFLIGHTQ_TORCH_THREADS": "3"}, 2)["INFLIGHTQ_TORCH_THREADS"] == "3", "the operator's wins"

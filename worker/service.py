@@ -61,8 +61,10 @@ class WorkerService:
         name: str | None = None,
         device: str = "cpu",
         dtype: str = "auto",
+        threads: int = 0,
     ) -> None:
         self.settings = settings
+        self.threads = threads
         self.engine = engine
         self.model = model or settings.model
         self.name = name or default_name()
@@ -111,6 +113,7 @@ class WorkerService:
             model=self.model,
             device=self.device,
             dtype=self.dtype,
+            threads=self.threads,
             max_num_seqs=self.engine.max_num_seqs,
             num_kv_blocks=self.engine.num_total_blocks,
             # The engine's own counts are only refreshed when it steps; an idle engine runs nothing.

@@ -86,6 +86,12 @@ def test_two_workers_share_one_queue(spawn_worker, client, reference) -> None:
         assert result.token_ids == reference(prompt(i), 24)
 
 
+def test_a_worker_runs_the_threads_it_is_given_and_reports_them(spawn_worker, client) -> None:
+    spawn_worker("one-thread", env={"INFLIGHTQ_TORCH_THREADS": "1"})
+    spawn_worker("two-threads", env={"INFLIGHTQ_TORCH_THREADS": "2"})
+    assert {w.name: w.threads for w in client.live_workers()} == {"one-thread": 1, "two-threads": 2}
+
+
 def test_cancel_mid_generation_frees_the_slot_and_acknowledges(spawn_worker, client) -> None:
     spawn_worker("canceller", "--max-num-seqs", "1")
     model = client.settings.model
