@@ -24,3 +24,22 @@ def test_prepacked_model_gives_the_same_logits(tiny_model_dir: Path, dtype: torc
     tolerance = 0.05 if dtype == torch.bfloat16 else 1e-4
     assert torch.allclose(got, expected, atol=tolerance * expected.abs().max().item())
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.float32), reason="no oneDNN on this CPU")
+@pytest.mark.parametrize("upcast", [True, False])
+def test_bf16_linear_keeps_bf16_in_and_out_whichever_matmul_runs(upcast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.engine import fast_linear
+
+    # upcast=False on a CPU without bf16 units runs oneDNN's emulated bf16 matmul: slow, still right.
+    monkeypatch.setattr(fast_linear, "upcast_bf16_matmuls", lambda: upcast)
+    linear = torch.nn.Linear(96, 40, dtype=torch.bfloat16)
+    x = torch.randn(5, 96, dtype=torch.bfloat16)
+    expected = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+    assert prepack_linears(linear) == 1
+    assert linear.forward.upcast is upcast  # type: ignore[attr-defined]
+    with torch.no_grad():
+        got = linear(x)
+    assert got.dtype == torch.bfloat16
+    # Products of bf16 values are exact in fp32; both paths accumulate in fp32 and round once.
+    assert torch.allclose(got.float(), expected, atol=1e-2, rtol=1e-2)

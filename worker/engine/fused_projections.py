@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.engine.fast_linear import pack_weight, packed_linear, prepack_supported
+from worker.engine.fast_linear import PackedLinear, prepack_supported
 
 SIBLING_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -37,9 +37,9 @@ class FusedProjection:
         for m in linears:
             self.bounds.append((start, start + m.out_features))
             start += m.out_features
-        self.packed: torch.Tensor | None = None
+        self.packed: PackedLinear | None = None
         if pack and prepack_supported(weight.device, weight.dtype):
-            self.packed = pack_weight(weight)
+            self.packed = PackedLinear(weight, self.bias)
             self.weight = weight  # kept for F.linear fallbacks; the originals still hold theirs too
         else:
             # Point the originals into the fused weight so the fusion costs no memory.
@@ -54,7 +54,7 @@ class FusedProjection:
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return packed_linear(self.packed, self.bias, x)
+            return self.packed(x)
         return F.linear(x, self.weight, self.bias)
 
     def slice_for(self, index: int, x: torch.Tensor) -> torch.Tensor:
