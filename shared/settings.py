@@ -55,6 +55,12 @@ class Settings(BaseSettings):
     max_deliveries: int = Field(3, ge=1, description="Deliveries before a request goes to the dead-letter stream.")
     result_ttl_s: int = Field(86_400, ge=1, description="How long results, request hashes and replay logs live.")
     heartbeat_ttl_s: float = Field(10.0, gt=0, description="A worker is dead when its heartbeat is this old.")
+    engine_stall_s: float = Field(
+        300.0,
+        ge=0,
+        description="A worker whose engine loop makes no progress this long exits (exit code 70) "
+        "so its requests are taken over; 0 = never.",
+    )
     drain_timeout_s: float = Field(
         30.0, ge=0, description="On SIGTERM, time a worker gives running requests to finish."
     )

@@ -40,6 +40,7 @@ from worker.intake import Intake, ensure_groups
 from worker.publisher import Publisher
 from worker.reconnect import TRANSIENT
 from worker.recovery import Recovery
+from worker.watchdog import EngineWatchdog
 
 log = logging.getLogger("inflightq.worker")
 
@@ -92,6 +93,8 @@ class WorkerService:
         self.recovery = Recovery(settings, self.redis, self.admission, self)
         self.heartbeat_thread = Heartbeat(settings, self.redis, self)
         self.cancel_listener = CancelListener(settings, self.redis, self)
+        self.loop_progress_at = time.monotonic()  # stamped by the engine loop; read by the watchdog
+        self.watchdog = EngineWatchdog(self, settings.engine_stall_s) if settings.engine_stall_s > 0 else None
 
     # Read by the I/O threads ---------------------------------------------------------
     def room(self) -> int:
@@ -144,9 +147,13 @@ class WorkerService:
         ensure_groups(self.redis, self.intake.keys, self.model, self.settings.priority_levels)
         for thread in (self.publisher, self.heartbeat_thread, self.cancel_listener, self.recovery, self.intake):
             thread.start()
+        self.loop_progress_at = time.monotonic()
+        if self.watchdog is not None:
+            self.watchdog.start()
         log.info("worker %s serving %s", self.name, self.model)
         try:
             while True:
+                self.loop_progress_at = time.monotonic()
                 self._take_inbox(block=not self.engine.has_unfinished())
                 if self.draining.is_set() and (
                     not self.engine.has_unfinished() or time.monotonic() >= self._drain_deadline
@@ -286,6 +293,7 @@ class WorkerService:
             log.warning("could not hand %s back (%s)", active.id, error)
 
     def _shut_down(self) -> None:
+        self.loop_progress_at = float("inf")  # the loop has ended on purpose: nothing for the watchdog to catch
         self.draining.set()
         self.intake.join(timeout=5)
         self._take_inbox(block=False)  # starts that were on their way are handed back

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
@@ -90,6 +91,34 @@ def test_a_worker_runs_the_threads_it_is_given_and_reports_them(spawn_worker, cl
     spawn_worker("one-thread", env={"INFLIGHTQ_TORCH_THREADS": "1"})
     spawn_worker("two-threads", env={"INFLIGHTQ_TORCH_THREADS": "2"})
     assert {w.name: w.threads for w in client.live_workers()} == {"one-thread": 1, "two-threads": 2}
+
+
+def test_a_hung_engine_loop_exits_the_worker_and_its_request_is_taken_over(
+    spawn_worker, client, worker_env, tiny_model_dir, tmp_path, reference
+) -> None:
+    from tests.worker.hanging_worker import HANG_TOKEN
+    from worker.watchdog import EXIT_ENGINE_STALLED
+
+    script = Path(__file__).with_name("hanging_worker.py")
+    base = ["--model", str(tiny_model_dir), "--dtype", "float64", "--device", "cpu", "--num-kv-blocks", "256"]
+    env = {**worker_env, "INFLIGHTQ_ENGINE_STALL_S": "2"}
+    with open(tmp_path / "hangs.log", "wb") as log:
+        hangs = subprocess.Popen(
+            [sys.executable, str(script), "worker", "--name", "hangs", *base], env=env, stdout=log, stderr=log
+        )
+        try:
+            wait_for(lambda: any(w.name == "hangs" for w in client.live_workers()), timeout=60)
+            stuck_prompt = [5, HANG_TOKEN, 6]
+            stuck = client.submit(client.settings.model, stuck_prompt, greedy(8))
+            # Its heartbeat thread is healthy; only the watchdog notices the engine loop is not.
+            assert hangs.wait(timeout=30) == EXIT_ENGINE_STALLED
+        finally:
+            if hangs.poll() is None:
+                hangs.kill()
+                hangs.wait()
+    assert "engine loop made no progress" in (tmp_path / "hangs.log").read_text()
+    spawn_worker("rescuer")
+    assert client.result(stuck, timeout=60).token_ids == reference(stuck_prompt, 8)
 
 
 def test_cancel_mid_generation_frees_the_slot_and_acknowledges(spawn_worker, client) -> None:
