@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
+
 from tests.engine.conftest import reference, run_to_end
 from worker.engine import EngineEvent, SamplingParams
 
@@ -185,3 +187,16 @@ def test_seeded_request_gives_the_same_tokens_alone_or_in_a_batch(make_engine: A
         crowded.add_request(f"other-{i}", prompt(61 + i), SamplingParams(max_new_tokens=8, temperature=1.0))
     crowded.add_request("x", prompt(60), params)
     assert [e.token_id for e in run_to_end(crowded)["x"]] == expected
+
+
+@pytest.mark.parametrize("bad", [-1, 10**9])
+def test_token_ids_outside_the_vocabulary_are_refused_before_they_reach_the_batch(make_engine: Any, bad: int) -> None:
+    engine = make_engine()
+    engine.add_request("fine", [5, 6, 7], SamplingParams(max_new_tokens=3))
+    with pytest.raises(ValueError, match=f"token id {bad} is outside the model's vocabulary"):
+        engine.add_request("bad", [5, bad, 7], SamplingParams(max_new_tokens=3))
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        engine.add_request("bad-resume", [5, 6], SamplingParams(max_new_tokens=3), prior_output_token_ids=[bad])
+    while engine.has_unfinished():  # the batch it would have joined runs on untouched
+        engine.step()
+    assert engine.stats.steps > 0

@@ -31,13 +31,14 @@ class WorkerProcess:
     args: list[str]
     env: dict[str, str]
     log_path: Path
+    entry: list[str] = field(default_factory=lambda: ["-m", "inflightq_cli"])  # or a script wrapping the CLI
     process: subprocess.Popen[bytes] | None = None
     _log: object = field(default=None, repr=False)
 
     def start(self) -> WorkerProcess:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "inflightq_cli", "worker", "--name", self.name, *self.args],
+            [sys.executable, *self.entry, "worker", "--name", self.name, *self.args],
             env=self.env,
             cwd=ROOT,
             stdout=self._log,  # type: ignore[arg-type]
@@ -100,13 +101,21 @@ def spawn_worker(
     started: list[WorkerProcess] = []
 
     def spawn(
-        name: str, *args: str, env: dict[str, str] | None = None, ready: bool = True, url: str | None = None
+        name: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        ready: bool = True,
+        url: str | None = None,
+        script: Path | None = None,
     ) -> WorkerProcess:
         full_env = {**worker_env, **(env or {})}
         if url is not None:
             full_env["INFLIGHTQ_REDIS_URL"] = url
         base = ["--model", str(tiny_model_dir), "--dtype", "float64", "--device", "cpu", "--num-kv-blocks", "256"]
-        worker = WorkerProcess(name, [*base, *args], full_env, tmp_path / f"{name}.log").start()
+        worker = WorkerProcess(name, [*base, *args], full_env, tmp_path / f"{name}.log")
+        if script is not None:
+            worker.entry = [str(script)]
+        worker.start()
         started.append(worker)
         if ready:
             client_settings = settings.model_copy(update={"redis_url": full_env["INFLIGHTQ_REDIS_URL"]})

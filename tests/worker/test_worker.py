@@ -7,7 +7,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 
@@ -17,7 +16,9 @@ from shared.lifecycle import RequestStatus
 from shared.redis_server import free_port
 from shared.schemas import DeadLetter, DoneEvent, ErrorEvent, SamplingSpec, TokenEvent
 from shared.transitions import STREAM_FIELD
+from tests.worker import faulty_worker
 from tests.worker.conftest import greedy
+from worker.watchdog import EXIT_ENGINE_STALLED
 
 PROMPT = [1, 2, 3, 4, 5]
 
@@ -93,30 +94,13 @@ def test_a_worker_runs_the_threads_it_is_given_and_reports_them(spawn_worker, cl
     assert {w.name: w.threads for w in client.live_workers()} == {"one-thread": 1, "two-threads": 2}
 
 
-def test_a_hung_engine_loop_exits_the_worker_and_its_request_is_taken_over(
-    spawn_worker, client, worker_env, tiny_model_dir, tmp_path, reference
-) -> None:
-    from tests.worker.hanging_worker import HANG_TOKEN
-    from worker.watchdog import EXIT_ENGINE_STALLED
-
-    script = Path(__file__).with_name("hanging_worker.py")
-    base = ["--model", str(tiny_model_dir), "--dtype", "float64", "--device", "cpu", "--num-kv-blocks", "256"]
-    env = {**worker_env, "INFLIGHTQ_ENGINE_STALL_S": "2"}
-    with open(tmp_path / "hangs.log", "wb") as log:
-        hangs = subprocess.Popen(
-            [sys.executable, str(script), "worker", "--name", "hangs", *base], env=env, stdout=log, stderr=log
-        )
-        try:
-            wait_for(lambda: any(w.name == "hangs" for w in client.live_workers()), timeout=60)
-            stuck_prompt = [5, HANG_TOKEN, 6]
-            stuck = client.submit(client.settings.model, stuck_prompt, greedy(8))
-            # Its heartbeat thread is healthy; only the watchdog notices the engine loop is not.
-            assert hangs.wait(timeout=30) == EXIT_ENGINE_STALLED
-        finally:
-            if hangs.poll() is None:
-                hangs.kill()
-                hangs.wait()
-    assert "engine loop made no progress" in (tmp_path / "hangs.log").read_text()
+def test_a_hung_engine_loop_exits_the_worker_and_its_request_is_taken_over(spawn_worker, client, reference) -> None:
+    hangs = spawn_worker("hangs", env={"INFLIGHTQ_ENGINE_STALL_S": "2"}, script=faulty_worker.SCRIPT)
+    stuck_prompt = [5, faulty_worker.HANG_TOKEN, 6]
+    stuck = client.submit(client.settings.model, stuck_prompt, greedy(8))
+    # Its heartbeat thread is healthy; only the watchdog notices the engine loop is not.
+    assert hangs.wait(timeout=30) == EXIT_ENGINE_STALLED
+    assert "engine loop made no progress" in hangs.log()
     spawn_worker("rescuer")
     assert client.result(stuck, timeout=60).token_ids == reference(stuck_prompt, 8)
 
@@ -278,17 +262,17 @@ def test_a_seeded_sampled_request_is_reproducible(spawn_worker, client) -> None:
 def test_a_request_that_breaks_the_engine_is_dead_lettered_after_max_deliveries(
     spawn_worker, client, reference
 ) -> None:
-    spawn_worker("breakable")
+    spawn_worker("breakable", script=faulty_worker.SCRIPT)
     model = client.settings.model
     innocent = client.submit(model, PROMPT, greedy(300))
     wait_for(lambda: tokens_sent(client, innocent) > 3)
-    breaker = client.submit(model, [10**9], greedy(2))  # a token id far past the vocabulary
+    breaker = client.submit(model, [7, faulty_worker.BREAK_TOKEN], greedy(2))  # its first step raises
     events = list(client.stream(breaker, timeout=60))
     assert isinstance(events[-1], ErrorEvent) and events[-1].error_type == "generation"
     info = client.status(breaker)
     assert info is not None and info.status is RequestStatus.FAILED
-    # Refused by add_request it fails at once; raising inside a step, it is retried up to max_deliveries.
-    assert 1 <= info.deliveries <= client.settings.max_deliveries + 1
+    # Raising inside a step, it is charged a delivery each time and retried, up to max_deliveries.
+    assert 2 <= info.deliveries <= client.settings.max_deliveries + 1
     letters = [DeadLetter.model_validate_json(f["letter"]) for f in client.dead_letters(model)]
     assert [letter.request_id for letter in letters] == [breaker]
     # Its batch mate was handed back uncharged each time, resumed, and finished as if nothing happened.

@@ -68,6 +68,8 @@ class LLMEngine:
             model, num_blocks=num_kv_blocks, block_size=block_size, attention_backend=attention_backend
         )
         self.sampler = Sampler(config.vocab_size, param.device)
+        # Rows of the embedding table: an id past them would fail the whole batch's forward.
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.special_token_ids = set(getattr(tokenizer, "all_special_ids", ()))
         self._seqs: dict[str, Sequence] = {}
@@ -120,6 +122,9 @@ class LLMEngine:
         prompt, prior = list(prompt_token_ids), list(prior_output_token_ids)
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
+        bad = next((t for t in (*prompt, *prior) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{self.vocab_size - 1})")
         if len(prompt) + len(prior) >= self.max_model_len:
             raise ValueError(
                 f"prompt of {len(prompt) + len(prior)} tokens leaves no room (max_model_len {self.max_model_len})"
