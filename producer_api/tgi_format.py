@@ -44,7 +44,11 @@ async def stream_events(
     with_ids: bool = False,
 ) -> AsyncIterator[str]:
     """TGI's SSE: one event per token; the last token's event waits for the result so it can carry
-    ``generated_text`` and ``details``. ``with_ids`` adds ``id: <index>`` for Last-Event-ID resume."""
+    ``generated_text`` and ``details``. ``with_ids`` adds ``id: <index>`` for Last-Event-ID resume.
+
+    Only the last token is held: the worker marks it with its ``finish_reason``, so every other
+    token goes out the moment it arrives. (Holding each token until the next one showed whether it
+    was the last cost every stream one inter-token latency of time to first token.)"""
     held: TokenEvent | None = None
 
     def frame(tok: TokenEvent, result: FinalResult | None) -> str:
@@ -61,9 +65,13 @@ async def stream_events(
         async with contextlib.aclosing(events):  # type: ignore[type-var]
             async for event in events:
                 if isinstance(event, TokenEvent):
-                    if held is not None:
+                    if held is not None:  # a token marked final was not: say it as it is
                         yield frame(held, None)
-                    held = event
+                        held = None
+                    if event.finish_reason is None:
+                        yield frame(event, None)
+                    else:
+                        held = event
                     continue
                 if isinstance(event, DoneEvent):
                     result = event.result

@@ -73,7 +73,11 @@ def test_the_last_token_event_carries_generated_text_and_details() -> None:
 def test_top_tokens_mark_special_ids_and_prefix_is_prepended() -> None:
     tops = [TopLogprob(token_id=2, text="</s>", logprob=-1.0), TopLogprob(token_id=5, text="a", logprob=-2.0)]
     frames = relay(
-        [token(0, 5, "a", top_logprobs=tops), DoneEvent(request_id="r", result=result("a", [5]))], prefix="Q: "
+        [
+            token(0, 5, "a", top_logprobs=tops, finish_reason="length"),
+            DoneEvent(request_id="r", result=result("a", [5])),
+        ],
+        prefix="Q: ",
     )
     assert frames[0][1]["top_tokens"] == [
         {"id": 2, "text": "</s>", "logprob": -1.0, "special": True},
@@ -84,10 +88,35 @@ def test_top_tokens_mark_special_ids_and_prefix_is_prepended() -> None:
 
 def test_ids_are_token_indexes_for_resume() -> None:
     frames = relay(
-        [token(3, 1, "x"), token(4, 2, "y"), DoneEvent(request_id="r", result=result("..xy", [0, 0, 0, 1, 2]))],
+        [
+            token(3, 1, "x"),
+            token(4, 2, "y", finish_reason="length"),
+            DoneEvent(request_id="r", result=result("..xy", [0, 0, 0, 1, 2])),
+        ],
         with_ids=True,
     )
     assert [event_id for event_id, _ in frames] == ["3", "4"]
+
+
+def test_a_token_goes_out_before_the_next_one_exists() -> None:
+    """Only the final token (marked by its finish_reason) waits for the result: the first frame must
+    reach the client while the engine is still computing the second token, or TTFT grows by an ITL."""
+    second_requested = asyncio.Event()
+
+    async def run() -> list[str]:
+        async def source() -> AsyncIterator[AnyEvent]:
+            yield token(0, 10, "Hel")
+            second_requested.set()
+            yield token(1, 11, "lo", finish_reason="length")
+            yield DoneEvent(request_id="r", result=result("Hello", [10, 11]))
+
+        stream = tgi_format.stream_events(source(), path="/generate_stream", seed=None, special_ids=frozenset())
+        first = await anext(stream)
+        assert not second_requested.is_set()
+        return [first] + [frame async for frame in stream]
+
+    frames = [json.loads(f.strip()[6:]) for f in asyncio.run(run())]
+    assert [(f["index"], f["details"] is not None) for f in frames] == [(0, False), (1, True)]
 
 
 def test_resuming_after_the_last_token_restates_it_with_the_result() -> None:
