@@ -28,6 +28,9 @@ _DEADLINE_GRACE_S = 5.0
 _CANCEL_TIMEOUT_S = 2.0
 # How often a silent stream checks that a worker is still alive to make progress on it.
 _WATCH_S = 2.0
+# How long one answer to "does a worker serve this model?" serves every silent stream: one Redis
+# query a second for all of them, instead of one per stream per _WATCH_S (500/s with 1,000 queued).
+_SERVED_CACHE_S = 1.0
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Dispatcher:
         self.settings = settings
         self.client = client
         self._live: dict[str, tuple[float, list[WorkerHeartbeat]]] = {}
+        self._served: dict[str, tuple[float, asyncio.Future[bool]]] = {}
 
     async def live_workers(self, model: str | None = None) -> list[WorkerHeartbeat]:
         workers = await self.client.live_workers(model)
@@ -79,6 +83,24 @@ class Dispatcher:
             if left <= 0:
                 raise UnavailableError(f"no live worker serves model {model!r}")
             await asyncio.sleep(min(0.25, left))
+
+    async def is_served(self, model: str) -> bool:
+        """Whether any worker, draining ones included, serves ``model``; concurrent askers within
+        _SERVED_CACHE_S share one query (a failed query is not cached)."""
+        cached = self._served.get(model)
+        if cached is None or time.monotonic() - cached[0] >= _SERVED_CACHE_S:
+
+            async def ask() -> bool:
+                return bool(await self.client.live_workers(model))
+
+            cached = (time.monotonic(), asyncio.ensure_future(ask()))
+            self._served[model] = cached
+        try:
+            return await asyncio.shield(cached[1])
+        except Exception:
+            if self._served.get(model) is cached:
+                del self._served[model]
+            raise
 
     def device_of(self, model: str, worker: str | None) -> str:
         for heartbeat in self._live.get(model, (0.0, []))[1]:
@@ -184,7 +206,7 @@ class Dispatcher:
                     if pending.done():
                         break
                     # Draining workers count here: they still finish what they run.
-                    if await self.client.live_workers(model):
+                    if await self.is_served(model):
                         workerless_since = None
                         continue
                     now = time.monotonic()

@@ -18,6 +18,7 @@ from shared.queue_protocol import (
     TERMINAL_ONLY,
     AnyEvent,
     EventSequencer,
+    IdleBackoff,
     build_request,
     cancelled_event,
     deadline_from,
@@ -139,9 +140,10 @@ class AsyncQueueClient:
                 yield event
             if not sequencer.finished and not await self.redis.exists(self.keys.request(request_id)):
                 raise NotFoundError(f"unknown request {request_id}")
+            idle = IdleBackoff()
             while not sequencer.finished:
                 try:
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=remaining(deadline))
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=idle.timeout(deadline))
                 except (redis.ConnectionError, redis.TimeoutError):
                     await asyncio.sleep(0.2)
                     message = None
@@ -149,7 +151,12 @@ class AsyncQueueClient:
                     out = await self._catch_up(request_id, sequencer)
                     if not sequencer.finished:
                         out += await self._finish_from_hash(request_id, sequencer)
+                    if out:
+                        idle.heard()
+                    else:
+                        idle.silent()
                 else:
+                    idle.heard()
                     event = parse_event(message["data"])
                     out = sequencer.accept(event, from_log=False)
                     if sequencer.gap:

@@ -25,6 +25,7 @@ from shared.queue_protocol import (
     TERMINAL_ONLY,
     AnyEvent,
     EventSequencer,
+    IdleBackoff,
     build_request,
     cancelled_event,
     deadline_from,
@@ -146,18 +147,25 @@ class QueueClient:
             yield from self._catch_up(request_id, sequencer)
             if not sequencer.finished and not self.redis.exists(self.keys.request(request_id)):
                 raise NotFoundError(f"unknown request {request_id}")
+            idle = IdleBackoff()
             while not sequencer.finished:
                 try:
-                    message = pubsub.get_message(ignore_subscribe_messages=True, timeout=remaining(deadline))
+                    message = pubsub.get_message(ignore_subscribe_messages=True, timeout=idle.timeout(deadline))
                 except (redis.ConnectionError, redis.TimeoutError):
                     # redis-py re-subscribes on reconnect; the log fills whatever passed meanwhile.
                     time.sleep(0.2)
                     message = None
                 if message is None or message.get("type") != "message":
-                    yield from self._catch_up(request_id, sequencer)
+                    caught = list(self._catch_up(request_id, sequencer))
                     if not sequencer.finished:
-                        yield from self._finish_from_hash(request_id, sequencer)
+                        caught += self._finish_from_hash(request_id, sequencer)
+                    if caught:
+                        idle.heard()
+                    else:
+                        idle.silent()
+                    yield from caught
                     continue
+                idle.heard()
                 event = parse_event(message["data"])
                 out = sequencer.accept(event, from_log=False)
                 if sequencer.gap:

@@ -14,6 +14,7 @@ from shared.client import QueueClient
 from shared.errors import CancelledError, NotFoundError, OverloadedError, ValidationError
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.lifecycle import RequestStatus
+from shared.queue_protocol import IDLE_CHECK_MAX_S, IDLE_CHECK_S, IdleBackoff
 from shared.schemas import (
     DoneEvent,
     ErrorEvent,
@@ -250,3 +251,46 @@ def test_one_async_client_follows_more_streams_than_redis_py_default_pool(redis_
             assert await asyncio.gather(*followers) == ["cancelled"] * 150
 
     asyncio.run(scenario())
+
+
+def test_a_stream_whose_live_messages_are_all_lost_still_ends(client, client_settings, redis_client, keys) -> None:
+    """The safety net: with nothing on pub/sub, the follower's idle checks read the log and the hash."""
+
+    def worker_writing_only_the_log(request_id: str) -> None:
+        time.sleep(1.5)  # past the first idle check, so the backed-off checks are what finds it
+        for event in (token(request_id, 0), token(request_id, 1), done(request_id, 2)):
+            emit_log_only(redis_client, keys, event)
+
+    request_id = client.submit(MODEL, [1])
+    threading.Thread(target=worker_writing_only_the_log, args=(request_id,)).start()
+    started = time.monotonic()
+    events = list(client.stream(request_id, timeout=20))
+    assert [e.index for e in events[:-1]] == [0, 1] and isinstance(events[-1], DoneEvent)
+    assert time.monotonic() - started < IDLE_CHECK_S + 2 * IDLE_CHECK_S + 1.0  # found at the second check
+
+    async def scenario() -> list:
+        async with AsyncQueueClient(client_settings) as queue:
+            other = await queue.submit(MODEL, [1])
+            threading.Thread(target=worker_writing_only_the_log, args=(other,)).start()
+            return [event async for event in queue.stream(other, timeout=20)]
+
+    events = asyncio.run(scenario())
+    assert [e.index for e in events[:-1]] == [0, 1] and isinstance(events[-1], DoneEvent)
+
+
+def emit_log_only(r: redis.Redis, keys: Keys, event: TokenEvent | DoneEvent) -> None:
+    r.xadd(keys.replay_log(event.request_id), {LOG_FIELD: event.to_json()})
+
+
+def test_idle_checks_back_off_while_silent_and_reset_on_news() -> None:
+    idle = IdleBackoff()
+    waits = []
+    for _ in range(6):
+        waits.append(idle.timeout(None))
+        idle.silent()
+    assert waits == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0] and IDLE_CHECK_MAX_S == 8.0
+    idle.heard()
+    assert idle.timeout(None) == IDLE_CHECK_S
+    assert idle.timeout(time.monotonic() + 0.25) <= 0.25  # never past the stream's deadline
+    with pytest.raises(TimeoutError):
+        idle.timeout(time.monotonic() - 1)
