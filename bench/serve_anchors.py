@@ -1,7 +1,7 @@
 """The anchors, in this process, on the serving benchmark's own prompts: our offline engine
 (``LLM.generate``, every request at once) and transformers' continuous batching (bench/engine.py's
-runner), plus the engine's time to first token for one request alone (the floor any serving
-path adds to)."""
+runner), plus one request alone in the engine (the time-to-first-token floor any serving path adds
+to; bench/serve_low_load.py interleaves it with the stack's ways in)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from bench.serve_dataset import ChatSample
-from bench.serve_metrics import RequestResult, summarize
+from bench.serve_metrics import RequestResult
 from shared.settings import Settings
 
 
@@ -56,26 +56,22 @@ def offline_generate(llm: Any, samples: list[ChatSample]) -> dict[str, Any]:
     }
 
 
-def offline_one_at_a_time(llm: Any, samples: list[ChatSample], tenant: str) -> dict[str, Any]:
-    """Each request alone in the engine, timed per token event as a streaming client would see it:
-    the low-load floor. ``tenant`` salts the prefix cache so earlier runs' blocks are not reused."""
+def offline_one(llm: Any, sample: ChatSample, request_id: str, tenant: str) -> RequestResult:
+    """One request alone in the engine, timed per token event as a streaming client would see it:
+    the low-load floor. ``tenant`` salts the prefix cache so earlier requests' blocks are not reused."""
     from worker.engine import SamplingParams
 
     engine = llm.engine
-    results = []
-    started_all = time.perf_counter()
-    for i, sample in enumerate(samples):
-        result = RequestResult(sample.prompt_len, sample.output_len)
-        params = SamplingParams(max_new_tokens=sample.output_len, ignore_eos=True)
-        started = last = time.perf_counter()
-        engine.add_request(f"{tenant}-{i}", sample.prompt_token_ids, params, tenant=tenant)
-        while engine.has_unfinished():
-            for event in engine.step():
-                if event.token_id >= 0:
-                    last = result.record_token(started, time.perf_counter(), last)
-        result.latency, result.success = last - started, True
-        results.append(result)
-    return summarize(results, time.perf_counter() - started_all)
+    result = RequestResult(sample.prompt_len, sample.output_len)
+    params = SamplingParams(max_new_tokens=sample.output_len, ignore_eos=True)
+    started = last = time.perf_counter()
+    engine.add_request(request_id, sample.prompt_token_ids, params, tenant=tenant)
+    while engine.has_unfinished():
+        for event in engine.step():
+            if event.token_id >= 0:
+                last = result.record_token(started, time.perf_counter(), last)
+    result.latency, result.success = last - started, True
+    return result
 
 
 def transformers_cb(settings: Settings, dtype: torch.dtype, samples: list[ChatSample]) -> dict[str, Any]:

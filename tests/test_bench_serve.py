@@ -86,6 +86,18 @@ def test_bench_serve_reports_consistent_figures_for_a_real_stack(
         assert math.isclose(m["output_throughput"], m["total_output_tokens"] / m["duration_s"], rel_tol=0.01)
 
     assert set(report["targets"]) == {"throughput_vs_offline_engine", "p50_ttft_added_ms_at_low_load"}
+    # Low load is interleaved prompt by prompt: every path is paired with the offline engine (and the API
+    # paths with the queue client) on each of the 2 prompts.
+    paired = report["low_load_paired_ttft_added_ms"]
+    assert set(paired) == {
+        "generate_stream vs offline_engine", "chat vs offline_engine", "queue vs offline_engine",
+        "generate_stream vs queue", "chat vs queue",
+    }  # fmt: skip
+    for added in paired.values():
+        assert added["pairs"] == 2 and added["p25"] <= added["median"] <= added["p75"]
+    added = report["targets"]["p50_ttft_added_ms_at_low_load"]
+    assert set(added["met"]) == {"generate_stream vs offline_engine", "chat vs offline_engine"}
+    assert added["added"]["chat vs offline_engine"] == paired["chat vs offline_engine"]["median"]
     stem = tmp_path / f"serve-{report['date'][:10]}"
     assert json.loads(stem.with_suffix(".json").read_text())["dataset"]["requests"] == NUM_REQUESTS
     assert stem.with_suffix(".png").stat().st_size > 0
