@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -164,7 +166,31 @@ def test_admission_info(make_engine: Any) -> None:
     engine.add_request("b", prompt(41, 4), GREEDY)
     assert engine.free_seq_slots == 0 and not engine.can_admit(1)
     run_to_end(engine)
-    assert engine.free_seq_slots == 2
+    assert engine.free_seq_slots == 2 and engine.can_admit(30)
+
+
+def test_admission_info_answers_while_a_step_runs(make_engine: Any) -> None:
+    """The worker's intake asks between its Redis reads; a step holding the engine for hundreds of
+    ms must not make it wait (a freed slot would be refilled a step late)."""
+    engine = make_engine(max_num_seqs=2, num_kv_blocks=10, block_size=4)
+    engine.add_request("a", prompt(40, 20), GREEDY)
+    stepping, release = threading.Event(), threading.Event()
+
+    def hold_the_engine() -> None:
+        with engine._lock:  # what step() holds for its whole forward
+            stepping.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold_the_engine)
+    holder.start()
+    try:
+        assert stepping.wait(10)
+        started = time.monotonic()
+        assert engine.can_admit(12) and not engine.can_admit(20) and engine.free_seq_slots == 1
+        assert time.monotonic() - started < 1.0
+    finally:
+        release.set()
+        holder.join()
 
 
 def test_stats_count_steps_and_time(make_engine: Any) -> None:
