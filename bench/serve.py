@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import functools
 import gc
@@ -32,6 +33,7 @@ import sys
 import tempfile
 import threading
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -76,15 +78,21 @@ class Runner:
             return chat_sender(http, headers, self.settings.model)
         return queue_sender(queue, self.settings.model, tenant=f"bench-{key or uuid.uuid4().hex}")
 
-    async def run(
-        self, endpoint: str, samples: list[ChatSample], *, rate: float = math.inf, concurrency: int | None = None
-    ) -> dict[str, Any]:
+    @contextlib.asynccontextmanager
+    async def _clients(self) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncQueueClient]]:
+        """An HTTP client and a queue client with room for every stream a run opens."""
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         timeout = httpx.Timeout(None, connect=30)
         async with (
             httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=timeout) as http,
             AsyncQueueClient(self.settings, client=queue_redis(self.settings)) as queue,
         ):
+            yield http, queue
+
+    async def run(
+        self, endpoint: str, samples: list[ChatSample], *, rate: float = math.inf, concurrency: int | None = None
+    ) -> dict[str, Any]:
+        async with self._clients() as (http, queue):
             send = self._sender(endpoint, http, queue)
             results, duration = await run_load(send, samples, request_rate=rate, max_concurrency=concurrency)
         return summarize(results, duration)
@@ -93,11 +101,7 @@ class Runner:
         self, endpoints: list[str], samples: list[ChatSample], offline: Any = None
     ) -> dict[str, tuple[list[RequestResult], float]]:
         """Each sample alone through every way in (and the offline engine), interleaved: see bench/serve_low_load."""
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with (
-            httpx.AsyncClient(base_url=self.base_url, limits=limits, timeout=httpx.Timeout(None, connect=30)) as http,
-            AsyncQueueClient(self.settings, client=queue_redis(self.settings)) as queue,
-        ):
+        async with self._clients() as (http, queue):
             systems: dict[str, OneRequest] = {}
             if offline is not None:
                 from bench.serve_anchors import offline_one
