@@ -103,10 +103,10 @@ class LLMEngine:
         """Whether a prompt would find a sequence slot and its KV blocks now.
 
         Lock-free on purpose: the worker's intake thread asks while a step holds the engine's lock
-        (hundreds of ms with a full batch on a CPU); waiting that out refilled a freed slot a step or
-        more late, and cost ~10% of throughput at saturation. It reads the free blocks less what the
-        waiting sequences will claim, as of the last step, add or abort (the scheduler still has the
-        last word: a request admitted on a stale figure waits in the engine)."""
+        (hundreds of ms with a full batch on a CPU); waiting that out could refill a freed slot a step
+        or more late (measured: 89% -> 89.5% of the offline engine at saturation). It reads the free
+        blocks less what the waiting sequences will claim, as of the last step, add or abort (the
+        scheduler still has the last word: a request admitted on a stale figure waits in the engine)."""
         blocks = self.block_manager.blocks_for(num_prompt_tokens + 1)
         return self.free_seq_slots > 0 and blocks <= self._spare_blocks
 
