@@ -13,12 +13,15 @@ import redis.asyncio as aioredis
 
 from shared.errors import NotFoundError, OverloadedError
 from shared.keys import CONSUMER_GROUP, Keys
+from shared.lifecycle import RequestStatus
 from shared.queue_protocol import (
+    CATCH_UP_COUNT,
     NOTIFY_KEEP,
     TERMINAL_ONLY,
     AnyEvent,
     EventSequencer,
     IdleBackoff,
+    accept_log_entries,
     build_request,
     cancelled_event,
     deadline_from,
@@ -28,7 +31,6 @@ from shared.queue_protocol import (
     hash_fields,
     log_maxlen,
     normalize,
-    parse_log_entry,
     raise_for,
     redis_kwargs,
     remaining,
@@ -148,13 +150,11 @@ class AsyncQueueClient:
                     await asyncio.sleep(0.2)
                     message = None
                 if message is None or message.get("type") != "message":
-                    out = await self._catch_up(request_id, sequencer)
-                    if not sequencer.finished:
-                        out += await self._finish_from_hash(request_id, sequencer)
+                    out, queued = await self._idle_check(request_id, sequencer)
                     if out:
                         idle.heard()
                     else:
-                        idle.silent()
+                        idle.silent(queued=queued)
                 else:
                     idle.heard()
                     event = parse_event(message["data"])
@@ -172,15 +172,33 @@ class AsyncQueueClient:
         log = self.keys.replay_log(request_id)
         out: list[AnyEvent] = []
         while not sequencer.finished:
-            entries = await self.redis.xrange(log, min="(" + sequencer.last_log_id, max="+", count=512)
+            entries = await self.redis.xrange(log, min="(" + sequencer.last_log_id, max="+", count=CATCH_UP_COUNT)
             if not entries:
                 break
-            for entry_id, fields in entries:
-                sequencer.last_log_id = entry_id
-                event = parse_log_entry(fields)
-                if event is not None:
-                    out += sequencer.accept(event, from_log=True)
+            out += accept_log_entries(sequencer, entries)
         return out
+
+    async def _idle_check(self, request_id: str, sequencer: EventSequencer) -> tuple[list[AnyEvent], bool]:
+        """The safety net after a silent wait, in one round trip while nothing has changed (the
+        common case: a request waiting in the queue): the log past what was delivered, and the
+        request's status. Only news costs more. Returns what it found, and whether the request
+        is still queued."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xrange(self.keys.replay_log(request_id), min="(" + sequencer.last_log_id, max="+", count=CATCH_UP_COUNT)
+        pipe.hget(self.keys.request(request_id), "status")
+        entries, status = await pipe.execute()
+        out = accept_log_entries(sequencer, entries)
+        if len(entries) == CATCH_UP_COUNT:
+            out += await self._catch_up(request_id, sequencer)
+        if sequencer.finished:
+            return out, False
+        if status is None:
+            raise NotFoundError(f"request {request_id} vanished (expired, or Redis lost it)")
+        if status == RequestStatus.QUEUED:
+            return out, True
+        if RequestStatus(status).is_final:
+            out += await self._finish_from_hash(request_id, sequencer)
+        return out, False
 
     async def _finish_from_hash(self, request_id: str, sequencer: EventSequencer) -> list[AnyEvent]:
         info = await self.status(request_id)

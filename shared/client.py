@@ -20,12 +20,15 @@ import redis
 
 from shared.errors import NotFoundError, OverloadedError
 from shared.keys import CONSUMER_GROUP, Keys
+from shared.lifecycle import RequestStatus
 from shared.queue_protocol import (
+    CATCH_UP_COUNT,
     NOTIFY_KEEP,
     TERMINAL_ONLY,
     AnyEvent,
     EventSequencer,
     IdleBackoff,
+    accept_log_entries,
     build_request,
     cancelled_event,
     deadline_from,
@@ -35,7 +38,6 @@ from shared.queue_protocol import (
     hash_fields,
     log_maxlen,
     normalize,
-    parse_log_entry,
     raise_for,
     redis_kwargs,
     remaining,
@@ -156,13 +158,11 @@ class QueueClient:
                     time.sleep(0.2)
                     message = None
                 if message is None or message.get("type") != "message":
-                    caught = list(self._catch_up(request_id, sequencer))
-                    if not sequencer.finished:
-                        caught += self._finish_from_hash(request_id, sequencer)
+                    caught, queued = self._idle_check(request_id, sequencer)
                     if caught:
                         idle.heard()
                     else:
-                        idle.silent()
+                        idle.silent(queued=queued)
                     yield from caught
                     continue
                 idle.heard()
@@ -179,14 +179,32 @@ class QueueClient:
     def _catch_up(self, request_id: str, sequencer: EventSequencer) -> Iterator[AnyEvent]:
         log = self.keys.replay_log(request_id)
         while not sequencer.finished:
-            entries = self.redis.xrange(log, min="(" + sequencer.last_log_id, max="+", count=512)
+            entries = self.redis.xrange(log, min="(" + sequencer.last_log_id, max="+", count=CATCH_UP_COUNT)
             if not entries:
                 return
-            for entry_id, fields in entries:
-                sequencer.last_log_id = entry_id
-                event = parse_log_entry(fields)
-                if event is not None:
-                    yield from sequencer.accept(event, from_log=True)
+            yield from accept_log_entries(sequencer, entries)
+
+    def _idle_check(self, request_id: str, sequencer: EventSequencer) -> tuple[list[AnyEvent], bool]:
+        """The safety net after a silent wait, in one round trip while nothing has changed (the
+        common case: a request waiting in the queue): the log past what was delivered, and the
+        request's status. Only news costs more. Returns what it found, and whether the request
+        is still queued."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xrange(self.keys.replay_log(request_id), min="(" + sequencer.last_log_id, max="+", count=CATCH_UP_COUNT)
+        pipe.hget(self.keys.request(request_id), "status")
+        entries, status = pipe.execute()
+        out = accept_log_entries(sequencer, entries)
+        if len(entries) == CATCH_UP_COUNT:
+            out += self._catch_up(request_id, sequencer)
+        if sequencer.finished:
+            return out, False
+        if status is None:
+            raise NotFoundError(f"request {request_id} vanished (expired, or Redis lost it)")
+        if status == RequestStatus.QUEUED:
+            return out, True
+        if RequestStatus(status).is_final:
+            out += self._finish_from_hash(request_id, sequencer)
+        return out, False
 
     def _finish_from_hash(self, request_id: str, sequencer: EventSequencer) -> Iterator[AnyEvent]:
         info = self.status(request_id)

@@ -67,6 +67,11 @@ def raise_for(event: ErrorEvent) -> None:
 # second and took CPU from the worker beside it.
 IDLE_CHECK_S = 1.0
 IDLE_CHECK_MAX_S = 8.0
+# While the last check found the request still queued, the wait grows further: nothing has been
+# published for it yet, so nothing can have been lost (its first token, when it comes, resets the
+# wait). At 8 s, 1,000 queued streams still cost 125 checks a second, in the API and in any
+# service following them, on the CPU the worker beside them needs.
+QUEUED_CHECK_MAX_S = 30.0
 
 
 def build_request(
@@ -144,6 +149,21 @@ def parse_log_entry(fields: dict[str, str]) -> AnyEvent | None:
         return None
 
 
+# Replay-log entries read per round trip when catching up.
+CATCH_UP_COUNT = 512
+
+
+def accept_log_entries(sequencer: EventSequencer, entries: list[tuple[str, dict[str, str]]]) -> list[AnyEvent]:
+    """Feeds one XRANGE reply of a replay log to ``sequencer``; what it yields, in order."""
+    out: list[AnyEvent] = []
+    for entry_id, fields in entries:
+        sequencer.last_log_id = entry_id
+        event = parse_log_entry(fields)
+        if event is not None:
+            out += sequencer.accept(event, from_log=True)
+    return out
+
+
 @dataclass
 class EventSequencer:
     """Puts events from the replay log and from pub/sub into one ordered, duplicate-free stream.
@@ -199,7 +219,8 @@ def remaining(deadline: float | None, wait: float = IDLE_CHECK_S) -> float:
 
 class IdleBackoff:
     """A follower's wait on pub/sub between safety-net checks: IDLE_CHECK_S after anything was
-    heard, doubling with each silent check up to IDLE_CHECK_MAX_S."""
+    heard, doubling with each silent check up to IDLE_CHECK_MAX_S, or QUEUED_CHECK_MAX_S while
+    the request has not started."""
 
     def __init__(self) -> None:
         self.wait = IDLE_CHECK_S
@@ -210,8 +231,8 @@ class IdleBackoff:
     def heard(self) -> None:
         self.wait = IDLE_CHECK_S
 
-    def silent(self) -> None:
-        self.wait = min(self.wait * 2, IDLE_CHECK_MAX_S)
+    def silent(self, *, queued: bool = False) -> None:
+        self.wait = min(self.wait * 2, QUEUED_CHECK_MAX_S if queued else IDLE_CHECK_MAX_S)
 
 
 def depth_of(length: object, pending: object) -> int:

@@ -14,7 +14,7 @@ from shared.client import QueueClient
 from shared.errors import CancelledError, NotFoundError, OverloadedError, ValidationError
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.lifecycle import RequestStatus
-from shared.queue_protocol import IDLE_CHECK_MAX_S, IDLE_CHECK_S, IdleBackoff
+from shared.queue_protocol import IDLE_CHECK_MAX_S, IDLE_CHECK_S, QUEUED_CHECK_MAX_S, EventSequencer, IdleBackoff
 from shared.schemas import (
     DoneEvent,
     ErrorEvent,
@@ -278,6 +278,36 @@ def test_a_stream_whose_live_messages_are_all_lost_still_ends(client, client_set
     assert [e.index for e in events[:-1]] == [0, 1] and isinstance(events[-1], DoneEvent)
 
 
+def test_the_idle_check_reads_log_and_status_in_one_round_trip_and_tells_a_queued_request(
+    client, client_settings, redis_client, keys
+) -> None:
+    request_id = client.submit(MODEL, [1])
+    calls = []
+    original = client.redis.pipeline
+
+    def counting_pipeline(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append("pipeline")
+        return original(*args, **kwargs)
+
+    client.redis.pipeline = counting_pipeline  # type: ignore[method-assign]
+    try:
+        assert client._idle_check(request_id, EventSequencer()) == ([], True)
+        redis_client.hset(keys.request(request_id), "status", RequestStatus.RUNNING.value)
+        emit_log_only(redis_client, keys, token(request_id, 0))
+        events, queued = client._idle_check(request_id, EventSequencer())
+        assert [e.index for e in events] == [0] and not queued
+    finally:
+        client.redis.pipeline = original  # type: ignore[method-assign]
+    assert calls == ["pipeline", "pipeline"]
+
+    async def scenario() -> tuple[list, bool]:
+        async with AsyncQueueClient(client_settings) as queue:
+            return await queue._idle_check(request_id, EventSequencer())
+
+    events, queued = asyncio.run(scenario())
+    assert [e.index for e in events] == [0] and not queued
+
+
 def emit_log_only(r: redis.Redis, keys: Keys, event: TokenEvent | DoneEvent) -> None:
     r.xadd(keys.replay_log(event.request_id), {LOG_FIELD: event.to_json()})
 
@@ -291,6 +321,12 @@ def test_idle_checks_back_off_while_silent_and_reset_on_news() -> None:
     assert waits == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0] and IDLE_CHECK_MAX_S == 8.0
     idle.heard()
     assert idle.timeout(None) == IDLE_CHECK_S
+    for _ in range(6):  # a request still in the queue has published nothing that could be lost
+        idle.silent(queued=True)
+    assert idle.timeout(None) == QUEUED_CHECK_MAX_S == 30.0
+    idle.silent()  # started, and silent: back under the tighter cap
+    assert idle.timeout(None) == IDLE_CHECK_MAX_S
+    idle.heard()
     assert idle.timeout(time.monotonic() + 0.25) <= 0.25  # never past the stream's deadline
     with pytest.raises(TimeoutError):
         idle.timeout(time.monotonic() - 1)
