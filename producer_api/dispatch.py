@@ -26,7 +26,7 @@ _LIVE_CACHE_S = 1.0
 # Beyond a request's own deadline, how long we wait for the worker's "expired" event.
 _DEADLINE_GRACE_S = 5.0
 _CANCEL_TIMEOUT_S = 2.0
-# How often a silent stream checks that a worker is still alive to make progress on it.
+# How often, while streams of a model are followed, the API checks that a worker still serves it.
 _WATCH_S = 2.0
 # How long one answer to "does a worker serve this model?" serves every silent stream: one Redis
 # query a second for all of them, instead of one per stream per _WATCH_S (500/s with 1,000 queued).
@@ -63,6 +63,7 @@ class Dispatcher:
         self.client = client
         self._live: dict[str, tuple[float, list[WorkerHeartbeat]]] = {}
         self._served: dict[str, tuple[float, asyncio.Future[bool]]] = {}
+        self._watches: dict[str, WorkerWatch] = {}
 
     async def live_workers(self, model: str | None = None) -> list[WorkerHeartbeat]:
         workers = await self.client.live_workers(model)
@@ -191,28 +192,23 @@ class Dispatcher:
                 await self.cancel_quietly(request_id)
 
     async def _watched(self, stream: AsyncIterator[AnyEvent], model: str) -> AsyncIterator[AnyEvent]:
-        """``stream``'s events, but while it is silent, check that some worker still serves the model:
-        if every worker is gone for no_worker_wait_s, raise 503 instead of waiting forever. (A dead
-        worker's request is taken over by a live one, so a live worker means progress will come.)"""
-        check_every = max(0.5, min(_WATCH_S, self.settings.no_worker_wait_s))
+        """``stream``'s events, unless every worker of the model is gone for no_worker_wait_s: then
+        503 instead of waiting forever. (A dead worker's request is taken over by a live one, so a
+        live worker means progress will come.) The model's ``WorkerWatch`` checks for all its
+        streams at once; a silent stream itself sets no timer."""
+        watch = self._watches.get(model)
+        if watch is None:
+            watch = self._watches[model] = WorkerWatch(self, model)
         iterator = aiter(stream)
         pending: asyncio.Future[AnyEvent] | None = None
+        watch.follow()
         try:
             while True:
                 pending = asyncio.ensure_future(anext(iterator))
-                workerless_since: float | None = None
-                while not pending.done():
-                    await asyncio.wait({pending}, timeout=check_every)
-                    if pending.done():
-                        break
-                    # Draining workers count here: they still finish what they run.
-                    if await self.is_served(model):
-                        workerless_since = None
-                        continue
-                    now = time.monotonic()
-                    workerless_since = workerless_since or now
-                    if now - workerless_since >= self.settings.no_worker_wait_s:
-                        raise UnavailableError(f"no live worker serves model {model!r} any more")
+                gone = watch.gone
+                await asyncio.wait((pending, gone), return_when=asyncio.FIRST_COMPLETED)
+                if not pending.done():
+                    raise UnavailableError(f"no live worker serves model {model!r} any more")
                 try:
                     event = pending.result()
                 except StopAsyncIteration:
@@ -220,6 +216,7 @@ class Dispatcher:
                 pending = None
                 yield event
         finally:
+            watch.unfollow()
             if pending is not None and not pending.done():
                 pending.cancel()
                 with contextlib.suppress(BaseException):
@@ -248,6 +245,51 @@ class Dispatcher:
                 if not task.done():
                     task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class WorkerWatch:
+    """Whether any worker (draining ones included: they still finish what they run) serves a model,
+    checked every _WATCH_S while some stream of it is followed, by one task for all of them.
+
+    ``gone`` completes once no worker has served the model for no_worker_wait_s; the streams
+    waiting on it end with 503, and the next ones get a fresh future. (One timer per silent stream,
+    as before, woke the API 500 times a second with 1,000 requests queued.) A failed check counts
+    as neither: Redis being unreachable is not every worker being gone."""
+
+    def __init__(self, dispatcher: Dispatcher, model: str) -> None:
+        self.dispatcher = dispatcher
+        self.model = model
+        self.gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.followers = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def follow(self) -> None:
+        self.followers += 1
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+
+    def unfollow(self) -> None:
+        self.followers -= 1
+
+    async def _run(self) -> None:
+        settings = self.dispatcher.settings
+        check_every = max(0.5, min(_WATCH_S, settings.no_worker_wait_s))
+        workerless_since: float | None = None
+        while self.followers > 0:
+            await asyncio.sleep(check_every)
+            try:
+                served = await self.dispatcher.is_served(self.model)
+            except Exception:
+                continue
+            if served:
+                workerless_since = None
+                continue
+            now = time.monotonic()
+            workerless_since = workerless_since or now
+            if now - workerless_since >= settings.no_worker_wait_s:
+                self.gone.set_result(None)
+                self.gone = asyncio.get_running_loop().create_future()
+                workerless_since = None
 
 
 @contextlib.asynccontextmanager
