@@ -42,11 +42,18 @@ def offline_generate(llm: Any, samples: list[ChatSample]) -> dict[str, Any]:
     from worker.engine import SamplingParams
 
     params = [SamplingParams(max_new_tokens=s.output_len, ignore_eos=True) for s in samples]
+    stats = llm.engine.stats
+    steps, step_s = stats.steps, stats.step_time_s
     started = time.perf_counter()
     outs = llm.generate([s.prompt_token_ids for s in samples], params)
     wall = time.perf_counter() - started
     tokens = sum(len(o.token_ids) for o in outs)
+    steps, step_s = stats.steps - steps, stats.step_time_s - step_s
     return {
+        # Compared with the worker's own count (its log's last line) these tell whether the stack
+        # lost throughput to slower steps (CPU taken by the rest) or to more, smaller ones.
+        "engine_steps": steps,
+        "mean_step_ms": round(1000 * step_s / max(1, steps), 2),
         "requests": len(samples),
         "completed": sum(1 for o in outs if o.finish_reason is not None),
         "total_output_tokens": tokens,

@@ -83,6 +83,12 @@ class Settings(BaseSettings):
     dtype: str = Field("auto", description="Worker dtype: auto, float32, bfloat16, float16, float64.")
     max_num_seqs: int = Field(64, ge=1, description="Sequences one worker runs at once.")
     max_num_batched_tokens: int = Field(512, ge=1, description="Tokens one engine step processes at most.")
+    prefetch_seqs: int | None = Field(
+        None,
+        ge=0,
+        description="Requests a worker takes beyond max_num_seqs; they wait in its engine so a slot that frees "
+        "is refilled by the next step, not the one after. Unset = max_num_seqs // 16.",
+    )
     num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; unset sizes it from memory.")
     block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
     torch_threads: int = Field(

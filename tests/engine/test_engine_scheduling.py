@@ -169,6 +169,21 @@ def test_admission_info(make_engine: Any) -> None:
     assert engine.free_seq_slots == 2 and engine.can_admit(30)
 
 
+def test_admission_beyond_the_running_slots_waits_in_the_engine(make_engine: Any) -> None:
+    """The worker's prefetch: extra_slots lets sequences past max_num_seqs in, still within the KV
+    blocks; they wait, and the step after a slot frees runs them."""
+    engine = make_engine(max_num_seqs=1, num_kv_blocks=10, block_size=4)
+    engine.add_request("a", prompt(40, 2), GREEDY)
+    assert not engine.can_admit(4) and engine.can_admit(4, extra_slots=1)
+    assert not engine.can_admit(40, extra_slots=1)  # slots are not blocks: a's prompt claims 3 of 10
+    engine.add_request("b", prompt(41, 2), GREEDY)
+    assert not engine.can_admit(4, extra_slots=1)
+    engine.step()
+    assert engine.stats.num_running == 1 and engine.stats.num_waiting == 1
+    events = run_to_end(engine)
+    assert events["b"][-1].finish_reason == "length"
+
+
 def test_admission_info_answers_while_a_step_runs(make_engine: Any) -> None:
     """The worker's intake asks between its Redis reads; a step holding the engine for hundreds of
     ms must not make it wait (a freed slot would be refilled a step late)."""

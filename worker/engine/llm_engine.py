@@ -99,8 +99,9 @@ class LLMEngine:
     def num_total_blocks(self) -> int:
         return self.block_manager.num_blocks
 
-    def can_admit(self, num_prompt_tokens: int) -> bool:
-        """Whether a prompt would find a sequence slot and its KV blocks now.
+    def can_admit(self, num_prompt_tokens: int, *, extra_slots: int = 0) -> bool:
+        """Whether a prompt would find a sequence slot and its KV blocks now. ``extra_slots``:
+        sequences the caller may add beyond max_num_seqs, to wait for a slot inside the engine.
 
         Lock-free on purpose: the worker's intake thread asks while a step holds the engine's lock
         (hundreds of ms with a full batch on a CPU); waiting that out could refill a freed slot a step
@@ -108,7 +109,8 @@ class LLMEngine:
         blocks less what the waiting sequences will claim, as of the last step, add or abort (the
         scheduler still has the last word: a request admitted on a stale figure waits in the engine)."""
         blocks = self.block_manager.blocks_for(num_prompt_tokens + 1)
-        return self.free_seq_slots > 0 and blocks <= self._spare_blocks
+        slots = self.scheduler.max_num_seqs + extra_slots - len(self._seqs)
+        return slots > 0 and blocks <= self._spare_blocks
 
     def _refresh_spare_blocks(self) -> None:
         """Called with the lock held, after anything that moves blocks or the waiting queue."""
