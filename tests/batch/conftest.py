@@ -194,7 +194,7 @@ def wait_for(
             return batch
         if time.monotonic() > deadline:
             raise AssertionError(f"batch never reached the expected state: {batch.model_dump_json()}")
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 def jsonl(data: bytes) -> list[dict[str, Any]]:

@@ -23,7 +23,8 @@ N = 16
 
 
 def _upload(store: BatchStore, model: str) -> str:
-    lines = [chat_line(f"row-{i}", model, f"Tell me about {i}", max_tokens=12, ignore_eos=True) for i in range(N)]
+    # Long enough that a fast worker has not finished the batch by the time a test kills its job.
+    lines = [chat_line(f"row-{i}", model, f"Tell me about {i}", max_tokens=48, ignore_eos=True) for i in range(N)]
     return store.files.put("\n".join(lines).encode(), filename="rows.jsonl", purpose="batch").id
 
 
