@@ -28,8 +28,8 @@ _DEADLINE_GRACE_S = 5.0
 _CANCEL_TIMEOUT_S = 2.0
 # How often, while streams of a model are followed, the API checks that a worker still serves it.
 _WATCH_S = 2.0
-# How long one answer to "does a worker serve this model?" serves every silent stream: one Redis
-# query a second for all of them, instead of one per stream per _WATCH_S (500/s with 1,000 queued).
+# How long one answer to "does a worker serve this model?" is reused: concurrent askers (the
+# model's WorkerWatch, anything else asking) share one Redis query.
 _SERVED_CACHE_S = 1.0
 
 
