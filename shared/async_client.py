@@ -34,6 +34,7 @@ from shared.queue_protocol import (
     raise_for,
     redis_kwargs,
     remaining,
+    status_found,
     terminal_from_info,
 )
 from shared.schemas import (
@@ -192,13 +193,10 @@ class AsyncQueueClient:
             out += await self._catch_up(request_id, sequencer)
         if sequencer.finished:
             return out, False
-        if status is None:
-            raise NotFoundError(f"request {request_id} vanished (expired, or Redis lost it)")
-        if status == RequestStatus.QUEUED:
-            return out, True
-        if RequestStatus(status).is_final:
+        found = status_found(request_id, status)
+        if found.is_final:
             out += await self._finish_from_hash(request_id, sequencer)
-        return out, False
+        return out, found == RequestStatus.QUEUED
 
     async def _finish_from_hash(self, request_id: str, sequencer: EventSequencer) -> list[AnyEvent]:
         info = await self.status(request_id)

@@ -41,6 +41,7 @@ from shared.queue_protocol import (
     raise_for,
     redis_kwargs,
     remaining,
+    status_found,
     terminal_from_info,
 )
 from shared.schemas import (
@@ -198,13 +199,10 @@ class QueueClient:
             out += self._catch_up(request_id, sequencer)
         if sequencer.finished:
             return out, False
-        if status is None:
-            raise NotFoundError(f"request {request_id} vanished (expired, or Redis lost it)")
-        if status == RequestStatus.QUEUED:
-            return out, True
-        if RequestStatus(status).is_final:
+        found = status_found(request_id, status)
+        if found.is_final:
             out += self._finish_from_hash(request_id, sequencer)
-        return out, False
+        return out, found == RequestStatus.QUEUED
 
     def _finish_from_hash(self, request_id: str, sequencer: EventSequencer) -> Iterator[AnyEvent]:
         info = self.status(request_id)

@@ -15,7 +15,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from shared.errors import ValidationError, error_from_type
+from shared.errors import NotFoundError, ValidationError, error_from_type
 from shared.keys import CONSUMER_GROUP
 from shared.lifecycle import RequestStatus
 from shared.schemas import (
@@ -162,6 +162,13 @@ def accept_log_entries(sequencer: EventSequencer, entries: list[tuple[str, dict[
         if event is not None:
             out += sequencer.accept(event, from_log=True)
     return out
+
+
+def status_found(request_id: str, status: str | None) -> RequestStatus:
+    """A request's status as an idle check read it; a request that is gone is an error."""
+    if status is None:
+        raise NotFoundError(f"request {request_id} vanished (expired, or Redis lost it)")
+    return RequestStatus(status)
 
 
 @dataclass
