@@ -22,10 +22,10 @@ from typing import TypeVar
 import httpx
 import redis
 
+from inflightq_cli.redis_server import free_port
+from inflightq_cli.supervisor import worker_env
 from shared.keys import Keys
-from shared.redis_server import free_port
 from shared.settings import Settings
-from shared.supervisor import worker_env
 
 T = TypeVar("T")
 

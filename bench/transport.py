@@ -26,9 +26,9 @@ from typing import Any
 
 import redis
 
+from inflightq_cli.redis_server import ensure_redis
 from shared.client import QueueClient
 from shared.keys import Keys
-from shared.redis_server import ensure_redis
 from shared.schemas import SamplingSpec
 from shared.settings import Settings, get_settings
 from worker.publisher import Publisher, token_json

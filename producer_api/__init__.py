@@ -4,16 +4,19 @@ It loads a tokenizer per served model (chat templates, token limits), never a mo
 
 Where things are:
 
+- ``tgi/``, ``openai/``, ``jobs/``: one package per API dialect, each with its request models
+  (``models.py``), routes (``routes.py``) and, where it has its own wire shapes, ``formatting.py``.
+- ``batches/``: OpenAI's Files and Batch APIs: files, the batch store, line parsing, the RQ job, routes.
 - ``app.py``: ``create_app(settings)``, the lifespan (tokenizers, Redis, queue client), wiring.
 - ``state.py``: what the app holds; ``middleware.py``: request metrics and the body-size limit (413).
-- ``auth.py``: API keys, priority ceilings, the shared per-key rate limit.
+- ``api_keys.py``: API keys, priority ceilings, the shared per-key rate limit; ``auth.py``: the
+  dependency that authenticates a request.
 - ``errors.py``: the one mapping of failures to HTTP responses (TGI's and OpenAI's error bodies).
-- ``models_*.py``: request and response bodies per API family; ``validation.py`` and
-  ``tokenization.py``: the checks they share (priority, deadlines, stops, TGI's token limits).
+- ``models_common.py``: what every request body accepts; ``validation.py`` and ``tokenization.py``:
+  the checks the dialects share (priority, deadlines, stops, TGI's token limits).
 - ``dispatch.py``: admission (live worker), submit, follow events, cancel what a client left;
   ``streaming.py``: merging n choices, watching for a client leaving.
-- ``routes_tgi.py`` / ``tgi_format.py``, ``routes_openai.py`` / ``openai_format.py``, ``routes_jobs.py``,
-  ``routes_ops.py``: the routes, and the wire shapes of their events; ``sse.py``: SSE framing and the
-  stream response; ``timing.py``: TGI's timing headers; ``metrics.py``: the API's Prometheus metrics.
-- ``routes_files.py``, ``routes_batches.py``, ``queue_metrics.py``: the Batch API and queue gauges.
+- ``routes_ops.py``: /health and /metrics; ``sse.py``: SSE framing and the stream response;
+  ``timing.py``: TGI's timing headers; ``metrics.py``, ``queue_metrics.py``: Prometheus metrics
+  of the API and gauges of the queues.
 """

@@ -13,14 +13,18 @@ from fastapi import FastAPI
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from producer_api import errors, routes_batches, routes_files, routes_jobs, routes_openai, routes_ops, routes_tgi
-from producer_api.auth import RateLimiter, load_keys
+from producer_api import errors, routes_ops
+from producer_api.api_keys import RateLimiter, load_keys
+from producer_api.batches import routes as batches
+from producer_api.batches.files import max_file_bytes
 from producer_api.dispatch import Dispatcher
+from producer_api.jobs import routes as jobs
 from producer_api.middleware import BodyLimitMiddleware, MetricsMiddleware
+from producer_api.openai import routes as openai
 from producer_api.state import AppState
+from producer_api.tgi import routes as tgi
 from producer_api.tokenization import Tokenizers
 from shared.async_client import AsyncQueueClient
-from shared.batch_files import max_file_bytes
 from shared.keys import Keys
 from shared.settings import Settings, get_settings
 
@@ -94,11 +98,10 @@ def create_app(settings: Settings | None = None, *, tokenizers: Tokenizers | Non
         ],
     )
     errors.install(app)
-    app.include_router(routes_tgi.router)
-    app.include_router(routes_openai.router)
-    app.include_router(routes_jobs.router)
-    app.include_router(routes_files.router)
-    app.include_router(routes_batches.router)
+    app.include_router(tgi.router)
+    app.include_router(openai.router)
+    app.include_router(jobs.router)
+    app.include_router(batches.router)
     app.include_router(routes_ops.router)
     # Added last = outermost: metrics see every request, including 413s.
     app.add_middleware(

@@ -16,10 +16,8 @@ import anyio
 
 from producer_api import metrics
 from shared.errors import CancelledError, ExpiredError, UnavailableError, error_from_type
-from shared.schemas import DoneEvent, ErrorEvent, FinalResult, SamplingSpec, TokenEvent, WorkerHeartbeat
+from shared.schemas import AnyEvent, DoneEvent, ErrorEvent, FinalResult, SamplingSpec, TokenEvent, WorkerHeartbeat
 from shared.settings import Settings
-
-AnyEvent = TokenEvent | DoneEvent | ErrorEvent
 
 # A live worker seen this recently is trusted without asking Redis again.
 _LIVE_CACHE_S = 1.0

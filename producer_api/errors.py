@@ -47,7 +47,7 @@ class ServerError(InflightqError):
     http_status = 500
 
 
-def uses_openai_format(path: str) -> bool:
+def is_openai_path(path: str) -> bool:
     return path.startswith("/v1/") and not path.startswith("/v1/jobs")
 
 
@@ -109,7 +109,7 @@ def openai_body(error: InflightqError) -> dict[str, Any]:
 
 
 def body_for(path: str, error: InflightqError) -> dict[str, Any]:
-    return openai_body(error) if uses_openai_format(path) else tgi_body(error)
+    return openai_body(error) if is_openai_path(path) else tgi_body(error)
 
 
 def error_response(path: str, exc: BaseException, state: dict[str, Any] | None = None) -> JSONResponse:

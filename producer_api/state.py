@@ -11,7 +11,7 @@ from fastapi import Request
 from shared.settings import Settings
 
 if TYPE_CHECKING:
-    from producer_api.auth import ApiKey, RateLimiter
+    from producer_api.api_keys import ApiKey, RateLimiter
     from producer_api.dispatch import Dispatcher
     from producer_api.tokenization import Tokenizers
 

@@ -8,7 +8,7 @@ import time
 
 import pydantic
 
-from producer_api.auth import ApiKey, clamp_priority
+from producer_api.api_keys import ApiKey, clamp_priority
 from producer_api.models_common import RequestOptions
 from shared.errors import ValidationError
 from shared.schemas import SamplingSpec

@@ -89,6 +89,11 @@ class Keys:
         """String with a short TTL held by the one job run processing the batch."""
         return self._k("batch", batch_id, "lease")
 
+    # API keys ----------------------------------------------------------------------
+    def rate_limit(self, key_id: str, window: int) -> str:
+        """Counter of an API key's requests in one one-minute window (every API replica shares it)."""
+        return self._k("ratelimit", key_id, window)
+
     # Workers -----------------------------------------------------------------------
     def cancel_channel(self) -> str:
         """Pub/sub channel every worker listens on; the message is a request id."""

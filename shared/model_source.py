@@ -2,9 +2,9 @@
 
 A model is named by an alias (``smollm2-135m-instruct``), a local Hugging Face directory,
 a ``.gguf`` file, or a hub id. The API needs only the tokenizer (chat template, token
-counts); the worker's engine loads weights through ``worker/engine/model_loader.py``, whose
-alias table this one mirrors (``tests/test_model_source.py`` pins that they agree, because
-the engine may not import ``shared``)."""
+counts); the worker's engine loads weights with its own model loader, whose alias table
+this one mirrors (``tests/test_model_source.py`` pins that they agree, because the engine
+may not import ``shared``)."""
 
 from __future__ import annotations
 

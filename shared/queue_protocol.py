@@ -19,6 +19,7 @@ from shared.errors import NotFoundError, ValidationError, error_from_type
 from shared.keys import CONSUMER_GROUP
 from shared.lifecycle import RequestStatus
 from shared.schemas import (
+    AnyEvent,
     DoneEvent,
     ErrorEvent,
     QueuedRequest,
@@ -30,8 +31,6 @@ from shared.schemas import (
 )
 from shared.settings import Settings
 from shared.transitions import LOG_FIELD
-
-AnyEvent = TokenEvent | DoneEvent | ErrorEvent
 
 # Index past any real token: following from here yields only the terminal event.
 TERMINAL_ONLY = sys.maxsize

@@ -147,15 +147,16 @@ class ErrorEvent(WireModel):
     index: int | None = Field(None, description="Tokens generated before the error.")
 
 
-Event = Annotated[TokenEvent | DoneEvent | ErrorEvent, Field(discriminator="type")]
-_event_adapter: TypeAdapter[TokenEvent | DoneEvent | ErrorEvent] = TypeAdapter(Event)
+AnyEvent = TokenEvent | DoneEvent | ErrorEvent
+Event = Annotated[AnyEvent, Field(discriminator="type")]
+_event_adapter: TypeAdapter[AnyEvent] = TypeAdapter(Event)
 
 
-def parse_event(raw: str | bytes) -> TokenEvent | DoneEvent | ErrorEvent:
+def parse_event(raw: str | bytes) -> AnyEvent:
     return _event_adapter.validate_json(raw)
 
 
-def is_terminal(event: TokenEvent | DoneEvent | ErrorEvent) -> bool:
+def is_terminal(event: AnyEvent) -> bool:
     return not isinstance(event, TokenEvent)
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from inflightq_cli.redis_server import ensure_redis
 from shared.keys import Keys
-from shared.redis_server import ensure_redis
 from shared.settings import Settings
 
 

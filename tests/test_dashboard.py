@@ -24,7 +24,7 @@ import httpx
 import pytest
 import yaml
 
-from shared.redis_server import free_port
+from inflightq_cli.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "grafana" / "dashboards" / "inflightq.json"

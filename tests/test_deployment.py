@@ -342,7 +342,7 @@ def test_dockerfiles_copy_every_package_the_distribution_installs() -> None:
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
-    modules = {f"{m}.py" for m in project["tool"]["setuptools"]["py-modules"]}
+    modules = {f"{m}.py" for m in project["tool"]["setuptools"].get("py-modules", [])}
     assert len(DOCKERFILES) == 2
     for path in DOCKERFILES:
         copied = {

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from shared.redis_server import free_port, redis_answers
+from inflightq_cli.redis_server import free_port, redis_answers
 
 
 def test_up_serves_a_first_request_and_stops_cleanly(tiny_model_dir: Path, run_prefix: str) -> None:
@@ -71,7 +71,7 @@ def test_up_serves_a_first_request_and_stops_cleanly(tiny_model_dir: Path, run_p
 
 
 def test_up_gives_each_worker_its_share_of_the_cores(monkeypatch) -> None:
-    from shared.supervisor import threads_per_worker, worker_env
+    from inflightq_cli.supervisor import threads_per_worker, worker_env
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert [threads_per_worker(n) for n in (1, 2, 3, 8)] == [4, 2, 1, 1]

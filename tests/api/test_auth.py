@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from producer_api.auth import find_key, parse_key
+from producer_api.api_keys import find_key, parse_key
 from shared.settings import Settings
 from tests.api.conftest import ApiServer
 

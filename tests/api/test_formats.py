@@ -6,10 +6,10 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
-from producer_api import sse, tgi_format
-from producer_api.dispatch import AnyEvent
+from producer_api import sse
+from producer_api.tgi.formatting import stream_events
 from shared.errors import ExpiredError
-from shared.schemas import DoneEvent, ErrorEvent, FinalResult, Timings, TokenEvent, TopLogprob, Usage
+from shared.schemas import AnyEvent, DoneEvent, ErrorEvent, FinalResult, Timings, TokenEvent, TopLogprob, Usage
 
 
 def token(index: int, token_id: int, text: str, **extra: object) -> TokenEvent:
@@ -39,7 +39,7 @@ def relay(events: list[AnyEvent] | AsyncIterator[AnyEvent], **kwargs: object) ->
 
     async def run() -> list[str]:
         options = {"path": "/generate_stream", "seed": 7, "special_ids": frozenset({2})} | kwargs
-        return [frame async for frame in tgi_format.stream_events(source(), **options)]  # type: ignore[arg-type]
+        return [frame async for frame in stream_events(source(), **options)]  # type: ignore[arg-type]
 
     parsed = []
     for frame in asyncio.run(run()):
@@ -110,7 +110,7 @@ def test_a_token_goes_out_before_the_next_one_exists() -> None:
             yield token(1, 11, "lo", finish_reason="length")
             yield DoneEvent(request_id="r", result=result("Hello", [10, 11]))
 
-        stream = tgi_format.stream_events(source(), path="/generate_stream", seed=None, special_ids=frozenset())
+        stream = stream_events(source(), path="/generate_stream", seed=None, special_ids=frozenset())
         first = await anext(stream)
         assert not second_requested.is_set()
         return [first] + [frame async for frame in stream]

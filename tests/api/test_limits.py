@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from producer_api.auth import parse_key
+from producer_api.api_keys import parse_key
 from producer_api.models_common import RequestOptions
-from producer_api.openai_format import completion_logprobs
+from producer_api.openai.formatting import completion_logprobs
 from producer_api.tokenization import enforce_limits
 from producer_api.validation import derived, resolve_deadline, resolve_priority, sampling_spec
 from shared.errors import ValidationError

@@ -19,8 +19,8 @@ import httpx
 import pytest
 import redis
 
-from shared.batch_queue import batch_queue, queue_name
-from shared.batch_store import BatchObject, BatchStore
+from producer_api.batches.queue import batch_queue, queue_name
+from producer_api.batches.store import BatchObject, BatchStore
 from shared.client import QueueClient
 from shared.settings import Settings
 

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from shared.batch_store import BatchStore
+from producer_api.batches.store import BatchStore
 from shared.client import QueueClient
 from shared.settings import Settings
 from tests.batch.conftest import ROOT, Proc, chat_line, jsonl, wait_for
@@ -207,7 +207,7 @@ def test_cli_submits_a_completions_batch_and_waits(
 def test_interactive_requests_keep_priority_over_a_running_batch(
     stack_settings: Settings, store: BatchStore, queue_worker: Proc, batch_worker: Proc
 ) -> None:
-    from shared.batch_queue import create_batch
+    from producer_api.batches.queue import create_batch
     from shared.schemas import SamplingSpec, TokenEvent
 
     model, n = stack_settings.model, 32

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from producer_api.app import create_app
-from shared.batch_queue import batch_queue
+from producer_api.batches.queue import batch_queue
 from shared.settings import Settings
 from tests.batch.conftest import chat_line
 

@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import pytest
 
-from producer_api.batch_job import ApiLineHandler
-from shared.batch_queue import create_batch
-from shared.batch_runner import BatchRunner
-from shared.batch_store import BatchObject, BatchStore
+from producer_api.batches.job import ApiLineHandler
+from producer_api.batches.queue import create_batch
+from producer_api.batches.runner import BatchRunner
+from producer_api.batches.store import BatchObject, BatchStore
 from shared.client import QueueClient
 from shared.settings import Settings
 from tests.batch.conftest import ROOT, Proc, chat_line, jsonl, wait_for
@@ -29,7 +29,7 @@ def _upload(store: BatchStore, model: str) -> str:
 
 
 def _run_job(batch_id: str, settings: Settings, env: dict[str, str]) -> subprocess.Popen[str]:
-    code = "import sys; from producer_api.batch_job import run_batch; print(run_batch(sys.argv[1], sys.argv[2]))"
+    code = "import sys; from producer_api.batches.job import run_batch; print(run_batch(sys.argv[1], sys.argv[2]))"
     return subprocess.Popen(
         [sys.executable, "-c", code, batch_id, settings.key_prefix],
         cwd=ROOT,

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.batch_files import INLINE_FILE_BYTES
-from shared.batch_lines import parse_lines
-from shared.batch_store import BatchStatus, BatchStore
+from producer_api.batches.files import INLINE_FILE_BYTES
+from producer_api.batches.lines import parse_lines
+from producer_api.batches.store import BatchStatus, BatchStore
 from shared.errors import NotFoundError, PayloadTooLargeError, ValidationError
 from shared.settings import Settings
 
@@ -160,8 +160,8 @@ def test_bad_lines_carry_their_error_and_good_ones_their_body() -> None:
 
 
 def test_a_batch_past_its_window_expires_without_queueing_anything(store: BatchStore) -> None:
-    from producer_api.batch_job import ApiLineHandler
-    from shared.batch_runner import BatchRunner
+    from producer_api.batches.job import ApiLineHandler
+    from producer_api.batches.runner import BatchRunner
     from shared.client import QueueClient
 
     line = _line("late").encode()

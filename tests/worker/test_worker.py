@@ -10,10 +10,10 @@ import time
 
 import httpx
 
+from inflightq_cli.redis_server import free_port
 from shared.client import QueueClient
 from shared.keys import CONSUMER_GROUP
 from shared.lifecycle import RequestStatus
-from shared.redis_server import free_port
 from shared.schemas import DeadLetter, DoneEvent, ErrorEvent, SamplingSpec, TokenEvent
 from shared.transitions import STREAM_FIELD
 from tests.worker import faulty_worker

@@ -10,7 +10,7 @@ A run is safe to repeat at any point (RQ retry, a crashed batch worker, two work
 - output and error files have ids derived from the batch id, so rewriting them is harmless.
 
 The runner knows nothing of the OpenAI body formats: ``LineHandler`` turns a line's body into
-a queue request and a result into a response body (``producer_api/batch_job.py`` supplies the one
+a queue request and a result into a response body (``producer_api/batches/job.py`` supplies the one
 the API routes use)."""
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any, Protocol
 
 import redis
 
-from shared.batch_lines import InputLine, batch_error_line, failed_response_line, output_line, parse_lines
-from shared.batch_store import MAX_BATCH_LINES, BatchErrorItem, BatchObject, BatchStatus, BatchStore, BatchUsage
+from producer_api.batches.lines import InputLine, batch_error_line, failed_response_line, output_line, parse_lines
+from producer_api.batches.store import MAX_BATCH_LINES, BatchErrorItem, BatchObject, BatchStatus, BatchStore, BatchUsage
 from shared.client import QueueClient
 from shared.errors import InflightqError, NotFoundError, error_from_type
 from shared.schemas import FinalResult, SamplingSpec

@@ -11,13 +11,15 @@ import anyio
 from fastapi import APIRouter, Depends, Header, Path, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from producer_api import sse, tgi_format
-from producer_api.auth import ApiKey, authenticate
+from producer_api import sse
+from producer_api.api_keys import ApiKey
+from producer_api.auth import authenticate
 from producer_api.dispatch import Submission
+from producer_api.jobs.models import Job, JobCancelled, JobCreated, JobError, JobRequest, JobResult, JobUsage
 from producer_api.models_common import TGI_ERRORS, ErrorBody
-from producer_api.models_jobs import Job, JobCancelled, JobCreated, JobError, JobRequest, JobResult, JobUsage
-from producer_api.models_tgi import StreamResponse
 from producer_api.state import AppState, arrival, state_of
+from producer_api.tgi.formatting import stream_events
+from producer_api.tgi.models import StreamResponse
 from producer_api.tokenization import enforce_limits
 from producer_api.validation import check_stops, resolve_deadline, resolve_model, resolve_priority, sampling_spec
 from shared.errors import NotFoundError, ValidationError
@@ -180,7 +182,7 @@ async def stream_job(
         cancel_if_unfinished=False,
     )
     special = st.tokenizers.special_ids(info.model) if info.model in st.settings.served_models else frozenset()
-    body = tgi_format.stream_events(events, path=request.url.path, seed=None, special_ids=special, with_ids=True)
+    body = stream_events(events, path=request.url.path, seed=None, special_ids=special, with_ids=True)
     return sse.response(body, "/v1/jobs/{job_id}/stream", headers={"x-request-id": job_id})
 
 

@@ -10,13 +10,15 @@ import anyio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from producer_api import sse, tgi_format
-from producer_api.auth import ApiKey, authenticate
+from producer_api import sse
+from producer_api.api_keys import ApiKey
+from producer_api.auth import authenticate
 from producer_api.dispatch import Dispatcher, Submission
 from producer_api.models_common import TGI_ERRORS
-from producer_api.models_tgi import GenerateRequest, GenerateResponse, Info, SimpleToken, StreamResponse
 from producer_api.state import arrival, state_of
 from producer_api.streaming import unless_disconnected
+from producer_api.tgi import formatting
+from producer_api.tgi.models import GenerateRequest, GenerateResponse, Info, SimpleToken, StreamResponse
 from producer_api.timing import tgi_headers
 from producer_api.tokenization import enforce_limits
 from producer_api.validation import check_stops, resolve_deadline, resolve_priority, sampling_spec
@@ -109,8 +111,8 @@ async def generate(request: Request, body: GenerateRequest, key: ApiKey | None, 
             "generated_tokens": result.usage.completion_tokens,
             "seed": sub.sampling.seed,
             "prefill": prefill(request, sub) if p.decoder_input_details else [],
-            "tokens": [tgi_format.token(t) for t in generation.tokens],
-            "top_tokens": [tgi_format.top_tokens(t, special) or [] for t in generation.tokens]
+            "tokens": [formatting.token(t) for t in generation.tokens],
+            "top_tokens": [formatting.top_tokens(t, special) or [] for t in generation.tokens]
             if p.top_n_tokens
             else None,
             "best_of_sequences": None,
@@ -141,7 +143,7 @@ async def generate_stream(request: Request, body: GenerateRequest, key: ApiKey |
     events = st.dispatcher.events(
         request_id, route=route, model=sub.model, started=arrival(request), deadline=sub.deadline
     )
-    body_stream = tgi_format.stream_events(
+    body_stream = formatting.stream_events(
         events,
         path=request.url.path,
         seed=sub.sampling.seed,

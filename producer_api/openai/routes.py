@@ -13,19 +13,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from producer_api import sse
-from producer_api.auth import ApiKey, authenticate
+from producer_api.api_keys import ApiKey
+from producer_api.auth import authenticate
 from producer_api.dispatch import Submission
 from producer_api.models_common import OPENAI_ERRORS
-from producer_api.models_openai import (
-    ChatCompletion,
-    ChatCompletionRequest,
-    Completion,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-    SamplingFields,
-)
-from producer_api.openai_format import (
+from producer_api.openai.formatting import (
     Reply,
     chat_logprobs,
     chat_stream,
@@ -33,6 +25,15 @@ from producer_api.openai_format import (
     completion_stream,
     finish_reason,
     usage,
+)
+from producer_api.openai.models import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    SamplingFields,
 )
 from producer_api.state import AppState, arrival, state_of
 from producer_api.streaming import unless_disconnected

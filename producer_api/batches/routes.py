@@ -1,24 +1,26 @@
-"""OpenAI's Files API, as much of it as batches need: upload a JSONL file, read it back.
+"""The HTTP routes of batches: OpenAI's Files API, as much of it as batches need (upload a JSONL
+file, read it back), and its Batch API (create, retrieve, cancel, list).
 
-Thin over ``shared/batch_store.py``. Handlers are plain functions (FastAPI runs them in its
-thread pool) over one synchronous Redis connection pool per app."""
+Thin over ``store.py`` (the records) and ``queue.py`` (the RQ side). Handlers are plain functions
+(FastAPI runs them in its thread pool) over one synchronous Redis connection pool per app."""
 
 from __future__ import annotations
 
 from email.message import Message
 from email.parser import BytesParser
 from email.policy import HTTP
-from typing import Literal
 
 import redis
 from anyio import to_thread
 from fastapi import APIRouter, Depends, Query, Request, Response
-from pydantic import BaseModel
 
-from producer_api.auth import ApiKey, authenticate
+from producer_api.api_keys import ApiKey
+from producer_api.auth import authenticate
+from producer_api.batches.files import FileObject, FilePage
+from producer_api.batches.models import BatchCreate, FileDeleted
+from producer_api.batches.queue import cancel_batch, create_batch
+from producer_api.batches.store import BatchObject, BatchPage, BatchStore
 from producer_api.state import state_of
-from shared.batch_files import FileObject, FilePage
-from shared.batch_store import BatchStore
 from shared.errors import ValidationError
 
 router = APIRouter(tags=["Batch"], dependencies=[Depends(authenticate)])
@@ -96,15 +98,50 @@ def file_content(
     return Response(store.files.content(file_id, owner=owner), media_type="application/jsonl")
 
 
-class FileDeleted(BaseModel):
-    id: str
-    object: Literal["file"] = "file"
-    deleted: bool = True
-
-
 @router.delete("/v1/files/{file_id}", response_model=FileDeleted, summary="Delete a file")
 def delete_file(
     file_id: str, store: BatchStore = Depends(batch_store), owner: str | None = Depends(owner_of)
 ) -> FileDeleted:
     store.files.delete(file_id, owner=owner)
     return FileDeleted(id=file_id)
+
+
+@router.post("/v1/batches", response_model=BatchObject, summary="Create a batch from an uploaded file")
+def create(
+    body: BatchCreate, store: BatchStore = Depends(batch_store), owner: str | None = Depends(owner_of)
+) -> BatchObject:
+    return create_batch(
+        store.settings,
+        store,
+        input_file_id=body.input_file_id,
+        endpoint=body.endpoint,
+        completion_window=body.completion_window,
+        metadata=body.metadata,
+        model=body.model,
+        owner=owner,
+        connection=store.redis,
+    )
+
+
+@router.get("/v1/batches", response_model=BatchPage, summary="Batches, newest first")
+def list_batches(
+    limit: int = Query(20, ge=1, le=100),
+    after: str | None = Query(None, description="The last id of the previous page."),
+    store: BatchStore = Depends(batch_store),
+    owner: str | None = Depends(owner_of),
+) -> BatchPage:
+    return store.list(limit=limit, after=after, owner=owner)
+
+
+@router.get("/v1/batches/{batch_id}", response_model=BatchObject, summary="A batch's status and counts")
+def retrieve(
+    batch_id: str, store: BatchStore = Depends(batch_store), owner: str | None = Depends(owner_of)
+) -> BatchObject:
+    return store.get(batch_id, owner=owner)
+
+
+@router.post("/v1/batches/{batch_id}/cancel", response_model=BatchObject, summary="Cancel a batch")
+def cancel(
+    batch_id: str, store: BatchStore = Depends(batch_store), owner: str | None = Depends(owner_of)
+) -> BatchObject:
+    return cancel_batch(store.settings, store, batch_id, connection=store.redis, owner=owner)

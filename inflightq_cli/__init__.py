@@ -1,6 +1,8 @@
 """The ``inflightq`` console script: a thin layer over the library.
 
-Each subcommand imports its part lazily, so ``inflightq status`` never loads torch."""
+Each subcommand imports its part lazily, so ``inflightq status`` never loads torch. Starting and
+supervising processes is this layer's own job: ``supervisor.py`` (``inflightq up``) and
+``redis_server.py`` (a private Redis when none answers)."""
 
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ def up(
 ) -> None:
     """Run everything on this machine: Redis (a private one if none answers), the API, the workers
     and a batch worker."""
+    from inflightq_cli.supervisor import run_stack
     from shared.settings import get_settings
-    from shared.supervisor import run_stack
 
     raise typer.Exit(run_stack(get_settings(), workers=workers, batch_workers=batch_workers, host=host, port=port))
 
@@ -48,7 +50,7 @@ app.add_typer(batch_app, name="batch")
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from shared.batch_store import BatchObject, BatchStore
+    from producer_api.batches.store import BatchObject, BatchStore
 
 
 @contextmanager
@@ -66,7 +68,7 @@ def _batch_errors() -> Iterator[None]:
 def _batch_store() -> BatchStore:
     import redis
 
-    from shared.batch_store import BatchStore
+    from producer_api.batches.store import BatchStore
     from shared.settings import get_settings
 
     settings = get_settings()
@@ -82,7 +84,7 @@ def batch_worker(
     """Run batch jobs from RQ (JSON serializer): feed lines to the queue, collect results, write files."""
     import logging
 
-    from shared.batch_queue import run_batch_worker
+    from producer_api.batches.queue import run_batch_worker
     from shared.settings import get_settings
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -102,8 +104,8 @@ def batch_submit(
     """Upload FILE and create a batch; prints its id (and, with --wait, the finished batch)."""
     from pathlib import Path
 
-    from shared.batch_lines import endpoint_of
-    from shared.batch_queue import create_batch
+    from producer_api.batches.lines import endpoint_of
+    from producer_api.batches.queue import create_batch
 
     store = _batch_store()
     path = Path(file)
@@ -153,7 +155,7 @@ def batch_status(batch_id: str = typer.Argument(..., help="The batch id (batch_.
 @batch_app.command("cancel")
 def batch_cancel(batch_id: str = typer.Argument(..., help="The batch id (batch_...).")) -> None:
     """Cancel a batch: its queued requests are dropped, finished ones stay in the output file."""
-    from shared.batch_queue import cancel_batch
+    from producer_api.batches.queue import cancel_batch
 
     store = _batch_store()
     with _batch_errors():
@@ -269,7 +271,3 @@ def bench_serve(ctx: typer.Context) -> None:
     from bench.serve import main
 
     main(list(ctx.args))
-
-
-if __name__ == "__main__":
-    app()

@@ -1,4 +1,4 @@
-"""The RQ job behind ``/v1/batches``: one run of one batch (``shared/batch_runner.py``).
+"""The RQ job behind ``/v1/batches``: one run of one batch (``producer_api/batches/runner.py``).
 
 RQ calls ``run_batch`` by name with JSON arguments. It never touches a model or torch: it
 tokenizes lines and queues them at the lowest priority, as the API does for its own requests.
@@ -17,8 +17,8 @@ from typing import Any
 
 import pydantic
 
-from shared.batch_runner import BatchRunner, PreparedRequest
-from shared.batch_store import BatchStore
+from producer_api.batches.runner import BatchRunner, PreparedRequest
+from producer_api.batches.store import BatchStore
 from shared.client import QueueClient
 from shared.errors import ValidationError
 from shared.model_source import load_tokenizer
@@ -34,7 +34,7 @@ _TOKENIZERS: dict[str, Any] = {}
 
 def warm_up(settings: Settings) -> None:
     """Import what a run needs and load the served models' tokenizers, once, before RQ forks."""
-    for module in ("producer_api.models_openai", "producer_api.tokenization", "producer_api.validation"):
+    for module in ("producer_api.openai.models", "producer_api.tokenization", "producer_api.validation"):
         importlib.import_module(module)
     for model in settings.served_models:
         try:
@@ -82,7 +82,7 @@ class ApiLineHandler:
         return Tokenizers(self.settings, self._loaded)
 
     def prepare(self, endpoint: str, body: dict[str, Any], model: str | None) -> PreparedRequest:
-        from producer_api.models_openai import ChatCompletionRequest, CompletionRequest
+        from producer_api.openai.models import ChatCompletionRequest, CompletionRequest
         from producer_api.tokenization import enforce_limits
         from producer_api.validation import check_stops, sampling_spec
 
@@ -126,7 +126,7 @@ class ApiLineHandler:
         return PreparedRequest(model=request.model, prompt_token_ids=ids, sampling=spec)
 
     def response_body(self, endpoint: str, request_id: str, result: FinalResult) -> dict[str, Any]:
-        from producer_api.models_openai import (
+        from producer_api.openai.models import (
             AssistantMessage,
             ChatChoice,
             ChatCompletion,

@@ -7,9 +7,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from producer_api import sse
-from producer_api.dispatch import AnyEvent
 from producer_api.errors import sse_error_payload
-from shared.schemas import DoneEvent, ErrorEvent, FinalResult, TokenEvent
+from shared.schemas import AnyEvent, DoneEvent, ErrorEvent, FinalResult, TokenEvent
 
 
 def token(event: TokenEvent) -> dict[str, Any]:

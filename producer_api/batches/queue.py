@@ -2,12 +2,10 @@
 picking up batches whose run died.
 
 RQ only orchestrates, with its JSON serializer (never pickle): the job it runs
-(``producer_api.batch_job.run_batch``, named by string so nothing here imports it) submits lines into
-the model queues like any other client and never touches a model."""
+(``job.run_batch``) submits lines into the model queues like any other client and never touches a model."""
 
 from __future__ import annotations
 
-import importlib
 import logging
 import uuid
 from datetime import UTC, datetime
@@ -18,13 +16,13 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
-from shared.batch_runner import LEASE_TTL_S
-from shared.batch_store import BatchErrorItem, BatchObject, BatchStatus, BatchStore
+from producer_api.batches.job import run_batch, warm_up
+from producer_api.batches.runner import LEASE_TTL_S
+from producer_api.batches.store import BatchErrorItem, BatchObject, BatchStatus, BatchStore
 from shared.settings import Settings
 
 log = logging.getLogger("inflightq.batch")
 
-JOB_FUNC = "producer_api.batch_job.run_batch"
 QUEUE_NAME = "inflightq-batches"
 # The completion window plus slack: RQ must not kill a run that is still inside its window.
 JOB_TIMEOUT_S = 24 * 3600 + 600
@@ -49,7 +47,7 @@ def batch_queue(settings: Settings, connection: redis.Redis | None = None) -> Qu
 def enqueue_run(settings: Settings, store: BatchStore, batch_id: str, connection: redis.Redis | None = None) -> str:
     """Queue one run of the batch; several queued runs are harmless (the lease admits one)."""
     job = batch_queue(settings, connection).enqueue(
-        JOB_FUNC,
+        run_batch,
         batch_id,
         settings.key_prefix,
         job_id=f"batch-{batch_id}-{uuid.uuid4().hex[:8]}",
@@ -142,9 +140,7 @@ def run_batch_worker(
     from shared.client import redis_kwargs
 
     # Every run is forked from this process: whatever the job module loads now, runs get for free.
-    job_module = importlib.import_module(JOB_FUNC.rsplit(".", 1)[0])
-    if hasattr(job_module, "warm_up"):
-        job_module.warm_up(settings)
+    warm_up(settings)
     store = BatchStore(settings, redis.Redis.from_url(settings.redis_url, **redis_kwargs(settings)))
     worker = BatchWorker(
         settings,

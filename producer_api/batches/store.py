@@ -9,9 +9,9 @@ A batch moves through OpenAI's statuses:
         └──► expired   (completion_window passed before the batch finished)
 
 Who moves it: ``BatchStore.create`` writes ``validating``; ``BatchStore.cancel`` (API or CLI)
-writes ``cancelling``; the RQ job (``producer_api/batch_job.py``) writes every other state.
+writes ``cancelling``; the RQ job (``producer_api/batches/job.py``) writes every other state.
 
-Files are in ``shared/batch_files.py``. Every per-line fact is written once (HSETNX), so a job
+Files are in ``producer_api/batches/files.py``. Every per-line fact is written once (HSETNX), so a job
 that runs twice after a crash counts and writes each line once."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, Literal
 import redis
 from pydantic import BaseModel, Field
 
-from shared.batch_files import FileStore, as_text, unix_now
+from producer_api.batches.files import FileStore, as_text, unix_now
 from shared.errors import NotFoundError, ValidationError
 from shared.keys import Keys
 from shared.settings import Settings

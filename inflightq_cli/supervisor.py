@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from shared.redis_server import ensure_redis
+from inflightq_cli.redis_server import ensure_redis
 from shared.settings import Settings
 
 

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from producer_api.models_common import RequestOptions, StrictModel
-from producer_api.models_openai import ChatMessage
+from producer_api.openai.models import ChatMessage
 from shared.lifecycle import RequestStatus
 from shared.schemas import SamplingFields
 
