@@ -171,6 +171,8 @@ class WorkerHeartbeat(WireModel):
     running: int
     waiting: int
     free_kv_blocks: int
+    engine_steps: int = 0  # since the worker started: lets tests and operators count in steps, not seconds
+    preemptions: int = 0
     started_at: float
     updated_at: float = Field(default_factory=time.time)
     draining: bool = False

@@ -89,6 +89,17 @@ class Settings(BaseSettings):
         description="Requests a worker takes beyond max_num_seqs; they wait in its engine so a slot that frees "
         "is refilled by the next step, not the one after. Unset = max_num_seqs // 16.",
     )
+    urgent_poll_s: float = Field(
+        0.05,
+        gt=0,
+        description="How often a full worker looks for queued work more urgent than what it runs (and takes "
+        "it, preempting the least urgent sequence).",
+    )
+    urgent_handoff_s: float = Field(
+        0.5,
+        ge=0,
+        description="How long a full worker leaves an urgent entry to another worker that advertises a free slot.",
+    )
     num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; unset sizes it from memory.")
     block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
     torch_threads: int = Field(

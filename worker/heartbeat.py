@@ -8,42 +8,42 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import redis
 
 from shared.keys import Keys
+from shared.schemas import WorkerHeartbeat
 from shared.settings import Settings
-from worker.reconnect import TRANSIENT, Backoff
-
-if TYPE_CHECKING:
-    from worker.service import WorkerService
+from worker.reconnect import ResilientLoop
 
 
-class Heartbeat(threading.Thread):
-    def __init__(self, settings: Settings, connection: redis.Redis, service: WorkerService) -> None:
-        super().__init__(name="heartbeat", daemon=True)
+class Heartbeat(ResilientLoop):
+    def __init__(
+        self,
+        settings: Settings,
+        connection: redis.Redis,
+        name: str,
+        advertisement: Callable[[], WorkerHeartbeat],
+        stopping: threading.Event,
+    ) -> None:
+        super().__init__("heartbeat", stopping)
         self.settings = settings
         self.keys = Keys.for_prefix(settings.key_prefix)
         self.redis = connection
-        self.service = service
+        self.worker_name = name
+        self.advertisement = advertisement
         self.every = min(1.0, settings.heartbeat_ttl_s / 3)
+        self._beat_due = 0.0
 
-    def run(self) -> None:
-        backoff = Backoff(self.service.stopping)
-        while True:
-            try:
-                self.beat()
-                backoff.succeeded()
-            except TRANSIENT as error:
-                backoff.failed("heartbeat", error)
-            except Exception:
-                backoff.crashed("heartbeat")
-            if self.service.stopping.wait(self.every):
-                return
+    def turn(self) -> None:
+        self.stopping.wait(max(0.0, self._beat_due - time.monotonic()))
+        if not self.stopping.is_set():
+            self.beat()
+            self._beat_due = time.monotonic() + self.every
 
     def beat(self) -> None:
-        beat = self.service.heartbeat()
+        beat = self.advertisement()
         ttl = max(1, math.ceil(self.settings.heartbeat_ttl_s))
         now = time.time()
         pipe = self.redis.pipeline(transaction=False)
@@ -55,7 +55,7 @@ class Heartbeat(threading.Thread):
 
     def remove(self) -> None:
         try:
-            self.redis.delete(self.keys.worker(self.service.name))
-            self.redis.zrem(self.keys.workers(), self.service.name)
+            self.redis.delete(self.keys.worker(self.worker_name))
+            self.redis.zrem(self.keys.workers(), self.worker_name)
         except redis.RedisError:
             pass

@@ -1,131 +1,182 @@
-"""Pulling work: a model's priority streams, read in strict priority order, only what fits.
+"""Pulling work: a model's priority streams, read in strict priority order, only what ``capacity`` allows.
 
-For each priority from 0 (most urgent) down, the intake peeks at the entries no worker has
-taken yet, keeps the prefix whose prompts the engine can start now (sequence slots and KV
-blocks), and reads exactly that many with XREADGROUP. A less urgent stream is only read once
-every more urgent one is drained; what does not fit stays in Redis for any other worker.
-(A blocking read over several streams would not give strict priority, hence the peeks.)
-With room but nothing to read, it blocks on the model's notify list, never busy-polling."""
+For each priority from 0 (most urgent) down, the intake peeks at the entries no worker has taken
+yet and reads with XREADGROUP exactly as many as ``Capacity.how_many_to_take`` allows; a less
+urgent stream is only read once every more urgent one is drained, and what is not taken stays in
+Redis for any other worker. (A blocking read over several streams would not give strict priority,
+hence the peeks.) With room but nothing to read, it blocks on the model's notify list, never
+busy-polling.
+
+A full worker keeps looking, every ``urgent_poll_s``, at the streams more urgent than the least
+urgent sequence it runs, and takes what would preempt it. A free slot elsewhere in the pool wins
+first: while another live worker of the model advertises one, an urgent entry is left for it for
+``urgent_handoff_s`` after this worker first saw it (an idle worker is woken by the enqueue and
+takes it within milliseconds). XREADGROUP hands an entry to one consumer only, so of several full
+workers exactly one takes it.
+"""
 
 from __future__ import annotations
 
 import logging
-import threading
-from typing import TYPE_CHECKING, Literal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import redis
 
 from shared.keys import CONSUMER_GROUP, Keys
+from shared.queue_protocol import filter_heartbeats
 from shared.settings import Settings
 from worker.admission import Admission
-from worker.reconnect import TRANSIENT, Backoff
-
-if TYPE_CHECKING:
-    from worker.service import WorkerService
+from worker.capacity import Capacity
+from worker.engine.outputs import EngineLoad
+from worker.reconnect import ResilientLoop
+from worker.run_state import RunState
+from worker.streams import ensure_groups, is_missing_group, priority_streams
 
 log = logging.getLogger("inflightq.worker")
 
 # How long an idle worker blocks on the notify list before looking at the streams again anyway
 # (a wake-up can be lost to a Redis restart, or taken by a busier worker).
 IDLE_BLOCK_S = 1.0
+# How long the pool's advertised free slots are trusted before asking again.
+POOL_VIEW_S = 0.25
 
 Outcome = Literal["took", "empty", "blocked"]
 
 
-def ensure_groups(connection: redis.Redis, keys: Keys, model: str, levels: int) -> None:
-    """Consumer group on every priority stream, from the start, so nothing queued is skipped
-    (also after a Redis restart without persistence wiped the streams)."""
-    for priority in range(levels):
-        try:
-            connection.xgroup_create(keys.stream(model, priority), CONSUMER_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as error:
-            if "BUSYGROUP" not in str(error):
-                raise
+@dataclass
+class WorkerLoad:
+    """What the intake reads of its own worker, each call fresh."""
+
+    engine_load: Callable[[], EngineLoad]
+    in_transit: Callable[[], int]  # starts handed to the engine loop, not yet in the engine
+    is_idle: Callable[[], bool]
 
 
-class Intake(threading.Thread):
+class Intake(ResilientLoop):
     def __init__(
-        self, settings: Settings, connection: redis.Redis, admission: Admission, service: WorkerService
+        self,
+        settings: Settings,
+        connection: redis.Redis,
+        admission: Admission,
+        capacity: Capacity,
+        load: WorkerLoad,
+        state: RunState,
+        *,
+        name: str,
+        model: str,
     ) -> None:
-        super().__init__(name="intake", daemon=True)
+        super().__init__("intake", state.stopping)
         self.settings = settings
         self.keys = Keys.for_prefix(settings.key_prefix)
         self.redis = connection
         self.admission = admission
-        self.service = service
-        self.model = service.model
-        self.streams = [self.keys.stream(self.model, p) for p in range(settings.priority_levels)]
+        self.capacity = capacity
+        self.load = load
+        self.state = state
+        self.name = name
+        self.model = model
+        self.streams = priority_streams(self.keys, model, settings.priority_levels)
+        self._first_seen: dict[str, float] = {}  # urgent entries left for a free worker, by entry id
+        self._pool_free: tuple[float, bool] = (0.0, False)  # (when asked, another worker has a free slot)
 
-    def run(self) -> None:
-        backoff = Backoff(self.service.stopping)
-        while not self.service.stopping.is_set() and not self.service.draining.is_set():
-            try:
-                self.service.capacity_changed.clear()
-                room = self.service.room()
-                if room <= 0:
-                    self.service.capacity_changed.wait(IDLE_BLOCK_S)
-                    continue
-                outcome = self.read_once(room)
-                backoff.succeeded()
-                if outcome == "empty":
-                    self.redis.blpop([self.keys.notify(self.model)], timeout=IDLE_BLOCK_S)
-                elif outcome == "blocked":
-                    self.service.capacity_changed.wait(IDLE_BLOCK_S)
-            except TRANSIENT as error:
-                backoff.failed("intake", error)
-            except redis.ResponseError as error:
-                if "NOGROUP" in str(error):
-                    ensure_groups(self.redis, self.keys, self.model, self.settings.priority_levels)
-                else:
-                    backoff.crashed("intake")
-            except Exception:
-                backoff.crashed("intake")
+    def done(self) -> bool:
+        return self.state.stopping.is_set() or self.state.draining.is_set()
 
-    def read_once(self, room: int) -> Outcome:
-        """One pass over the priorities; reads at most ``room`` entries."""
+    def turn(self) -> None:
+        self.state.capacity_changed.clear()
+        try:
+            outcome = self.read_once()
+        except redis.ResponseError as error:
+            if not is_missing_group(error):
+                raise
+            ensure_groups(self.redis, self.streams)
+            return
+        full = self.capacity.room(self.load.engine_load(), self.load.in_transit()) <= 0
+        if outcome == "empty" and not full:
+            self.redis.blpop([self.keys.notify(self.model)], timeout=IDLE_BLOCK_S)
+        elif outcome != "took":
+            # Full or blocked: a freed slot wakes us at once; urgent work is looked for again soon.
+            urgent_possible = self._urgent_below(self.load.engine_load()) > 0
+            self.state.capacity_changed.wait(self.settings.urgent_poll_s if urgent_possible else IDLE_BLOCK_S)
+
+    def read_once(self) -> Outcome:
+        """One pass over the priorities, most urgent first."""
+        load, in_transit = self.load.engine_load(), self.load.in_transit()
+        room = self.capacity.room(load, in_transit)
+        streams = self.streams if room > 0 else self.streams[: self._urgent_below(load)]
+        if not streams:
+            return "blocked"
         took = False
-        for stream, start in zip(self.streams, self._first_undelivered(), strict=True):
-            waiting = self.redis.xrange(stream, min=start, max="+", count=room)
+        for priority, (stream, start) in enumerate(zip(streams, self._first_undelivered(streams), strict=True)):
+            peek = max(room, 1)
+            waiting = self.redis.xrange(stream, min=start, max="+", count=peek)
             if not waiting:
                 continue
-            fit = self._how_many_fit(waiting)
-            if fit:
-                replies = self.redis.xreadgroup(CONSUMER_GROUP, self.service.name, {stream: ">"}, count=fit)
+            lengths = [self.admission.prompt_length(fields) for _, fields in waiting]
+            take = self.capacity.how_many_to_take(load, in_transit, priority, lengths, idle=self.load.is_idle())
+            count = take.fit + self._urgent_share(waiting[take.fit : take.total])
+            if count:
+                replies = self.redis.xreadgroup(CONSUMER_GROUP, self.name, {stream: ">"}, count=count)
                 for _, entries in replies or []:
                     for entry_id, fields in entries:
                         took = self.admission.admit(stream, entry_id, fields) or took
-                room -= fit
-            if fit < len(waiting) or room <= 0:
+                if take.displace:
+                    log.info("took %d urgent entries of %s to preempt less urgent work", count - take.fit, stream)
+            room -= count
+            if count < len(waiting) or room <= 0:
                 # Strict priority: less urgent streams wait while this one still has work.
-                return "took" if fit else "blocked"
+                return "took" if count else "blocked"
         return "took" if took else "empty"
 
-    def _first_undelivered(self) -> list[str]:
+    def _urgent_below(self, load: EngineLoad) -> int:
+        """How many streams, most urgent first, hold entries that could preempt running work."""
+        least_urgent = self.capacity.least_urgent_running(load)
+        return sum(1 for priority in range(len(self.streams)) if priority < least_urgent)
+
+    def _urgent_share(self, urgent: list[tuple[str, dict[str, str]]]) -> int:
+        """How many of the entries that would preempt work here to take now: all of them, unless
+        another worker has a free slot and has not had ``urgent_handoff_s`` to take them."""
+        if not urgent:
+            return 0
+        now = time.monotonic()
+        self._first_seen = {e: t for e, t in self._first_seen.items() if now - t < 60}
+        if not self._free_slot_elsewhere(now):
+            return len(urgent)
+        count = 0
+        for entry_id, _ in urgent:
+            seen = self._first_seen.setdefault(entry_id, now)
+            if now - seen < self.settings.urgent_handoff_s:
+                break
+            count += 1
+        return count
+
+    def _free_slot_elsewhere(self, now: float) -> bool:
+        asked, free = self._pool_free
+        if now - asked < POOL_VIEW_S:
+            return free
+        names = self.redis.zrange(self.keys.workers(), 0, -1)
+        others = [n for n in names if n != self.name]
+        beats = filter_heartbeats(self.redis.mget([self.keys.worker(n) for n in others]), self.model) if others else []
+        free = any(b.running < b.max_num_seqs and not b.draining for b in beats)
+        self._pool_free = (now, free)
+        return free
+
+    def _first_undelivered(self, streams: list[str]) -> list[str]:
         pipe = self.redis.pipeline(transaction=False)
-        for stream in self.streams:
+        for stream in streams:
             pipe.xinfo_groups(stream)
         starts = []
         for reply in pipe.execute(raise_on_error=False):
-            if isinstance(reply, Exception):
-                ensure_groups(self.redis, self.keys, self.model, self.settings.priority_levels)
-                return ["-"] * len(self.streams)
-            group = next((g for g in reply if g.get("name") == CONSUMER_GROUP), None)
+            group = (
+                None
+                if isinstance(reply, Exception)
+                else next((g for g in reply if g.get("name") == CONSUMER_GROUP), None)
+            )
             if group is None:
-                ensure_groups(self.redis, self.keys, self.model, self.settings.priority_levels)
-                return ["-"] * len(self.streams)
+                ensure_groups(self.redis, self.streams)
+                return ["-"] * len(streams)
             starts.append("(" + str(group["last-delivered-id"]))
         return starts
-
-    def _how_many_fit(self, waiting: list[tuple[str, dict[str, str]]]) -> int:
-        fit = 0
-        tokens = 0
-        for _, fields in waiting:
-            need = tokens + self.admission.prompt_length(fields)
-            # An idle engine takes the first entry whatever its size: it either runs or is rejected
-            # (and dead-lettered), so one huge request can never wedge the queue.
-            if not self.service.can_admit(need) and not (fit == 0 and self.service.is_idle()):
-                break
-            # Each prompt may waste up to a block in its last one.
-            tokens = need + self.settings.block_size
-            fit += 1
-        return fit

@@ -1,12 +1,13 @@
-"""The worker's Prometheus endpoint (``--metrics-port``): service counters and engine stats,
-read at scrape time so the engine loop does no metrics work."""
+"""The worker's Prometheus endpoint (``--metrics-port``): service counters and engine stats, read
+at scrape time so the engine loop does no metrics work, and two latency histograms per priority
+level (time in queue, time to first token), observed once per request."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
@@ -21,6 +22,39 @@ COUNTERS = {
     "dead_lettered": "Entries sent to the dead-letter stream.",
     "handed_back": "Requests handed back to the queue (drain, engine failure).",
 }
+
+
+# From an idle stack's tens of milliseconds to a saturated queue's minutes.
+LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2.5, 5, 10, 20, 40, 80, 160, 320)
+
+
+class PriorityLatency:
+    """Per priority level: how long requests waited in Redis, and how long until their first token
+    (both from submission). Requests resumed after a takeover are left out: their clock restarted."""
+
+    def __init__(self, worker: str, model: str) -> None:
+        self.labels = {"worker": worker, "model": model}
+        names = ["worker", "model", "priority"]
+        self.time_in_queue = Histogram(
+            "inflightq_worker_time_in_queue_seconds",
+            "From submission until this worker started the request, by priority.",
+            names,
+            registry=None,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.time_to_first_token = Histogram(
+            "inflightq_worker_time_to_first_token_seconds",
+            "From submission until the first token, by priority.",
+            names,
+            registry=None,
+            buckets=LATENCY_BUCKETS,
+        )
+
+    def started(self, priority: int, waited_s: float) -> None:
+        self.time_in_queue.labels(**self.labels, priority=str(priority)).observe(max(0.0, waited_s))
+
+    def first_token(self, priority: int, after_s: float) -> None:
+        self.time_to_first_token.labels(**self.labels, priority=str(priority)).observe(max(0.0, after_s))
 
 
 class WorkerCollector:
@@ -51,7 +85,8 @@ class WorkerCollector:
             yield gauge
         engine_counters = {
             "engine_steps": ("Engine steps.", stats.steps),
-            "engine_preemptions": ("Sequences preempted for KV blocks.", stats.preemptions),
+            "engine_preemptions": ("Sequences preempted (for KV blocks or for more urgent work).", stats.preemptions),
+            "engine_recomputed_tokens": ("Tokens whose KV a preemption discarded.", stats.recomputed_tokens),
             "engine_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
             "engine_prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
             "engine_forward_seconds": ("Time in model forwards.", stats.forward_time_s),
@@ -61,9 +96,19 @@ class WorkerCollector:
             family = CounterMetricFamily(f"inflightq_worker_{name}", doc, labels=names)
             family.add_metric(values, value)
             yield family
+        by_reason = CounterMetricFamily(
+            "inflightq_worker_engine_preemptions_by_reason",
+            "Sequences preempted: kv_blocks (the cache ran short) or urgency (more urgent work displaced them).",
+            labels=[*names, "reason"],
+        )
+        for reason, count in stats.preemptions_by_reason.items():
+            by_reason.add_metric([*values, reason], count)
+        yield by_reason
 
 
 def serve_metrics(service: WorkerService, port: int) -> None:
     registry = CollectorRegistry()
     registry.register(WorkerCollector(service))  # type: ignore[arg-type]
+    registry.register(service.latency.time_in_queue)
+    registry.register(service.latency.time_to_first_token)
     start_http_server(port, registry=registry)

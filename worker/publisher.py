@@ -26,7 +26,7 @@ from shared.queue_protocol import log_maxlen
 from shared.schemas import DeadLetter, DoneEvent, ErrorEvent, FinalResult
 from shared.settings import Settings
 from shared.transitions import FINISH, PUBLISH_TOKENS
-from worker.reconnect import TRANSIENT, Backoff
+from worker.reconnect import TRANSIENT, ResilientLoop
 
 log = logging.getLogger("inflightq.worker")
 
@@ -59,9 +59,10 @@ def token_json(request_id: str, index: int, token_id: int, text: str, event: Any
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
 
 
-class Publisher(threading.Thread):
+class Publisher(ResilientLoop):
     def __init__(self, settings: Settings, connection: redis.Redis, worker_name: str) -> None:
-        super().__init__(name="publisher", daemon=True)
+        self._stopped = threading.Event()
+        super().__init__("publisher", self._stopped)
         self.settings = settings
         self.keys = Keys.for_prefix(settings.key_prefix)
         self.redis = connection
@@ -76,7 +77,8 @@ class Publisher(threading.Thread):
         self._cond = threading.Condition()
         self._submitted = 0
         self._sent = 0
-        self._stopped = threading.Event()
+        self._in_hand: tuple[list[tuple[Any, int]], list[Write], int] | None = None  # taken, not yet sent
+        self._finished = False
         self.round_trips = 0
         self.events_sent = 0
 
@@ -134,35 +136,37 @@ class Publisher(threading.Thread):
         self.join(timeout=2)
 
     # The thread ---------------------------------------------------------------------
-    def run(self) -> None:
-        backoff = Backoff(self._stopped)
-        while True:
+    def done(self) -> bool:
+        return self._finished
+
+    def turn(self) -> None:
+        if self._in_hand is None:
             with self._cond:
                 while not self._writes and not self._tokens and not self._stopped.is_set():
                     self._cond.wait()
                 if not self._writes and not self._tokens:
+                    self._finished = True
                     return
                 writes = list(self._writes)
                 self._writes.clear()
                 tokens, self._tokens = self._tokens, []
-                handed = len(writes) + self._token_batches
+                self._in_hand = (tokens, writes, len(writes) + self._token_batches)
                 self._token_batches = 0
-            while True:
-                try:
-                    self._send(tokens, writes)
-                    backoff.succeeded()
-                    break
-                except TRANSIENT as error:
-                    if self._stopped.is_set():
-                        return
-                    backoff.failed("publish", error)
-                except Exception:
-                    # Not an outage: sending it again would fail again and wedge every later write.
-                    log.exception("dropping a round trip of %d writes that cannot be sent", len(writes) + len(tokens))
-                    break
-            with self._cond:
-                self._sent += handed
-                self._cond.notify_all()
+        tokens, writes, handed = self._in_hand
+        try:
+            self._send(tokens, writes)
+        except TRANSIENT:
+            if self._stopped.is_set():  # shutting down with Redis gone: give up on what is left
+                self._finished = True
+                return
+            raise  # sent again after a backoff
+        except Exception:
+            # Not an outage: sending it again would fail again and wedge every later write.
+            log.exception("dropping a round trip of %d writes that cannot be sent", len(writes) + len(tokens))
+        self._in_hand = None
+        with self._cond:
+            self._sent += handed
+            self._cond.notify_all()
 
     def _send(self, tokens: list[tuple[Any, int]], writes: list[Write]) -> None:
         calls = [self._token_chunk(tokens[i : i + TOKENS_PER_CALL]) for i in range(0, len(tokens), TOKENS_PER_CALL)]

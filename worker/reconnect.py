@@ -1,4 +1,7 @@
-"""Riding out a Redis restart: the I/O threads retry with capped exponential backoff and keep going."""
+"""Riding out a Redis restart: every I/O thread of a worker is a ``ResilientLoop``, which runs its
+``turn()`` over and over, waits with capped exponential backoff (redis-py's) while Redis is gone,
+and keeps going after a bug, logged with its traceback (a dead intake or refresher would leave a
+worker that heartbeats but never works)."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import logging
 import threading
 
 import redis
+from redis.backoff import ExponentialBackoff
 
 log = logging.getLogger("inflightq.worker")
 
@@ -13,24 +17,46 @@ log = logging.getLogger("inflightq.worker")
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
 
 
-class Backoff:
-    def __init__(self, stop: threading.Event, *, first: float = 0.1, cap: float = 2.0) -> None:
-        self.stop = stop
-        self.first = first
-        self.cap = cap
-        self.delay = first
+class ResilientLoop(threading.Thread):
+    def __init__(self, name: str, stopping: threading.Event, *, first_s: float = 0.1, cap_s: float = 2.0) -> None:
+        super().__init__(name=name, daemon=True)
+        self.stopping = stopping
+        self._backoff = ExponentialBackoff(cap=cap_s, base=first_s)
+        self._failures = 0
 
-    def failed(self, what: str, error: BaseException) -> None:
-        log.warning("redis unavailable during %s (%s); retrying in %.1fs", what, error, self.delay)
-        self.stop.wait(self.delay)
-        self.delay = min(self.cap, self.delay * 2)
+    def turn(self) -> None:
+        raise NotImplementedError
 
-    def crashed(self, what: str) -> None:
-        """A bug, not an outage: logged with its traceback, and the thread carries on (a dead
-        intake or refresher would leave a worker that heartbeats but never works)."""
-        log.exception("unexpected error in %s; carrying on in %.1fs", what, self.delay)
-        self.stop.wait(self.delay)
-        self.delay = min(self.cap, self.delay * 2)
+    def done(self) -> bool:
+        """Whether the loop ends before its next turn."""
+        return self.stopping.is_set()
 
-    def succeeded(self) -> None:
-        self.delay = self.first
+    def after_failure(self) -> None:
+        """Puts the thread's own state right after a failed turn (e.g. a pub/sub connection)."""
+
+    def run(self) -> None:
+        try:
+            while not self.done():
+                try:
+                    self.turn()
+                    self._failures = 0
+                except TRANSIENT as error:
+                    self.after_failure()
+                    delay = self._next_delay()
+                    log.warning("redis unavailable during %s (%s); retrying in %.1fs", self.name, error, delay)
+                    self.stopping.wait(delay)
+                except Exception:
+                    self.after_failure()
+                    delay = self._next_delay()
+                    log.exception("unexpected error in %s; carrying on in %.1fs", self.name, delay)
+                    self.stopping.wait(delay)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Runs once when the loop ends."""
+
+    def _next_delay(self) -> float:
+        delay = self._backoff.compute(self._failures)
+        self._failures += 1
+        return delay

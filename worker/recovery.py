@@ -13,9 +13,8 @@ and continues from the tokens already sent; nothing is generated twice."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import redis
 
@@ -23,77 +22,84 @@ from shared.keys import CONSUMER_GROUP, Keys
 from shared.settings import Settings
 from shared.transitions import DELIVERIES, REFRESH
 from worker.admission import Admission
-from worker.intake import ensure_groups
-from worker.reconnect import TRANSIENT, Backoff
-
-if TYPE_CHECKING:
-    from worker.service import WorkerService
+from worker.inbox import OwnedEntries
+from worker.reconnect import ResilientLoop
+from worker.run_state import RunState
+from worker.streams import ensure_groups, is_missing_group, priority_streams
 
 log = logging.getLogger("inflightq.worker")
 
 
-class Recovery(threading.Thread):
+class Recovery(ResilientLoop):
     def __init__(
-        self, settings: Settings, connection: redis.Redis, admission: Admission, service: WorkerService
+        self,
+        settings: Settings,
+        connection: redis.Redis,
+        admission: Admission,
+        owned: OwnedEntries,
+        state: RunState,
+        *,
+        name: str,
+        model: str,
+        room: Callable[[], int],
+        on_lost: Callable[[str, str], None],
     ) -> None:
-        super().__init__(name="recovery", daemon=True)
+        super().__init__("recovery", state.stopping)
         self.settings = settings
         self.keys = Keys.for_prefix(settings.key_prefix)
         self.redis = connection
         self.admission = admission
-        self.service = service
-        self.streams = [self.keys.stream(service.model, p) for p in range(settings.priority_levels)]
+        self.owned = owned
+        self.state = state
+        self.worker_name = name
+        self.room = room
+        self.on_lost = on_lost
+        self.streams = priority_streams(self.keys, model, settings.priority_levels)
         self._refresh = connection.register_script(REFRESH)
         self.min_idle_ms = int(settings.reclaim_after_s * 1000)
+        self.refresh_every = settings.reclaim_after_s / 3
+        self.claim_every = settings.reclaim_after_s / 2
+        self._next_refresh = self._next_claim = time.monotonic()
 
-    def run(self) -> None:
-        backoff = Backoff(self.service.stopping)
-        refresh_every = self.settings.reclaim_after_s / 3
-        claim_every = self.settings.reclaim_after_s / 2
-        next_refresh = next_claim = time.monotonic()
-        while not self.service.stopping.wait(min(refresh_every, 0.5)):
-            try:
-                now = time.monotonic()
-                if now >= next_refresh:
-                    self.refresh()
-                    next_refresh = now + refresh_every
-                if now >= next_claim and not self.service.draining.is_set():
-                    self.take_over()
-                    next_claim = now + claim_every
-                backoff.succeeded()
-            except TRANSIENT as error:
-                backoff.failed("recovery", error)
-            except Exception:
-                backoff.crashed("recovery")
+    def turn(self) -> None:
+        if self.stopping.wait(min(self.refresh_every, 0.5)):
+            return
+        now = time.monotonic()
+        if now >= self._next_refresh:
+            self.refresh()
+            self._next_refresh = now + self.refresh_every
+        if now >= self._next_claim and not self.state.draining.is_set():
+            self.take_over()
+            self._next_claim = now + self.claim_every
 
     def refresh(self) -> None:
-        for stream, owned in self.service.inflight_by_stream().items():
+        for stream, owned in self.owned.by_stream().items():
             try:
-                lost = self._refresh(keys=[stream], args=[CONSUMER_GROUP, self.service.name, *owned])
+                lost = self._refresh(keys=[stream], args=[CONSUMER_GROUP, self.worker_name, *owned])
             except redis.ResponseError as error:
-                if "NOGROUP" not in str(error):
+                if not is_missing_group(error):
                     raise
-                ensure_groups(self.redis, self.keys, self.service.model, self.settings.priority_levels)
+                ensure_groups(self.redis, self.streams)
                 lost = list(owned)
             for entry_id in lost:
-                self.service.lost(stream, str(entry_id))
+                self.on_lost(stream, str(entry_id))
 
     def take_over(self) -> None:
-        room = self.service.room()
+        room = self.room()
         for stream in self.streams:
             if room <= 0:
                 return
             try:
                 reply = self.redis.xautoclaim(
-                    stream, CONSUMER_GROUP, self.service.name, self.min_idle_ms, start_id="0-0", count=room
+                    stream, CONSUMER_GROUP, self.worker_name, self.min_idle_ms, start_id="0-0", count=room
                 )
             except redis.ResponseError as error:
-                if "NOGROUP" not in str(error):
+                if not is_missing_group(error):
                     raise
-                ensure_groups(self.redis, self.keys, self.service.model, self.settings.priority_levels)
+                ensure_groups(self.redis, self.streams)
                 continue
             for entry_id, fields in reply[1]:
-                if self.service.owned.owner(stream, entry_id) is not None:
+                if self.owned.owner(stream, entry_id) is not None:
                     # Our own entry went idle (a stalled refresh, or a Redis restart that kept the
                     # old delivery time): XAUTOCLAIM just refreshed it, and it is still running here.
                     continue
@@ -108,7 +114,7 @@ class Recovery(threading.Thread):
         engine ends in the dead letters."""
         idle_ms = self.min_idle_ms * 10 + 60_000
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xclaim(stream, CONSUMER_GROUP, self.service.name, 0, [entry_id], idle=idle_ms, justid=True)
+        pipe.xclaim(stream, CONSUMER_GROUP, self.worker_name, 0, [entry_id], idle=idle_ms, justid=True)
         if not failed:
             pipe.hincrby(self.keys.request(request_id), DELIVERIES, -1)
         pipe.execute()

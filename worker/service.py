@@ -2,7 +2,7 @@
 
 The engine loop runs on the main thread and never waits on Redis. Beside it:
 
-- ``Intake`` pulls what fits, in strict priority order (``worker/intake.py``),
+- ``Intake`` pulls what ``Capacity`` allows, in strict priority order (``intake.py``, ``capacity.py``),
 - ``Recovery`` keeps this worker's entries fresh and takes over dead workers' (``recovery.py``),
 - ``Publisher`` writes each step's tokens in one round trip, and every final status (``publisher.py``),
 - ``CancelListener`` and ``Heartbeat``.
@@ -24,7 +24,6 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
 
 import redis
 
@@ -34,12 +33,17 @@ from shared.settings import Settings
 from worker.active import ActiveRequest
 from worker.admission import Admission
 from worker.cancel_listener import CancelListener
+from worker.capacity import Capacity
+from worker.engine_port import Engine
 from worker.heartbeat import Heartbeat
 from worker.inbox import Inbox, InboxItem, OwnedEntries
-from worker.intake import Intake, ensure_groups
+from worker.intake import Intake, WorkerLoad
+from worker.metrics import PriorityLatency
 from worker.publisher import Publisher
 from worker.reconnect import TRANSIENT
 from worker.recovery import Recovery
+from worker.run_state import RunState
+from worker.streams import ensure_groups
 from worker.watchdog import EngineWatchdog
 
 log = logging.getLogger("inflightq.worker")
@@ -56,7 +60,7 @@ class WorkerService:
     def __init__(
         self,
         settings: Settings,
-        engine: Any,
+        engine: Engine,
         *,
         model: str | None = None,
         name: str | None = None,
@@ -76,14 +80,17 @@ class WorkerService:
         # slot that frees at the end of a step can stay empty for the whole next step, because the
         # intake reads Redis while that step already runs. With them, a worker fed from Redis takes
         # as many steps as the offline engine for the same requests (645 and 645 for 300).
-        self.prefetch = settings.prefetch_seqs if settings.prefetch_seqs is not None else engine.max_num_seqs // 16
-        self.stopping = threading.Event()  # every thread ends
-        self.draining = threading.Event()  # no new work
-        self.capacity_changed = threading.Event()
+        prefetch = settings.prefetch_seqs if settings.prefetch_seqs is not None else engine.max_num_seqs // 16
+        self.capacity = Capacity(prefetch)
+        self.state = RunState()
+        self.stopping = self.state.stopping
+        self.draining = self.state.draining
+        self.capacity_changed = self.state.capacity_changed
         self._drain_deadline = float("inf")
         self.counters: dict[str, int] = dict.fromkeys(
             ("taken_over", "dead_lettered", "cancelled", "expired", "completed", "generated_tokens", "handed_back"), 0
         )
+        self.latency = PriorityLatency(self.name, self.model)
         self.inbox = Inbox()
         self.owned = OwnedEntries()
         self._active: dict[str, ActiveRequest] = {}  # engine-loop thread only
@@ -94,25 +101,27 @@ class WorkerService:
         self.admission = Admission(
             settings, self.redis, self.publisher, self.name, self.model, self._hand_over, self.counters
         )
-        self.intake = Intake(settings, self.redis, self.admission, self)
-        self.recovery = Recovery(settings, self.redis, self.admission, self)
-        self.heartbeat_thread = Heartbeat(settings, self.redis, self)
-        self.cancel_listener = CancelListener(settings, self.redis, self)
+        load = WorkerLoad(
+            engine_load=lambda: self.engine.load, in_transit=lambda: self.inbox.in_transit, is_idle=self.is_idle
+        )
+        self.intake = Intake(
+            settings, self.redis, self.admission, self.capacity, load, self.state, name=self.name, model=self.model
+        )
+        self.recovery = Recovery(
+            settings, self.redis, self.admission, self.owned, self.state,
+            name=self.name, model=self.model, room=self.room, on_lost=self.lost,
+        )  # fmt: skip
+        self.heartbeat_thread = Heartbeat(settings, self.redis, self.name, self.heartbeat, self.stopping)
+        self.cancel_listener = CancelListener(settings, self.redis, self.cancel, self.stopping)
         self.loop_progress_at = time.monotonic()  # stamped by the engine loop; read by the watchdog
         self.watchdog = EngineWatchdog(self, settings.engine_stall_s) if settings.engine_stall_s > 0 else None
 
     # Read by the I/O threads ---------------------------------------------------------
     def room(self) -> int:
-        return self.engine.max_num_seqs + self.prefetch - self.engine.num_unfinished - self.inbox.in_transit
-
-    def can_admit(self, num_prompt_tokens: int) -> bool:
-        return bool(self.engine.can_admit(num_prompt_tokens, extra_slots=self.prefetch))
+        return self.capacity.room(self.engine.load, self.inbox.in_transit)
 
     def is_idle(self) -> bool:
         return self.inbox.in_transit == 0 and not self.engine.has_unfinished()
-
-    def inflight_by_stream(self) -> dict[str, list[str]]:
-        return self.owned.by_stream()
 
     def heartbeat(self) -> WorkerHeartbeat:
         stats = self.engine.stats
@@ -128,6 +137,8 @@ class WorkerService:
             running=self.engine.num_unfinished,
             waiting=stats.num_waiting if self.engine.has_unfinished() else 0,
             free_kv_blocks=self.engine.num_free_blocks,
+            engine_steps=stats.steps,
+            preemptions=stats.preemptions,
             started_at=self.started_at,
             draining=self.draining.is_set(),
         )
@@ -149,7 +160,7 @@ class WorkerService:
     # The engine loop -----------------------------------------------------------------
     def run(self) -> int:
         self._install_signal_handlers()
-        ensure_groups(self.redis, self.intake.keys, self.model, self.settings.priority_levels)
+        ensure_groups(self.redis, self.intake.streams)
         for thread in (self.publisher, self.heartbeat_thread, self.cancel_listener, self.recovery, self.intake):
             thread.start()
         self.loop_progress_at = time.monotonic()
@@ -230,6 +241,8 @@ class WorkerService:
             self.admission.dead_letter(request, active.stream, active.entry_id, f"engine rejected it: {error}")
             return
         self._active[active.id] = active
+        if not active.prior_token_ids and active.attempt == 0:
+            self.latency.started(request.priority, time.time() - request.submitted_at)
 
     def _cancel(self, request_id: str) -> None:
         active = self._active.get(request_id)
@@ -265,7 +278,10 @@ class WorkerService:
             active = self._active.get(event.request_id)
             if active is None:
                 continue
+            first = active.first_token_at is None and event.token_id >= 0
             active.add(event.token_id, event.text)
+            if first and not active.prior_token_ids and active.attempt == 0:
+                self.latency.first_token(active.request.priority, time.time() - active.request.submitted_at)
             if event.token_id >= 0:
                 self.counters["generated_tokens"] += 1
             if event.finish_reason == "expired":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -155,37 +154,36 @@ def test_unseeded_requests_get_a_seed_so_a_resume_can_replay(make_engine: Any) -
     run_to_end(engine)
 
 
-def test_admission_info(make_engine: Any) -> None:
+def test_the_load_report_counts_sequences_and_the_blocks_waiting_ones_will_claim(make_engine: Any) -> None:
     engine = make_engine(max_num_seqs=2, num_kv_blocks=10, block_size=4)
-    assert engine.free_seq_slots == 2 and engine.num_free_blocks == engine.num_total_blocks == 10
-    assert engine.can_admit(30) and not engine.can_admit(40)
-    engine.add_request("a", prompt(40, 20), GREEDY)
-    assert engine.free_seq_slots == 1
-    assert not engine.can_admit(20)  # a's prompt already claims 6 of the 10 blocks
-    assert engine.can_admit(12)
-    engine.add_request("b", prompt(41, 4), GREEDY)
-    assert engine.free_seq_slots == 0 and not engine.can_admit(1)
-    run_to_end(engine)
-    assert engine.free_seq_slots == 2 and engine.can_admit(30)
-
-
-def test_admission_beyond_the_running_slots_waits_in_the_engine(make_engine: Any) -> None:
-    """The worker's prefetch: extra_slots lets sequences past max_num_seqs in, still within the KV
-    blocks; they wait, and the step after a slot frees runs them."""
-    engine = make_engine(max_num_seqs=1, num_kv_blocks=10, block_size=4)
-    engine.add_request("a", prompt(40, 2), GREEDY)
-    assert not engine.can_admit(4) and engine.can_admit(4, extra_slots=1)
-    assert not engine.can_admit(40, extra_slots=1)  # slots are not blocks: a's prompt claims 3 of 10
-    engine.add_request("b", prompt(41, 2), GREEDY)
-    assert not engine.can_admit(4, extra_slots=1)
+    assert engine.load.num_seqs == 0 and engine.load.spare_blocks == 10 and engine.load.max_num_seqs == 2
+    engine.add_request("a", prompt(40, 20), GREEDY, priority=3)
+    assert engine.load.num_seqs == 1
+    assert engine.load.spare_blocks == 5  # a's 20 prompt tokens claim 5 of the 10 blocks before it runs
+    assert engine.load.waiting == (3.0,) and engine.load.running == ()
     engine.step()
-    assert engine.stats.num_running == 1 and engine.stats.num_waiting == 1
-    events = run_to_end(engine)
-    assert events["b"][-1].finish_reason == "length"
+    (running,) = engine.load.running
+    assert running.num_blocks == 5 and running.effective_priority < 3  # aging credit: one step
+    assert engine.load.waiting == () and engine.load.spare_blocks == 5
+    run_to_end(engine)
+    assert engine.load.num_seqs == 0 and engine.load.spare_blocks == 10
 
 
-def test_admission_info_answers_while_a_step_runs(make_engine: Any) -> None:
-    """The worker's intake asks between its Redis reads; a step holding the engine for hundreds of
+def test_preemptions_are_counted_by_reason_with_the_tokens_thrown_away(make_engine: Any) -> None:
+    engine = make_engine(max_num_seqs=1)
+    engine.add_request("background", prompt(4), SamplingParams(max_new_tokens=10), priority=5)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("urgent", prompt(5), GREEDY, priority=0)
+    engine.step()
+    stats = engine.stats
+    assert stats.preemptions_by_reason == {"kv_blocks": 0, "urgency": 1}
+    assert stats.recomputed_tokens == len(prompt(4)) + 2  # the prompt and all but the last sampled token
+    run_to_end(engine)
+
+
+def test_the_load_report_answers_while_a_step_runs(make_engine: Any) -> None:
+    """The worker's intake reads it between its Redis reads; a step holding the engine for hundreds of
     ms must not make it wait (a freed slot would be refilled a step late)."""
     engine = make_engine(max_num_seqs=2, num_kv_blocks=10, block_size=4)
     engine.add_request("a", prompt(40, 20), GREEDY)
@@ -200,9 +198,11 @@ def test_admission_info_answers_while_a_step_runs(make_engine: Any) -> None:
     holder.start()
     try:
         assert stepping.wait(10)
-        started = time.monotonic()
-        assert engine.can_admit(12) and not engine.can_admit(20) and engine.free_seq_slots == 1
-        assert time.monotonic() - started < 1.0
+        done = threading.Event()
+        reader = threading.Thread(target=lambda: (engine.load, done.set()))
+        reader.start()
+        assert done.wait(5), "reading the load waited for the engine's lock"
+        reader.join()
     finally:
         release.set()
         holder.join()

@@ -66,7 +66,8 @@ def test_a_worker_serves_a_request_and_stores_its_result(spawn_worker, client, r
 def test_strict_priority_order_when_the_batch_is_full(spawn_worker, client) -> None:
     spawn_worker("one-seat", "--max-num-seqs", "1")
     model = client.settings.model
-    blocker = client.submit(model, PROMPT, greedy(60), priority=3)
+    # At priority 0 nothing may preempt it (tests/worker/test_priority.py covers preemption).
+    blocker = client.submit(model, PROMPT, greedy(60), priority=0)
     wait_for(lambda: tokens_sent(client, blocker) > 0)
     # Submitted least urgent first: a FIFO worker would run them in this order.
     ids = {p: client.submit(model, prompt(p), greedy(3), priority=p) for p in (3, 2, 1, 0)}

@@ -19,7 +19,7 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.memory import auto_num_kv_blocks
 from worker.engine.model_runner import ModelRunner
-from worker.engine.outputs import EngineEvent, EngineStats, FinishReason
+from worker.engine.outputs import EngineEvent, EngineLoad, EngineStats, FinishReason, RunningLoad
 from worker.engine.sampler import Sampler, SamplingRow
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
@@ -76,9 +76,11 @@ class LLMEngine:
         self._pending: list[EngineEvent] = []  # events decided outside a step (e.g. a resume already complete)
         self._arrivals = 0
         self._lock = threading.RLock()
-        self._spare_blocks = self.block_manager.num_free_blocks  # see can_admit
+        # Read by the worker's capacity decision without the lock (a step holds it for its whole forward).
+        self.load = EngineLoad(max_num_seqs, block_size)
+        self._refresh_load()
 
-    # --- admission info, read by the worker's intake -------------------------------------------
+    # --- what it holds, read by the worker ------------------------------------------------------
     @property
     def max_num_seqs(self) -> int:
         return self.scheduler.max_num_seqs
@@ -88,10 +90,6 @@ class LLMEngine:
         return len(self._seqs)
 
     @property
-    def free_seq_slots(self) -> int:
-        return max(0, self.scheduler.max_num_seqs - len(self._seqs))
-
-    @property
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
 
@@ -99,24 +97,18 @@ class LLMEngine:
     def num_total_blocks(self) -> int:
         return self.block_manager.num_blocks
 
-    def can_admit(self, num_prompt_tokens: int, *, extra_slots: int = 0) -> bool:
-        """Whether a prompt would find a sequence slot and its KV blocks now. ``extra_slots``:
-        sequences the caller may add beyond max_num_seqs, to wait for a slot inside the engine.
-
-        Lock-free on purpose: the worker's intake thread asks while a step holds the engine's lock
-        (hundreds of ms with a full batch on a CPU); waiting that out could refill a freed slot a step
-        or more late (measured: 89% -> 89.5% of the offline engine at saturation). It reads the free
-        blocks less what the waiting sequences will claim, as of the last step, add or abort (the
-        scheduler still has the last word: a request admitted on a stale figure waits in the engine)."""
-        blocks = self.block_manager.blocks_for(num_prompt_tokens + 1)
-        slots = self.scheduler.max_num_seqs + extra_slots - len(self._seqs)
-        return slots > 0 and blocks <= self._spare_blocks
-
-    def _refresh_spare_blocks(self) -> None:
-        """Called with the lock held, after anything that moves blocks or the waiting queue."""
-        bm = self.block_manager
-        claimed = sum(bm.blocks_for(s.num_tokens) - len(s.block_table) for s in self.scheduler.waiting)
-        self._spare_blocks = bm.num_free_blocks - claimed
+    def _refresh_load(self) -> None:
+        """Called with the lock held, after anything that moves blocks or the queues."""
+        bm, scheduler = self.block_manager, self.scheduler
+        claimed = sum(bm.blocks_for(s.num_tokens) - len(s.block_table) for s in scheduler.waiting)
+        self.load = EngineLoad(
+            max_num_seqs=scheduler.max_num_seqs,
+            block_size=bm.block_size,
+            num_seqs=len(self._seqs),
+            spare_blocks=bm.num_free_blocks - claimed,
+            running=tuple(RunningLoad(scheduler.urgency(s)[0], len(s.block_table)) for s in scheduler.running),
+            waiting=tuple(scheduler.urgency(s)[0] for s in scheduler.waiting),
+        )
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs or self._pending)
@@ -159,7 +151,7 @@ class LLMEngine:
                 return
             self._seqs[request_id] = seq
             self.scheduler.add(seq)
-            self._refresh_spare_blocks()
+            self._refresh_load()
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -169,7 +161,7 @@ class LLMEngine:
             self.scheduler.remove(seq)
             self.sampler.release(request_id)
             seq.status = SequenceStatus.FINISHED
-            self._refresh_spare_blocks()
+            self._refresh_load()
             return True
 
     # --- the loop -----------------------------------------------------------------------------
@@ -190,7 +182,7 @@ class LLMEngine:
             self.stats.batch_tokens = batch.num_tokens
             self.stats.batch_seqs = len(batch.seqs)
             self.stats.step_time_s += time.perf_counter() - started
-            self._refresh_spare_blocks()
+            self._refresh_load()
             return events
 
     def _run(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[EngineEvent]:

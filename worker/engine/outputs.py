@@ -1,4 +1,5 @@
-"""What the engine hands out: per-token events (streaming), whole results (offline) and counters."""
+"""What the engine hands out: per-token events (streaming), whole results (offline), counters,
+and a report of what it holds (``EngineLoad``) for whoever decides what to give it next."""
 
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached (counted in tokens, not blocks)
     preemptions: int = 0
+    preemptions_by_reason: dict[str, int] = field(default_factory=lambda: {"kv_blocks": 0, "urgency": 0})
+    recomputed_tokens: int = 0  # tokens whose KV a preemption threw away (computed again on resume)
     expired: int = 0
     forward_time_s: float = 0.0  # model forward incl. logits, summed over steps
     step_time_s: float = 0.0  # whole step() wall time, summed
@@ -55,3 +58,25 @@ class EngineStats:
     @property
     def forward_share(self) -> float:
         return self.forward_time_s / self.step_time_s if self.step_time_s else 0.0
+
+
+@dataclass(frozen=True)
+class RunningLoad:
+    effective_priority: float  # priority less aging credit: what the scheduler compares
+    num_blocks: int  # KV blocks a preemption would free
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine holds, as of its last step, add or abort. Replaced whole (never mutated), so
+    another thread reads it without the engine's lock, which a step holds for its whole forward."""
+
+    max_num_seqs: int
+    block_size: int
+    num_seqs: int = 0  # unfinished sequences: running and waiting inside the engine
+    spare_blocks: int = 0  # free KV blocks less what the waiting sequences will claim
+    running: tuple[RunningLoad, ...] = ()
+    waiting: tuple[float, ...] = ()  # effective priorities of the waiting sequences
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)

@@ -83,7 +83,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.blocks.allocate(seq, n):
                 victim = max((s for s in self.running if s not in batch.seqs), key=self.urgency)
-                self._preempt(victim, batch)
+                self._preempt(victim, batch, "kv_blocks")
                 if victim is seq:
                     break
             else:
@@ -132,16 +132,18 @@ class Scheduler:
         victim = max(self.running, key=self.urgency)
         if self.urgency(victim) <= self.urgency(seq):
             return False
-        self._preempt(victim, batch)
+        self._preempt(victim, batch, "urgency")
         return True
 
-    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch, reason: str) -> None:
         if seq in batch.seqs:
             i = batch.seqs.index(seq)
             del batch.seqs[i], batch.num_new_tokens[i]
         self.running.remove(seq)
+        self.stats.recomputed_tokens += seq.num_computed_tokens  # an upper bound: the prefix cache may keep some
         self.blocks.free(seq)  # tokens are kept; their KV is recomputed (or found in the prefix cache)
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         self.stats.preemptions += 1
+        self.stats.preemptions_by_reason[reason] += 1
         batch.preempted.append(seq)
