@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 import redis
 
 from shared.keys import CONSUMER_GROUP, Keys
+from shared.request_lifecycle import DELIVERIES
 from shared.settings import Settings
-from shared.transitions import DELIVERIES, REFRESH
+from shared.work_queue import REFRESH
 from worker.admission import Admission
 from worker.intake import ensure_groups
 from worker.reconnect import TRANSIENT, Backoff

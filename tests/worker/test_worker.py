@@ -12,10 +12,10 @@ import httpx
 
 from shared.client import QueueClient
 from shared.keys import CONSUMER_GROUP
-from shared.lifecycle import RequestStatus
 from shared.redis_server import free_port
+from shared.request_lifecycle import RequestStatus
 from shared.schemas import DeadLetter, DoneEvent, ErrorEvent, SamplingSpec, TokenEvent
-from shared.transitions import STREAM_FIELD
+from shared.work_queue import STREAM_FIELD
 from tests.worker import faulty_worker
 from tests.worker.conftest import greedy
 from worker.watchdog import EXIT_ENGINE_STALLED
