@@ -19,8 +19,9 @@ from typing import Any, TypeVar, Unpack
 import redis
 from redis.client import PubSub
 
-from shared.client_core import CLIENT_SCRIPTS, Emit, Plan, QueueCore, Steps, SubmitOptions, redis_kwargs, start
+from shared.client_core import CLIENT_SCRIPTS, QueueCore, SubmitOptions, redis_kwargs
 from shared.event_delivery import AnyEvent, EventSequencer
+from shared.redis_plan import Emit, Plan, Steps, start
 from shared.schemas import FinalResult, QueuedRequest, RequestInfo, SamplingSpec, WorkerHeartbeat
 from shared.settings import Settings, get_settings
 

@@ -1,10 +1,9 @@
 """The queue client's logic, written once for the sync and the asyncio client.
 
-Every client method is a *plan*: a generator that yields the Redis round trips it needs
-(``Call``, ``Pipeline``, ``RunScript``), a ``Pause``, or events to hand out (``Emit``), takes
-each reply back (or the error it raised, as an exception at the ``yield``), and returns the
-method's result. Plans never do I/O themselves: ``QueueClient`` performs their ops with
-redis-py, ``AsyncQueueClient`` with redis.asyncio, and that is all the two differ in.
+Every client method is a plan (``shared.redis_plan``) on ``QueueCore``: it yields the Redis
+round trips it needs and takes their replies back, without doing I/O itself. ``QueueClient``
+performs the ops with redis-py, ``AsyncQueueClient`` with redis.asyncio, and that is all the two
+differ in.
 
 Following a request (``QueueCore.follow``) subscribes to its token channel first, then replays
 its log, then follows live (``shared.event_delivery``); after a silent wait it re-reads the log
@@ -15,9 +14,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
-from typing import Any, Generic, TypedDict, TypeVar
+from typing import Any, TypedDict
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -33,6 +30,7 @@ from shared.event_delivery import (
     log_maxlen,
 )
 from shared.keys import CONSUMER_GROUP, Keys
+from shared.redis_plan import Emit, Pause, Pipeline, RunScript, Steps, call, pubsub_call
 from shared.request_lifecycle import CANCEL, ENQUEUE, STATUS, RequestStatus, hash_fields
 from shared.schemas import (
     DoneEvent,
@@ -46,8 +44,6 @@ from shared.schemas import (
 )
 from shared.settings import Settings
 from shared.work_queue import NOTIFY_KEEP, STREAM_FIELD, depth_of, first_undelivered
-
-T = TypeVar("T")
 
 # The scripts a client runs; each front registers them once.
 CLIENT_SCRIPTS = (ENQUEUE, CANCEL)
@@ -80,103 +76,6 @@ def redis_kwargs(settings: Settings) -> dict[str, Any]:
         "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
         "health_check_interval": 30,
     }
-
-
-# Ops: what a plan asks its front to do ------------------------------------------------------
-@dataclass(frozen=True)
-class Call:
-    """One command: ``redis.<method>(*args, **kwargs)``, or on the follower's pub/sub."""
-
-    method: str
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    on_pubsub: bool = False
-
-
-def call(method: str, *args: Any, **kwargs: Any) -> Call:
-    return Call(method, args, kwargs)
-
-
-def pubsub_call(method: str, *args: Any, **kwargs: Any) -> Call:
-    return Call(method, args, kwargs, on_pubsub=True)
-
-
-@dataclass(frozen=True)
-class Pipeline:
-    """Several commands in one round trip (no transaction); the reply is the list of theirs."""
-
-    calls: list[Call]
-    raise_on_error: bool = True
-
-
-@dataclass(frozen=True)
-class RunScript:
-    lua: str
-    keys: list[str]
-    args: list[Any]
-
-
-@dataclass(frozen=True)
-class Pause:
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Emit:
-    """Events for the caller of ``stream``, in order."""
-
-    events: list[AnyEvent]
-
-
-Op = Call | Pipeline | RunScript | Pause | Emit
-Steps = Generator[Op, Any, T]
-
-
-def start(
-    op: Call | Pipeline | RunScript | Pause,
-    redis_client: Any,
-    pubsub: Any,
-    scripts: dict[str, Any],
-    sleep: Callable[[float], Any],
-) -> Any:
-    """Issues ``op`` on a front's objects: its reply from redis-py's sync client, an awaitable
-    of it from redis.asyncio."""
-    if isinstance(op, Call):
-        return getattr(pubsub if op.on_pubsub else redis_client, op.method)(*op.args, **op.kwargs)
-    if isinstance(op, Pipeline):
-        pipe = redis_client.pipeline(transaction=False)
-        for queued in op.calls:
-            getattr(pipe, queued.method)(*queued.args, **queued.kwargs)
-        return pipe.execute(raise_on_error=op.raise_on_error)
-    if isinstance(op, RunScript):
-        return scripts[op.lua](keys=op.keys, args=op.args)
-    return sleep(op.seconds)
-
-
-class Plan(Generic[T]):
-    """Steps one plan for a front: ``next()`` gives the next op (None once it returned, its
-    result in ``value``); the front hands back the op's reply (``reply``) or error (``fail``)."""
-
-    def __init__(self, steps: Steps[T]) -> None:
-        self._steps = steps
-        self._reply: Any = None
-        self._error: Exception | None = None
-        self.value: T | None = None
-
-    def next(self) -> Op | None:
-        reply, error = self._reply, self._error
-        self._reply = self._error = None
-        try:
-            return self._steps.throw(error) if error is not None else self._steps.send(reply)
-        except StopIteration as stop:
-            self.value = stop.value
-            return None
-
-    def reply(self, value: Any) -> None:
-        self._reply = value
-
-    def fail(self, error: Exception) -> None:
-        self._error = error
 
 
 # Rules without I/O ---------------------------------------------------------------------------
