@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, StrictInt, TypeAdapter, model_validator
 
-from shared.lifecycle import RequestStatus
+from shared.request_lifecycle import RequestStatus
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 

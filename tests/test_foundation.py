@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from inflightq_cli.redis_server import PrivateRedis, redis_answers
 from shared import model_source
 from shared.keys import Keys
-from shared.lifecycle import FINAL_STATUSES, RequestStatus, can_move
+from shared.request_lifecycle import FINAL_STATUSES, RequestStatus, can_move
 from shared.schemas import DoneEvent, ErrorEvent, QueuedRequest, SamplingSpec, TokenEvent, parse_event
 from shared.settings import Settings
 from worker.engine import model_loader

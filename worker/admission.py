@@ -15,11 +15,12 @@ from collections.abc import Callable
 import redis
 from pydantic import ValidationError
 
+from shared.event_delivery import parse_log_entry
 from shared.keys import Keys
-from shared.queue_protocol import parse_log_entry
+from shared.request_lifecycle import START
 from shared.schemas import DeadLetter, QueuedRequest, TokenEvent
 from shared.settings import Settings
-from shared.transitions import START, STREAM_FIELD
+from shared.work_queue import STREAM_FIELD
 from worker.active import ActiveRequest
 from worker.publisher import Publisher
 

@@ -25,8 +25,8 @@ from typing import Literal
 
 import redis
 
+from shared.client_core import filter_heartbeats
 from shared.keys import CONSUMER_GROUP, Keys
-from shared.queue_protocol import filter_heartbeats
 from shared.settings import Settings
 from worker.admission import Admission
 from worker.capacity import Capacity

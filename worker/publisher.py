@@ -21,11 +21,11 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
+from shared.event_delivery import PUBLISH_TOKENS, log_maxlen
 from shared.keys import CONSUMER_GROUP, Keys
-from shared.queue_protocol import log_maxlen
+from shared.request_lifecycle import FINISH
 from shared.schemas import DeadLetter, DoneEvent, ErrorEvent, FinalResult
 from shared.settings import Settings
-from shared.transitions import FINISH, PUBLISH_TOKENS
 from worker.reconnect import TRANSIENT, ResilientLoop
 
 log = logging.getLogger("inflightq.worker")

@@ -19,8 +19,9 @@ from collections.abc import Callable
 import redis
 
 from shared.keys import CONSUMER_GROUP, Keys
+from shared.request_lifecycle import DELIVERIES
 from shared.settings import Settings
-from shared.transitions import DELIVERIES, REFRESH
+from shared.work_queue import REFRESH
 from worker.admission import Admission
 from worker.inbox import OwnedEntries
 from worker.reconnect import ResilientLoop

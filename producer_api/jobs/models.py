@@ -10,7 +10,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from producer_api.models_common import RequestOptions, StrictModel
 from producer_api.openai.models import ChatMessage
-from shared.lifecycle import RequestStatus
+from shared.request_lifecycle import RequestStatus
 from shared.schemas import SamplingFields
 
 

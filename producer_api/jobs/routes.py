@@ -23,7 +23,7 @@ from producer_api.tgi.models import StreamResponse
 from producer_api.tokenization import enforce_limits
 from producer_api.validation import check_stops, resolve_deadline, resolve_model, resolve_priority, sampling_spec
 from shared.errors import NotFoundError, ValidationError
-from shared.lifecycle import RequestStatus
+from shared.request_lifecycle import RequestStatus
 from shared.schemas import RequestInfo
 
 router = APIRouter(prefix="/v1/jobs", tags=["Jobs"])

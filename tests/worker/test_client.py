@@ -11,10 +11,11 @@ import redis
 
 from shared.async_client import AsyncQueueClient
 from shared.client import QueueClient
+from shared.client_core import IDLE_CHECK_MAX_S, IDLE_CHECK_S, QUEUED_CHECK_MAX_S, IdleBackoff
 from shared.errors import CancelledError, NotFoundError, OverloadedError, ValidationError
+from shared.event_delivery import LOG_FIELD, EventSequencer
 from shared.keys import CONSUMER_GROUP, Keys
-from shared.lifecycle import RequestStatus
-from shared.queue_protocol import IDLE_CHECK_MAX_S, IDLE_CHECK_S, QUEUED_CHECK_MAX_S, EventSequencer, IdleBackoff
+from shared.request_lifecycle import RequestStatus
 from shared.schemas import (
     DoneEvent,
     ErrorEvent,
@@ -26,7 +27,7 @@ from shared.schemas import (
     Usage,
 )
 from shared.settings import Settings
-from shared.transitions import LOG_FIELD, STREAM_FIELD
+from shared.work_queue import STREAM_FIELD
 
 MODEL = "m"
 

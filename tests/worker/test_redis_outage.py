@@ -17,7 +17,7 @@ import redis
 
 from inflightq_cli.redis_server import PrivateRedis, find_redis_binary, free_port, redis_answers
 from shared.client import QueueClient
-from shared.lifecycle import RequestStatus
+from shared.request_lifecycle import RequestStatus
 from shared.schemas import DoneEvent, TokenEvent
 from tests.worker.conftest import greedy
 from tests.worker.test_worker import PROMPT, tokens_sent, wait_for

@@ -13,9 +13,9 @@ import httpx
 from inflightq_cli.redis_server import free_port
 from shared.client import QueueClient
 from shared.keys import CONSUMER_GROUP
-from shared.lifecycle import RequestStatus
+from shared.request_lifecycle import RequestStatus
 from shared.schemas import DeadLetter, DoneEvent, ErrorEvent, SamplingSpec, TokenEvent
-from shared.transitions import STREAM_FIELD
+from shared.work_queue import STREAM_FIELD
 from tests.worker import faulty_worker
 from tests.worker.conftest import greedy
 from worker.watchdog import EXIT_ENGINE_STALLED

@@ -1,8 +1,29 @@
-"""Every change of a request's status, as one atomic Lua script each.
+"""A request's life as the queue sees it: its states, the moves allowed between them, and the
+Lua scripts that make those moves in Redis. The one place the lifecycle lives.
 
-The request hash (``keys.request``) is the record; these scripts are the only writers of its
-``status`` field, so the lifecycle in ``shared/lifecycle.py`` holds however clients and
-workers race:
+    queued ──► running ──► done
+      │          │  ▲
+      │          │  └── (worker died: taken over by another worker, stays running)
+      │          ├─────► failed     (engine error, or dead-lettered after too many deliveries)
+      ├──────────┼─────► cancelled  (DELETE /v1/jobs/{id}, client disconnect, client.cancel)
+      └──────────┴─────► expired    (deadline passed before or during generation)
+
+Who moves it: the API/client writes ``queued`` (``ENQUEUE``) and may ask for ``cancelled``
+(``CANCEL``); a worker writes every other state (``START``, ``FINISH``).
+
+Where it is stored: the request hash (``keys.request``), with a TTL:
+
+    id, model, priority, submitted_at   written by ENQUEUE (see ``hash_fields``)
+    status                              the state above; written only by the scripts below
+    entry_id                            the priority-stream entry ENQUEUE added
+    attempt, deliveries, worker         START: takeovers, deliveries (poison limit), owner
+    started_at, finished_at             START, FINISH
+    result | error                      FINISH (JSON), or CANCEL's error for a queued request
+    cancel_requested                    CANCEL: the running worker stops, a takeover does not resume
+
+Each script is atomic, so the lifecycle holds however clients and workers race; START and
+FINISH check their move against ``ALLOWED_TRANSITIONS`` itself, rendered into their Lua, so the
+table the code and the tests read is the one Redis enforces.
 
 - ``ENQUEUE`` (client): checks the model's queue depth, writes the hash ``queued`` (with the
   stream entry's id), XADDs, wakes a worker, all at once, so concurrent submits cannot push a
@@ -15,28 +36,103 @@ workers race:
   flag also stops a takeover from resuming it.
 - ``START`` (worker): queued -> running, or running -> running on takeover (attempt + 1).
   Counts deliveries so a request that keeps killing workers is dead-lettered.
-- ``FINISH`` (worker): running/queued -> done | failed | cancelled | expired, stores the result
-  or error, appends the terminal event to the replay log, publishes it, and XACKs + XDELs the
-  stream entry, all at once: no reader ever sees a final status without its terminal event.
-- ``PUBLISH_TOKENS`` (worker): not a status change, but the hot path: a step's token events,
-  each appended to its replay log then published, in one call (see ``worker/publisher.py``).
-- ``REFRESH`` (worker): keeps a live worker's pending entries idle-free (XCLAIM JUSTID), only
-  for entries it still owns, and reports the ones another worker took over.
+- ``FINISH`` (worker): -> done | failed | cancelled | expired where the table allows it, stores
+  the result or error, appends the terminal event to the replay log, publishes it, and XACKs +
+  XDELs the stream entry, all at once: no reader ever sees a final status without its terminal
+  event.
 
 Scripts name every key they touch in KEYS, and all keys share the prefix's hash tag, so they
 stay legal on Redis Cluster."""
 
 from __future__ import annotations
 
-# Hash fields written by these scripts and by enqueue.
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # schemas imports RequestStatus from here
+    from shared.schemas import QueuedRequest
+
+
+class RequestStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def is_final(self) -> bool:
+        return self in FINAL_STATUSES
+
+
+FINAL_STATUSES = frozenset({RequestStatus.DONE, RequestStatus.FAILED, RequestStatus.CANCELLED, RequestStatus.EXPIRED})
+
+ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.QUEUED: frozenset(
+        {RequestStatus.RUNNING, RequestStatus.CANCELLED, RequestStatus.EXPIRED, RequestStatus.FAILED}
+    ),
+    RequestStatus.RUNNING: frozenset(
+        {
+            RequestStatus.RUNNING,  # a takeover by another worker
+            RequestStatus.DONE,
+            RequestStatus.FAILED,
+            RequestStatus.CANCELLED,
+            RequestStatus.EXPIRED,
+        }
+    ),
+    RequestStatus.DONE: frozenset(),
+    RequestStatus.FAILED: frozenset(),
+    RequestStatus.CANCELLED: frozenset(),
+    RequestStatus.EXPIRED: frozenset(),
+}
+
+
+def can_move(current: RequestStatus, new: RequestStatus) -> bool:
+    return new in ALLOWED_TRANSITIONS[current]
+
+
+# Fields of the request hash that code outside the scripts names.
 STATUS = "status"
 CANCEL_REQUESTED = "cancel_requested"
 DELIVERIES = "deliveries"
 ATTEMPT = "attempt"
 
-# Field name of the one JSON document in a priority-stream entry and in a replay-log entry.
-STREAM_FIELD = "request"
-LOG_FIELD = "e"
+
+def hash_fields(request: QueuedRequest) -> dict[str, str]:
+    """The request hash as ENQUEUE first writes it."""
+    return {
+        "id": request.id,
+        STATUS: RequestStatus.QUEUED.value,
+        "model": request.model,
+        "priority": str(request.priority),
+        "submitted_at": repr(request.submitted_at),
+        ATTEMPT: str(request.attempt),
+        DELIVERIES: "0",
+    }
+
+
+def _lua_can_move() -> str:
+    """``ALLOWED_TRANSITIONS`` as a Lua table and a ``can_move`` function, prepended to the
+    scripts that check a move."""
+    rows = []
+    for current in RequestStatus:
+        targets = ", ".join(f"{new.value} = true" for new in sorted(ALLOWED_TRANSITIONS[current]))
+        rows.append(f"  {current.value} = {{{targets}}},")
+    return "\n".join(
+        [
+            "local moves = {",
+            *rows,
+            "}",
+            "local function can_move(current, new)",
+            "  local allowed = moves[current]",
+            "  return allowed ~= nil and allowed[new] == true",
+            "end",
+        ]
+    )
+
+
+_CAN_MOVE = _lua_can_move()
 
 # KEYS: request hash, target priority stream, notify list, models set, then every priority
 # stream of the model (for the depth check).
@@ -97,7 +193,9 @@ return 0
 # ARGV: worker name, now, max deliveries, ttl, then (for a hash that vanished, e.g. a Redis
 # restart without persistence) id, model, priority, submitted_at.
 # Returns {verdict, deliveries, attempt}; verdict is 'run', 'cancel', 'poison', or the final status.
-START = """
+START = (
+    _CAN_MOVE
+    + """
 local h = redis.call('HMGET', KEYS[1], 'status', 'cancel_requested')
 local status = h[1]
 if not status then
@@ -105,7 +203,7 @@ if not status then
              'submitted_at', ARGV[8], 'status', 'queued', 'attempt', '0')
   status = 'queued'
 end
-if status ~= 'queued' and status ~= 'running' then return {status, 0, 0} end
+if not can_move(status, 'running') then return {status, 0, 0} end
 if h[2] == '1' then return {'cancel', 0, 0} end
 local deliveries = redis.call('HINCRBY', KEYS[1], 'deliveries', 1)
 if deliveries > tonumber(ARGV[3]) then return {'poison', deliveries, 0} end
@@ -120,15 +218,19 @@ redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 return {'run', deliveries, attempt}
 """
+)
 
 # KEYS: request hash, replay log, token channel, priority stream.
 # ARGV: status, terminal event JSON, 'result' or 'error', its JSON, now, ttl, group, entry id
 # ('' when there is no entry), log maxlen.
-# Returns 1 when this call moved the request to its final status, 0 when it already was final.
-FINISH = """
+# Returns 1 when this call moved the request to its final status, 0 when the move was not
+# allowed (it already was final). A hash that vanished (Redis lost it) is written anyway.
+FINISH = (
+    _CAN_MOVE
+    + """
 local current = redis.call('HGET', KEYS[1], 'status')
 local applied = 0
-if (not current) or current == 'queued' or current == 'running' then
+if (not current) or can_move(current, ARGV[1]) then
   redis.call('HSET', KEYS[1], 'status', ARGV[1], 'finished_at', ARGV[5], ARGV[3], ARGV[4])
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[9], '*', 'e', ARGV[2])
   redis.call('PUBLISH', KEYS[3], ARGV[2])
@@ -142,32 +244,4 @@ if ARGV[8] ~= '' then
 end
 return applied
 """
-
-# KEYS: priority stream.  ARGV: group, worker name, entry ids...
-# Returns the ids this worker no longer owns (another worker took them over, or Redis lost them).
-REFRESH = """
-local lost = {}
-for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if p[1] and p[1][2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-  else
-    table.insert(lost, ARGV[i])
-  end
-end
-return lost
-"""
-
-# KEYS: replay log and token channel of each event, in pairs.  ARGV: log maxlen, ttl, event JSONs.
-# One call per round trip: redis-py packs one command with many arguments far faster than many
-# commands, and the per-token work (log first, then publish) runs inside Redis.
-PUBLISH_TOKENS = """
-local maxlen, ttl = ARGV[1], ARGV[2]
-for i = 3, #ARGV do
-  local log = KEYS[2 * (i - 3) + 1]
-  redis.call('XADD', log, 'MAXLEN', '~', maxlen, '*', 'e', ARGV[i])
-  redis.call('EXPIRE', log, ttl)
-  redis.call('PUBLISH', KEYS[2 * (i - 3) + 2], ARGV[i])
-end
-return #ARGV - 2
-"""
+)

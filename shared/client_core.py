@@ -1,0 +1,455 @@
+"""The queue client's logic, written once for the sync and the asyncio client.
+
+Every client method is a plan (``shared.redis_plan``) on ``QueueCore``: it yields the Redis
+round trips it needs and takes their replies back, without doing I/O itself. ``QueueClient``
+performs the ops with redis-py, ``AsyncQueueClient`` with redis.asyncio, and that is all the two
+differ in.
+
+Following a request (``QueueCore.follow``) subscribes to its token channel first, then replays
+its log, then follows live (``shared.event_delivery``); after a silent wait it re-reads the log
+and the request's status (the safety net for a lost pub/sub message or a dropped connection),
+waiting longer between such checks while nothing happens (``IdleBackoff``)."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any, TypedDict
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from shared.errors import NotFoundError, OverloadedError, ValidationError, error_from_type
+from shared.event_delivery import (
+    CATCH_UP_COUNT,
+    TERMINAL_ONLY,
+    AnyEvent,
+    EventSequencer,
+    accept_log_entries,
+    log_maxlen,
+)
+from shared.keys import CONSUMER_GROUP, Keys
+from shared.redis_plan import Emit, Pause, Pipeline, RunScript, Steps, call, pubsub_call
+from shared.request_lifecycle import CANCEL, ENQUEUE, STATUS, RequestStatus, hash_fields
+from shared.schemas import (
+    DoneEvent,
+    ErrorEvent,
+    FinalResult,
+    QueuedRequest,
+    RequestInfo,
+    SamplingSpec,
+    WorkerHeartbeat,
+    parse_event,
+)
+from shared.settings import Settings
+from shared.work_queue import NOTIFY_KEEP, STREAM_FIELD, depth_of, first_undelivered
+
+# The scripts a client runs; each front registers them once.
+CLIENT_SCRIPTS = (ENQUEUE, CANCEL)
+
+# How long a follower waits on pub/sub before it re-reads the replay log and the hash: the
+# safety net for a lost pub/sub message or a dropped connection, not the normal path. The wait
+# doubles while the stream stays silent (a request waiting its turn in the queue), up to
+# IDLE_CHECK_MAX_S: at 1 s flat, 1,000 queued streams cost the API 2,000 Redis round trips a
+# second and took CPU from the worker beside it.
+IDLE_CHECK_S = 1.0
+IDLE_CHECK_MAX_S = 8.0
+# While the last check found the request still queued, the wait grows further: nothing has been
+# published for it yet, so nothing can have been lost (its first token, when it comes, resets the
+# wait). At 8 s, 1,000 queued streams still cost 125 checks a second, in the API and in any
+# service following them, on the CPU the worker beside them needs.
+QUEUED_CHECK_MAX_S = 30.0
+# A follower's pause after its pub/sub read failed even with the connection's own retries
+# (``redis_kwargs``); redis-py re-subscribes on reconnect.
+RECONNECT_PAUSE_S = 0.2
+
+
+def redis_kwargs(settings: Settings) -> dict[str, Any]:
+    """Connection options both clients use: text replies, retries with backoff across a restart,
+    and a pool as large as the settings allow (redis-py's default of 100 would turn the 101st
+    followed stream into a spurious "Redis unreachable")."""
+    return {
+        "max_connections": settings.redis_max_connections,
+        "decode_responses": True,
+        "retry": Retry(ExponentialBackoff(cap=2.0, base=0.05), 8),
+        "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
+        "health_check_interval": 30,
+    }
+
+
+# Rules without I/O ---------------------------------------------------------------------------
+class SubmitOptions(TypedDict, total=False):
+    """``submit``'s keyword options (see ``QueueCore.submit``)."""
+
+    priority: int | None
+    deadline: float | None
+    tenant: str | None
+    request_id: str | None
+    check_depth: bool
+
+
+def build_request(
+    settings: Settings,
+    model: str,
+    prompt_token_ids: list[int],
+    sampling: SamplingSpec | None,
+    *,
+    priority: int | None,
+    deadline: float | None,
+    tenant: str | None,
+    request_id: str | None,
+) -> QueuedRequest:
+    sampling = sampling or SamplingSpec(max_new_tokens=settings.default_max_new_tokens)
+    if sampling.seed is None and sampling.temperature > 0:
+        # A fixed seed makes a taken-over request reproduce the tokens it would have produced.
+        sampling = sampling.model_copy(update={"seed": random.getrandbits(63)})
+    fields: dict[str, object] = {
+        "model": model,
+        "prompt_token_ids": prompt_token_ids,
+        "sampling": sampling,
+        "priority": settings.default_priority if priority is None else priority,
+        "deadline": deadline,
+        "tenant": tenant,
+    }
+    if request_id is not None:
+        fields["id"] = request_id
+    request = QueuedRequest(**fields)  # type: ignore[arg-type]
+    return normalize(settings, request)
+
+
+def normalize(settings: Settings, request: QueuedRequest) -> QueuedRequest:
+    if request.priority >= settings.priority_levels:
+        raise ValidationError(
+            f"priority must be between 0 and {settings.priority_levels - 1}, got {request.priority}", field="priority"
+        )
+    return request
+
+
+def cancelled_event(request_id: str) -> ErrorEvent:
+    return ErrorEvent(request_id=request_id, error_type="cancelled", message="cancelled by client")
+
+
+def raise_for(event: ErrorEvent) -> None:
+    raise error_from_type(event.error_type, event.message)
+
+
+def terminal_from_info(info: RequestInfo) -> AnyEvent | None:
+    """The terminal event a final request's hash implies (used when its log has expired)."""
+    if info.result is not None:
+        return DoneEvent(request_id=info.id, result=info.result)
+    if info.error is not None:
+        return info.error
+    if info.status.is_final:
+        return ErrorEvent(request_id=info.id, error_type="generation", message=f"request {info.status.value}")
+    return None
+
+
+def status_found(request_id: str, status: str | None) -> RequestStatus:
+    """A request's status as an idle check read it; a request that is gone is an error."""
+    if status is None:
+        raise NotFoundError(f"request {request_id} vanished (expired, or Redis lost it)")
+    return RequestStatus(status)
+
+
+def filter_heartbeats(raw: list[str | None], model: str | None) -> list[WorkerHeartbeat]:
+    beats = []
+    for doc in raw:
+        if not doc:
+            continue
+        try:
+            beat = WorkerHeartbeat.model_validate_json(doc)
+        except ValueError:
+            continue
+        if model is None or beat.model == model:
+            beats.append(beat)
+    return beats
+
+
+def deadline_from(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def remaining(deadline: float | None, wait: float = IDLE_CHECK_S) -> float:
+    """``wait``, or less if the deadline comes first; TimeoutError once it has passed."""
+    if deadline is None:
+        return wait
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("timed out waiting for the request's events")
+    return min(wait, left)
+
+
+_SILENT = ExponentialBackoff(cap=IDLE_CHECK_MAX_S, base=IDLE_CHECK_S)
+_SILENT_QUEUED = ExponentialBackoff(cap=QUEUED_CHECK_MAX_S, base=IDLE_CHECK_S)
+
+
+class IdleBackoff:
+    """A follower's wait on pub/sub between safety-net checks: IDLE_CHECK_S after anything was
+    heard, doubling with each silent check up to IDLE_CHECK_MAX_S, or QUEUED_CHECK_MAX_S while
+    the request has not started."""
+
+    def __init__(self) -> None:
+        self.silent_checks = 0
+        self._backoff = _SILENT
+
+    def timeout(self, deadline: float | None) -> float:
+        return remaining(deadline, self._backoff.compute(self.silent_checks))
+
+    def heard(self) -> None:
+        self.silent_checks = 0
+
+    def silent(self, *, queued: bool = False) -> None:
+        self.silent_checks = min(self.silent_checks + 1, 32)  # past the cap already; 2**n stays a float
+        self._backoff = _SILENT_QUEUED if queued else _SILENT
+
+
+# The plans -----------------------------------------------------------------------------------
+class QueueCore:
+    """What a queue client does, as plans (see the module's docstring)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.keys = Keys.for_prefix(settings.key_prefix)
+        self._models_with_groups: set[str] = set()
+
+    # Submitting --------------------------------------------------------------------------
+    def submit(
+        self,
+        model: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingSpec | None = None,
+        *,
+        priority: int | None = None,
+        deadline: float | None = None,
+        tenant: str | None = None,
+        request_id: str | None = None,
+        check_depth: bool = True,
+    ) -> Steps[str]:
+        """A new request; ``priority`` defaults to the settings' (0 = most urgent), ``deadline``
+        is a Unix time, ``check_depth=False`` skips the queue-depth limit (batch work)."""
+        request = build_request(
+            self.settings,
+            model,
+            prompt_token_ids,
+            sampling,
+            priority=priority,
+            deadline=deadline,
+            tenant=tenant,
+            request_id=request_id,
+        )
+        return (yield from self.enqueue(request, check_depth=check_depth))
+
+    def enqueue(self, request: QueuedRequest, *, check_depth: bool = True) -> Steps[str]:
+        request = normalize(self.settings, request)
+        yield from self.ensure_groups(request.model)
+        model_streams = [self.keys.stream(request.model, p) for p in range(self.settings.priority_levels)]
+        fields = [item for pair in hash_fields(request).items() for item in pair]
+        verdict, detail = yield RunScript(
+            ENQUEUE,
+            keys=[
+                self.keys.request(request.id),
+                self.keys.stream(request.model, request.priority),
+                self.keys.notify(request.model),
+                self.keys.models(),
+                *model_streams,
+            ],
+            args=[
+                self.settings.result_ttl_s,
+                request.to_json(),
+                NOTIFY_KEEP,
+                request.model,
+                self.settings.max_queue_depth if check_depth else 0,
+                CONSUMER_GROUP,
+                STREAM_FIELD,
+                *fields,
+            ],
+        )
+        if verdict in (b"overloaded", "overloaded"):
+            raise OverloadedError(f"queue for {request.model} is full ({int(detail)} waiting)")
+        return request.id
+
+    def ensure_groups(self, model: str) -> Steps[None]:
+        """Creates the consumer group on every priority stream, reading from the start ("0"), so
+        nothing enqueued before the first worker arrives is skipped."""
+        if model in self._models_with_groups:
+            return
+        for priority in range(self.settings.priority_levels):
+            try:
+                yield call("xgroup_create", self.keys.stream(model, priority), CONSUMER_GROUP, id="0", mkstream=True)
+            except redis.ResponseError as error:
+                if "BUSYGROUP" not in str(error):
+                    raise
+        self._models_with_groups.add(model)
+
+    # Following ---------------------------------------------------------------------------
+    def follow(self, request_id: str, from_index: int = 0, timeout: float | None = None) -> Steps[AnyEvent | None]:
+        """Emits every event of the request from ``from_index`` on, ending with its terminal
+        event, which it also returns. ``timeout`` bounds the whole stream (TimeoutError past it)."""
+        deadline = deadline_from(timeout)
+        sequencer = EventSequencer(next_index=from_index)
+        yield pubsub_call("subscribe", self.keys.tokens_channel(request_id))
+        # The log may be read only once the subscription is live, or an event could fall between.
+        while True:
+            message = yield pubsub_call("get_message", timeout=remaining(deadline))
+            if message is not None and message["type"] == "subscribe":
+                break
+        yield Emit((yield from self.catch_up(request_id, sequencer)))
+        if not sequencer.finished and not (yield call("exists", self.keys.request(request_id))):
+            raise NotFoundError(f"unknown request {request_id}")
+        idle = IdleBackoff()
+        while not sequencer.finished:
+            try:
+                message = yield pubsub_call(
+                    "get_message", ignore_subscribe_messages=True, timeout=idle.timeout(deadline)
+                )
+            except (redis.ConnectionError, redis.TimeoutError):
+                # redis-py re-subscribes on reconnect; the log fills whatever passed meanwhile.
+                yield Pause(RECONNECT_PAUSE_S)
+                message = None
+            if message is None or message.get("type") != "message":
+                out, queued = yield from self.idle_check(request_id, sequencer)
+                if out:
+                    idle.heard()
+                else:
+                    idle.silent(queued=queued)
+            else:
+                idle.heard()
+                event = parse_event(message["data"])
+                out = sequencer.accept(event, from_log=False)
+                if sequencer.gap:
+                    sequencer.gap = False
+                    out = yield from self.catch_up(request_id, sequencer)
+                    out += sequencer.accept(event, from_log=True)
+            yield Emit(out)
+        return sequencer.terminal
+
+    def catch_up(self, request_id: str, sequencer: EventSequencer) -> Steps[list[AnyEvent]]:
+        log = self.keys.replay_log(request_id)
+        out: list[AnyEvent] = []
+        while not sequencer.finished:
+            entries = yield call("xrange", log, min="(" + sequencer.last_log_id, max="+", count=CATCH_UP_COUNT)
+            if not entries:
+                break
+            out += accept_log_entries(sequencer, entries)
+        return out
+
+    def idle_check(self, request_id: str, sequencer: EventSequencer) -> Steps[tuple[list[AnyEvent], bool]]:
+        """The safety net after a silent wait, in one round trip while nothing has changed (the
+        common case: a request waiting in the queue): the log past what was delivered, and the
+        request's status. Only news costs more. Returns what it found, and whether the request
+        is still queued."""
+        log = self.keys.replay_log(request_id)
+        entries, status = yield Pipeline(
+            [
+                call("xrange", log, min="(" + sequencer.last_log_id, max="+", count=CATCH_UP_COUNT),
+                call("hget", self.keys.request(request_id), STATUS),
+            ]
+        )
+        out = accept_log_entries(sequencer, entries)
+        if len(entries) == CATCH_UP_COUNT:
+            out += yield from self.catch_up(request_id, sequencer)
+        if sequencer.finished:
+            return out, False
+        found = status_found(request_id, status)
+        if found.is_final:
+            out += yield from self.finish_from_hash(request_id, sequencer)
+        return out, found == RequestStatus.QUEUED
+
+    def finish_from_hash(self, request_id: str, sequencer: EventSequencer) -> Steps[list[AnyEvent]]:
+        info = yield from self.status(request_id)
+        if info is None:
+            raise NotFoundError(f"request {request_id} vanished (expired, or Redis lost it)")
+        if not info.status.is_final:
+            return []
+        # Final but the terminal event is not in the log yet: the log may have expired.
+        out = yield from self.catch_up(request_id, sequencer)
+        terminal = terminal_from_info(info)
+        if not sequencer.finished and terminal is not None:
+            out += sequencer.accept(terminal, from_log=True)
+        return out
+
+    def result(self, request_id: str, timeout: float | None = None) -> Steps[FinalResult]:
+        """Waits for the request to finish; raises the error type of its ErrorEvent."""
+        info = yield from self.status(request_id)
+        if info is None:
+            raise NotFoundError(f"unknown request {request_id}")
+        terminal = terminal_from_info(info) if info.status.is_final else None
+        if terminal is None:
+            terminal = yield from self.follow(request_id, from_index=TERMINAL_ONLY, timeout=timeout)
+        if isinstance(terminal, DoneEvent):
+            return terminal.result
+        if isinstance(terminal, ErrorEvent):
+            raise_for(terminal)
+        raise NotFoundError(f"request {request_id} ended without a terminal event")
+
+    # Looking -----------------------------------------------------------------------------
+    def status(self, request_id: str) -> Steps[RequestInfo | None]:
+        fields = yield call("hgetall", self.keys.request(request_id))
+        return RequestInfo.from_hash(fields) if fields else None
+
+    def cancel(self, request_id: str) -> Steps[bool]:
+        """True when the request was queued (now cancelled) or running (its worker is told)."""
+        outcome = yield RunScript(
+            CANCEL,
+            keys=[
+                self.keys.request(request_id),
+                self.keys.replay_log(request_id),
+                self.keys.tokens_channel(request_id),
+                self.keys.cancel_channel(),
+            ],
+            args=[
+                request_id,
+                cancelled_event(request_id).to_json(),
+                repr(time.time()),
+                self.settings.result_ttl_s,
+                log_maxlen(self.settings),
+            ],
+        )
+        if outcome == -1:
+            raise NotFoundError(f"unknown request {request_id}")
+        return outcome in (1, 2)
+
+    def queue_depth(self, model: str) -> Steps[dict[int, int]]:
+        """Requests waiting (not yet taken by a worker), per priority."""
+        levels = range(self.settings.priority_levels)
+        streams = [self.keys.stream(model, priority) for priority in levels]
+        calls = [c for stream in streams for c in (call("xlen", stream), call("xpending", stream, CONSUMER_GROUP))]
+        replies = yield Pipeline(calls, raise_on_error=False)
+        return {priority: depth_of(replies[2 * priority], replies[2 * priority + 1]) for priority in levels}
+
+    def oldest_waiting_age_s(self, model: str) -> Steps[float]:
+        """Age of the oldest request no worker has taken yet (0.0 when none waits)."""
+        oldest = 0.0
+        now_ms = time.time() * 1000
+        for priority in range(self.settings.priority_levels):
+            stream = self.keys.stream(model, priority)
+            try:
+                groups = yield call("xinfo_groups", stream)
+            except redis.ResponseError:
+                continue
+            entries = yield call("xrange", stream, min=first_undelivered(groups), max="+", count=1)
+            if entries:
+                oldest = max(oldest, (now_ms - int(entries[0][0].split("-")[0])) / 1000)
+        return oldest
+
+    def live_workers(self, model: str | None = None) -> Steps[list[WorkerHeartbeat]]:
+        since = time.time() - self.settings.heartbeat_ttl_s
+        names = yield call("zrangebyscore", self.keys.workers(), since, "+inf")
+        if not names:
+            return []
+        raw = yield call("mget", [self.keys.worker(name) for name in names])
+        return filter_heartbeats(raw, model)
+
+    def models(self) -> Steps[list[str]]:
+        return sorted((yield call("smembers", self.keys.models())))
+
+    def dead_letters(self, model: str, count: int = 100) -> Steps[list[dict[str, str]]]:
+        entries = yield call("xrange", self.keys.dead_letters(model), count=count)
+        return [fields for _, fields in entries]
+
+    def ping(self) -> Steps[bool]:
+        try:
+            return bool((yield call("ping")))
+        except redis.RedisError:
+            return False
