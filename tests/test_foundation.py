@@ -96,8 +96,21 @@ def test_private_redis_is_a_real_server() -> None:
     assert not redis_answers(server.url)
 
 
-def test_shared_and_engine_agree_on_model_aliases() -> None:
-    assert model_source.ALIASES == model_loader.ALIASES
+def test_the_engine_resolves_model_names_through_the_one_shared_table() -> None:
+    source = model_source.resolve("smollm2-135m-instruct")
+    assert model_loader.resolve_name is not None
+    assert model_loader.resolve_name("smollm2-135m-instruct") == (source.file, str(source.converted_dir))
+    assert not hasattr(model_loader, "ALIASES")
+
+
+def test_the_engine_imports_neither_shared_nor_redis_and_reads_no_environment() -> None:
+    import re
+    from pathlib import Path
+
+    forbidden = re.compile(r"^\s*(from|import)\s+(shared|redis)\b|os\.environ|getenv", re.MULTILINE)
+    engine = Path(model_loader.__file__).parent
+    offenders = [str(p) for p in engine.rglob("*.py") if forbidden.search(p.read_text())]
+    assert offenders == []
 
 
 def test_default_model_alias_resolves_to_the_packaged_gguf() -> None:

@@ -11,8 +11,9 @@ from worker.service import WorkerService
 def run_worker(settings: Settings, *, name: str | None = None) -> int:
     import torch
 
-    from worker.engine import LLM
+    from worker.engine import LLMEngine
     from worker.engine.hardware import resolve_device, resolve_dtype
+    from worker.engine_config import engine_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.torch_threads:
@@ -21,18 +22,10 @@ def run_worker(settings: Settings, *, name: str | None = None) -> int:
         torch.set_num_threads(settings.torch_threads)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
-    llm = LLM(
-        settings.model,
-        dtype=dtype,
-        device=device,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        block_size=settings.block_size,
-        num_kv_blocks=settings.num_kv_blocks,
-    )
+    engine = LLMEngine.from_config(engine_config(settings, device=device, dtype=dtype))
     service = WorkerService(
         settings,
-        llm.engine,
+        engine,
         model=settings.model,
         name=name,
         device=str(device),

@@ -4,6 +4,7 @@ test, that every KV block went back to the free list."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from worker.engine import LLMEngine
+from worker.engine import EngineConfig, LLMEngine
 from worker.engine.model_loader import load_model
 
 
@@ -34,7 +35,8 @@ def make_engine(tiny_f64: tuple[Any, Any]) -> Iterator[Callable[..., LLMEngine]]
         model, tokenizer = tiny_f64
         kwargs.setdefault("num_kv_blocks", 256)
         kwargs.setdefault("block_size", 4)
-        engine = LLMEngine(model, tokenizer, **kwargs)
+        clock = kwargs.pop("clock", time.time)
+        engine = LLMEngine(model, tokenizer, EngineConfig(**kwargs), clock=clock)
         engines.append(engine)
         return engine
 

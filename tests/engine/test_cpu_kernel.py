@@ -114,7 +114,8 @@ def test_auto_picks_the_kernel_on_cpu_and_falls_back_without_it(monkeypatch: pyt
     cpu = torch.device("cpu")
     assert isinstance(attention.make_backend("auto", cpu, 16), CpuKernelAttentionBackend)
     assert type(attention.make_backend("torch", cpu, 16)) is TorchAttentionBackend
-    monkeypatch.setattr(attention, "_has_cpu_kernel", lambda: False)
+    assert type(attention.make_backend("auto", cpu, 16, cpu_kernels=False)) is TorchAttentionBackend
+    monkeypatch.setattr(attention, "_has_cpu_kernel", lambda cache_dir=None: False)
     assert type(attention.make_backend("auto", cpu, 16)) is TorchAttentionBackend
     with pytest.raises(RuntimeError, match="could not be built"):
         attention.make_backend("cpu", cpu, 16)

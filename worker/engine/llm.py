@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from worker.engine.hardware import resolve_device, resolve_dtype
+from worker.engine.config import EngineConfig
 from worker.engine.llm_engine import LLMEngine
 from worker.engine.outputs import RequestOutput
 from worker.engine.sampling_params import SamplingParams
@@ -27,29 +28,41 @@ class LLM:
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         enable_prefix_caching: bool = True,
+        cpu_kernels: bool = True,
+        kernel_cache_dir: str | None = None,
         tokenizer: Any = None,
-        **engine_kwargs: Any,
+        **config_fields: Any,
     ) -> None:
-        """``model``: what the model loader takes (alias, HF directory, .gguf, hub id), or a loaded HF
-        model together with ``tokenizer``."""
-        from worker.engine.model_loader import load_model
-
-        torch_device = resolve_device(device)
-        if isinstance(model, str):
-            model, tokenizer = load_model(model, resolve_dtype(dtype, torch_device), torch_device)
-        elif tokenizer is None:
-            raise ValueError("pass tokenizer= with a loaded model")
-        self.engine = LLMEngine(
-            model,
-            tokenizer,
+        """``model``: a model name (``smollm2-135m-instruct``), a Hugging Face directory, a .gguf file or a hub
+        id; or a loaded HF model together with ``tokenizer``. The keywords are ``EngineConfig``'s fields, with
+        its defaults: ``cpu_kernels=False`` keeps the plain-torch CPU attention (no compiled kernel),
+        ``kernel_cache_dir`` moves the kernel's build cache from ~/.cache/inflightq/kernels; ``config_fields``
+        takes the others (max_model_len, aging_steps, attention_backend, served_model_name, ...)."""
+        config = EngineConfig(
+            model=model if isinstance(model, str) else "",
+            dtype=dtype,
+            device=device,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             enable_prefix_caching=enable_prefix_caching,
-            **engine_kwargs,
+            cpu_kernels=cpu_kernels,
+            kernel_cache_dir=kernel_cache_dir,
+            **config_fields,
         )
+        if isinstance(model, str):
+            self.engine = LLMEngine.from_config(config)
+        elif tokenizer is None:
+            raise ValueError("pass tokenizer= with a loaded model")
+        else:
+            self.engine = LLMEngine(model, tokenizer, config)
         self._next_id = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "model"}
+        return cls(config.model, **fields)
 
     @property
     def tokenizer(self) -> Any:

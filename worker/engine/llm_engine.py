@@ -16,6 +16,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from worker.engine.block_manager import BlockManager
+from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.memory import auto_num_kv_blocks
 from worker.engine.model_runner import ModelRunner
@@ -28,46 +29,40 @@ from worker.engine.sequence import Sequence, SequenceStatus
 
 class LLMEngine:
     def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        *,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 1024,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        enable_prefix_caching: bool = True,
-        max_model_len: int | None = None,
-        aging_steps: int | None = 256,
-        attention_backend: str = "auto",
-        clock: Callable[[], float] = time.time,
+        self, model: Any, tokenizer: Any, config: EngineConfig | None = None, *, clock: Callable[[], float] = time.time
     ) -> None:
+        """``model`` and ``tokenizer`` loaded already (``from_config`` loads them from ``config.model``); the
+        model's own device and dtype are used."""
+        config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
-        config = model.config.get_text_config()
-        self.max_model_len = min(max_model_len or 1 << 30, getattr(config, "max_position_embeddings", None) or 1 << 30)
+        text_config = model.config.get_text_config()
+        max_model_len = min(
+            config.max_model_len or 1 << 30, getattr(text_config, "max_position_embeddings", None) or 1 << 30
+        )
         param = next(model.parameters())
+        num_kv_blocks = config.num_kv_blocks
         if num_kv_blocks is None:
             num_kv_blocks = auto_num_kv_blocks(
-                ModelRunner.kv_bytes_per_block(model, block_size, param.dtype),
+                ModelRunner.kv_bytes_per_block(model, config.block_size, param.dtype),
                 param.device,
-                max_blocks=max_num_seqs * -(-self.max_model_len // block_size),
+                max_blocks=config.max_num_seqs * -(-max_model_len // config.block_size),
             )
-        self.max_model_len = min(self.max_model_len, num_kv_blocks * block_size)
+        max_model_len = min(max_model_len, num_kv_blocks * config.block_size)
+        self.config = config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len)
+        self.max_model_len = max_model_len
         self.stats = EngineStats()
-        self.block_manager = BlockManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.block_manager = BlockManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager,
             self.stats,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            aging_steps=aging_steps,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            aging_steps=config.aging_steps,
             clock=clock,
         )
-        self.runner = ModelRunner(
-            model, num_blocks=num_kv_blocks, block_size=block_size, attention_backend=attention_backend
-        )
-        self.sampler = Sampler(config.vocab_size, param.device)
+        self.runner = ModelRunner(model, config)
+        self.sampler = Sampler(text_config.vocab_size, param.device)
         # Rows of the embedding table: an id past them would fail the whole batch's forward.
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.eos_token_ids = _eos_ids(model, tokenizer)
@@ -77,8 +72,20 @@ class LLMEngine:
         self._arrivals = 0
         self._lock = threading.RLock()
         # Read by the worker's capacity decision without the lock (a step holds it for its whole forward).
-        self.load = EngineLoad(max_num_seqs, block_size)
+        self.load = EngineLoad(config.max_num_seqs, config.block_size)
         self._refresh_load()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """Loads ``config.model`` on ``config.device`` in ``config.dtype`` and builds the engine around it."""
+        from worker.engine.hardware import resolve_device, resolve_dtype
+        from worker.engine.model_loader import load_model
+
+        device = resolve_device(config.device)
+        model, tokenizer = load_model(
+            config.model, resolve_dtype(config.dtype, device), device, config.converted_model_dir
+        )
+        return cls(model, tokenizer, config)
 
     # --- what it holds, read by the worker ------------------------------------------------------
     @property
@@ -155,12 +162,10 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
-            seq = self._seqs.pop(request_id, None)
+            seq = self._seqs.get(request_id)
             if seq is None:
                 return False
-            self.scheduler.remove(seq)
-            self.sampler.release(request_id)
-            seq.status = SequenceStatus.FINISHED
+            self._drop(seq)
             self._refresh_load()
             return True
 

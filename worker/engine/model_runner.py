@@ -9,6 +9,7 @@ import torch
 
 from worker.engine import attention
 from worker.engine.attention.metadata import AttentionMetadata, PrefillChunk
+from worker.engine.config import EngineConfig
 from worker.engine.fast_linear import prepack_linears, prepack_supported
 from worker.engine.fused_projections import fuse_sibling_projections
 from worker.engine.memory import lazy_zeros
@@ -26,22 +27,23 @@ def kv_geometry(model: Any) -> tuple[int, int, int]:
 
 class ModelRunner:
     def __init__(
-        self,
-        model: Any,
-        *,
-        num_blocks: int,
-        block_size: int,
-        attention_backend: str = "auto",
-        prepack_weights: bool = True,
-        fuse_projections: bool = True,
+        self, model: Any, config: EngineConfig, *, prepack_weights: bool = True, fuse_projections: bool = True
     ) -> None:
+        """``config.num_kv_blocks`` must be set (the engine sizes it when the caller did not)."""
+        assert config.num_kv_blocks is not None
         self.model = model
-        self.block_size = block_size
+        self.block_size = block_size = config.block_size
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         num_layers, num_kv_heads, head_dim = kv_geometry(model)
-        self.backend = attention.make_backend(attention_backend, self.device, block_size)
-        shape = self.backend.cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        self.backend = attention.make_backend(
+            config.attention_backend,
+            self.device,
+            block_size,
+            cpu_kernels=config.cpu_kernels,
+            kernel_cache_dir=config.kernel_cache_dir,
+        )
+        shape = self.backend.cache_shape(config.num_kv_blocks, block_size, num_kv_heads, head_dim)
         self.kv_caches = [
             (
                 lazy_zeros(shape, self.dtype, self.device),

@@ -39,12 +39,15 @@ def register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
 
 
-def make_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
+def make_backend(
+    name: str, device: torch.device, block_size: int, *, cpu_kernels: bool = True, kernel_cache_dir: str | None = None
+) -> AttentionBackend:
+    """``cpu_kernels=False``: never build the compiled CPU kernel (``auto`` then picks torch on CPU)."""
     # flash-attn's paged kernels take blocks of a multiple of 256 tokens only.
     flash_ok = device.type == "cuda" and block_size % 256 == 0
     if name == "auto":
         if device.type == "cpu":
-            name = "cpu" if _has_cpu_kernel() else "torch"
+            name = "cpu" if cpu_kernels and _has_cpu_kernel(kernel_cache_dir) else "torch"
         else:
             name = "flash" if flash_ok and _has_flash_attn() else "torch"
     if name == "flash" and not flash_ok:
@@ -52,7 +55,9 @@ def make_backend(name: str, device: torch.device, block_size: int) -> AttentionB
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError("the cpu backend runs on CPU tensors only")
-        if not _has_cpu_kernel():
+        if not cpu_kernels:
+            raise ValueError("the cpu backend is the compiled CPU kernel, which cpu_kernels=False turns off")
+        if not _has_cpu_kernel(kernel_cache_dir):
             raise RuntimeError("the cpu backend's kernel could not be built (see the warning above); use torch")
         from worker.engine.attention.cpu_backend import CpuKernelAttentionBackend
 
@@ -68,10 +73,10 @@ def make_backend(name: str, device: torch.device, block_size: int) -> AttentionB
     raise ValueError(f"unknown attention backend {name!r} (torch, cpu, flash, auto)")
 
 
-def _has_cpu_kernel() -> bool:
+def _has_cpu_kernel(cache_dir: str | None = None) -> bool:
     from worker.engine.attention.cpu_kernel import paged_decode_available
 
-    return paged_decode_available()
+    return paged_decode_available(cache_dir)
 
 
 def _has_flash_attn() -> bool:

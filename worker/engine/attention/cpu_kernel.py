@@ -6,7 +6,9 @@ torch's version, the flags and the CPU's model and feature flags: a cache carrie
 CPU (a container image, a shared home) is rebuilt, never run with instructions the CPU lacks.
 A build takes about half a minute once; later processes load the shared library in
 milliseconds. Without a C++ compiler or ninja the build fails, and the engine keeps the
-plain-torch attention: slower, same results.
+plain-torch attention: slower, same results (the worker package puts the ``ninja`` wheel on
+PATH). ``EngineConfig.cpu_kernels`` / ``kernel_cache_dir`` (the worker's INFLIGHTQ_CPU_KERNELS /
+INFLIGHTQ_KERNEL_CACHE) turn it off / move the cache.
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -25,8 +25,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-CACHE_ENV = "INFLIGHTQ_KERNEL_CACHE"  # where built kernels go (default ~/.cache/inflightq/kernels)
-DISABLE_ENV = "INFLIGHTQ_CPU_KERNELS"  # "0" keeps the plain-torch path without trying a build
+DEFAULT_CACHE = Path("~/.cache/inflightq/kernels")
 STALE_LOCK_S = 600
 
 
@@ -47,29 +46,15 @@ def build_key() -> str:
     return digest.hexdigest()[:16]
 
 
-def _ensure_ninja_on_path() -> None:
-    # torch's builder runs `ninja` from PATH; the `ninja` wheel puts it in the venv's bin/, which
-    # is not on PATH when the venv's python is run without activating it.
-    if shutil.which("ninja"):
-        return
-    try:
-        import ninja  # type: ignore[import-not-found]
-    except ImportError:
-        return
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
 @functools.cache
-def paged_decode_available() -> bool:
-    """Builds (once per machine) and loads the kernel; False, with one warning, if it can't."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return False
+def paged_decode_available(cache_dir: str | None = None) -> bool:
+    """Builds (once per machine, under ``cache_dir``) and loads the kernel; False, with one warning, if it can't."""
     if hasattr(torch.ops, "inflightq") and hasattr(torch.ops.inflightq, "paged_decode"):
         return True
     try:
         key = build_key()
         name = f"inflightq_paged_decode_{key}"
-        root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "inflightq" / "kernels")
+        root = Path(cache_dir or DEFAULT_CACHE).expanduser()
         build_dir = root / key
         library = build_dir / f"{name}.so"
         if library.exists():
@@ -87,7 +72,6 @@ def paged_decode_available() -> bool:
 def _build(name: str, build_dir: Path) -> None:
     from torch.utils import cpp_extension
 
-    _ensure_ninja_on_path()
     build_dir.mkdir(parents=True, exist_ok=True)
     lock = build_dir / "lock"
     # A build takes well under STALE_LOCK_S; an older lock is a dead builder's.

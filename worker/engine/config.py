@@ -1,0 +1,31 @@
+"""The engine's knobs in one place. The engine reads no environment: the worker fills this from
+its settings (``INFLIGHTQ_*``), the offline ``LLM`` from its keyword arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class EngineConfig:
+    model: str = ""  # a Hugging Face directory, a .gguf file, a hub id, or a name model_loader.resolve_name knows
+    served_model_name: str | None = None  # what requests call the model; None = model
+    dtype: str | torch.dtype = "auto"  # auto: bf16 where the hardware runs it fast, else fp32 (fp16 on old GPUs)
+    device: str | torch.device = "auto"  # auto: cuda if present, else cpu
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024  # tokens one step computes at most
+    block_size: int = 16  # tokens per KV cache block
+    num_kv_blocks: int | None = None  # None: sized from free memory
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # None: the model's max_position_embeddings (and what the KV cache holds)
+    aging_steps: int | None = 256  # steps after which a waiting request gains one priority level; None: no aging
+    attention_backend: str = "auto"  # auto, torch, cpu (the compiled CPU kernel), flash
+    cpu_kernels: bool = True  # False: never build or use the compiled CPU kernel (plain-torch attention)
+    kernel_cache_dir: str | None = None  # where the CPU kernel is built; None: ~/.cache/inflightq/kernels
+    converted_model_dir: str | None = None  # a .gguf's de-quantized copy; None: ~/.cache/inflightq/models/<name>
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model

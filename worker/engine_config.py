@@ -1,0 +1,28 @@
+"""The engine a worker runs, configured from the worker's settings (the engine itself reads no environment)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared.model_source import resolve
+from shared.settings import Settings
+from worker.engine import EngineConfig
+
+
+def engine_config(settings: Settings, **overrides: Any) -> EngineConfig:
+    """``overrides``: EngineConfig fields that differ from the settings (e.g. a resolved device or dtype)."""
+    source = resolve(settings.model)  # the name resolved once, here; the engine gets a path
+    fields: dict[str, Any] = {
+        "model": source.file,
+        "served_model_name": settings.model,
+        "converted_model_dir": str(source.converted_dir) if source.gguf_file else None,
+        "dtype": settings.dtype,
+        "device": settings.device,
+        "max_num_seqs": settings.max_num_seqs,
+        "max_num_batched_tokens": settings.max_num_batched_tokens,
+        "block_size": settings.block_size,
+        "num_kv_blocks": settings.num_kv_blocks,
+        "cpu_kernels": settings.cpu_kernels,
+        "kernel_cache_dir": settings.kernel_cache,
+    }
+    return EngineConfig(**(fields | overrides))
