@@ -244,7 +244,8 @@ class QueueCore:
         request = normalize(self.settings, request)
         yield from self.ensure_groups(request.model)
         model_streams = [self.keys.stream(request.model, p) for p in range(self.settings.priority_levels)]
-        fields = [item for pair in hash_fields(request).items() for item in pair]
+        first = hash_fields(request.id, request.model, request.priority, request.submitted_at, request.attempt)
+        fields = [item for pair in first.items() for item in pair]
         verdict, detail = yield RunScript(
             ENQUEUE,
             keys=[

@@ -47,10 +47,6 @@ stay legal on Redis Cluster."""
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # schemas imports RequestStatus from here
-    from shared.schemas import QueuedRequest
 
 
 class RequestStatus(StrEnum):
@@ -99,15 +95,15 @@ DELIVERIES = "deliveries"
 ATTEMPT = "attempt"
 
 
-def hash_fields(request: QueuedRequest) -> dict[str, str]:
-    """The request hash as ENQUEUE first writes it."""
+def hash_fields(request_id: str, model: str, priority: int, submitted_at: float, attempt: int) -> dict[str, str]:
+    """The request hash as ENQUEUE first writes it (plain values: ``shared.schemas`` imports this module)."""
     return {
-        "id": request.id,
+        "id": request_id,
         STATUS: RequestStatus.QUEUED.value,
-        "model": request.model,
-        "priority": str(request.priority),
-        "submitted_at": repr(request.submitted_at),
-        ATTEMPT: str(request.attempt),
+        "model": model,
+        "priority": str(priority),
+        "submitted_at": repr(submitted_at),
+        ATTEMPT: str(attempt),
         DELIVERIES: "0",
     }
 

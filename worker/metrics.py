@@ -1,13 +1,13 @@
 """The worker's Prometheus endpoint (``--metrics-port``): service counters and engine stats, read
-at scrape time so the engine loop does no metrics work, and two latency histograms per priority
-level (time in queue, time to first token), observed once per request."""
+at scrape time so the engine loop does no metrics work, and the latency histograms per priority
+level (``worker/priority_latency.py``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
@@ -22,39 +22,6 @@ COUNTERS = {
     "dead_lettered": "Entries sent to the dead-letter stream.",
     "handed_back": "Requests handed back to the queue (drain, engine failure).",
 }
-
-
-# From an idle stack's tens of milliseconds to a saturated queue's minutes.
-LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2.5, 5, 10, 20, 40, 80, 160, 320)
-
-
-class PriorityLatency:
-    """Per priority level: how long requests waited in Redis, and how long until their first token
-    (both from submission). Requests resumed after a takeover are left out: their clock restarted."""
-
-    def __init__(self, worker: str, model: str) -> None:
-        self.labels = {"worker": worker, "model": model}
-        names = ["worker", "model", "priority"]
-        self.time_in_queue = Histogram(
-            "inflightq_worker_time_in_queue_seconds",
-            "From submission until this worker started the request, by priority.",
-            names,
-            registry=None,
-            buckets=LATENCY_BUCKETS,
-        )
-        self.time_to_first_token = Histogram(
-            "inflightq_worker_time_to_first_token_seconds",
-            "From submission until the first token, by priority.",
-            names,
-            registry=None,
-            buckets=LATENCY_BUCKETS,
-        )
-
-    def started(self, priority: int, waited_s: float) -> None:
-        self.time_in_queue.labels(**self.labels, priority=str(priority)).observe(max(0.0, waited_s))
-
-    def first_token(self, priority: int, after_s: float) -> None:
-        self.time_to_first_token.labels(**self.labels, priority=str(priority)).observe(max(0.0, after_s))
 
 
 class WorkerCollector:

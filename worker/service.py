@@ -38,7 +38,7 @@ from worker.engine_port import Engine
 from worker.heartbeat import Heartbeat
 from worker.inbox import Inbox, InboxItem, OwnedEntries
 from worker.intake import Intake, WorkerLoad
-from worker.metrics import PriorityLatency
+from worker.priority_latency import PriorityLatency
 from worker.publisher import Publisher
 from worker.reconnect import TRANSIENT
 from worker.recovery import Recovery
