@@ -66,13 +66,12 @@ def _batch_errors() -> Iterator[None]:
 
 
 def _batch_store() -> BatchStore:
-    import redis
-
     from producer_api.batches.store import BatchStore
+    from shared.redis_connect import connect
     from shared.settings import get_settings
 
     settings = get_settings()
-    return BatchStore(settings, redis.Redis.from_url(settings.redis_url))
+    return BatchStore(settings, connect(settings, decode_responses=False))  # type: ignore[arg-type]
 
 
 @app.command("batch-worker")

@@ -26,6 +26,7 @@ from producer_api.tgi import routes as tgi
 from producer_api.tokenization import Tokenizers
 from shared.async_client import AsyncQueueClient
 from shared.keys import Keys
+from shared.redis_connect import connect_async
 from shared.settings import Settings, get_settings
 
 # Room for a multipart upload's boundaries and part headers around the file itself.
@@ -50,8 +51,8 @@ Every generation route also takes `priority` (0 = most urgent), `ignore_eos`, an
 
 def _redis(settings: Settings) -> aioredis.Redis:
     # Few, short retries: a Redis that is down must become a 503 within a second, not a hang.
-    return aioredis.Redis.from_url(
-        settings.redis_url,
+    return connect_async(  # type: ignore[return-value]
+        settings,
         decode_responses=True,
         max_connections=settings.redis_max_connections,
         socket_connect_timeout=2.0,

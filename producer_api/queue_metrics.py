@@ -14,6 +14,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from shared.client import QueueClient
+from shared.redis_connect import connect
 from shared.settings import Settings
 
 
@@ -21,8 +22,8 @@ class QueueCollector(Collector):
     def __init__(self, settings: Settings, *, timeout_s: float = 1.0) -> None:
         self.settings = settings
         # Short timeouts and no retries: a scrape must answer even while Redis is away.
-        connection = redis.Redis.from_url(
-            settings.redis_url, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        connection = connect(
+            settings, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
         self.client = QueueClient(settings, client=connection)
 

@@ -1,6 +1,10 @@
 """The asyncio twin of ``shared.client.QueueClient``: the same methods, as coroutines
 (``stream`` is an async generator). It performs the same plans (``shared.client_core``) with
-redis.asyncio; see ``shared.client`` for the contract."""
+redis.asyncio; see ``shared.client`` for the contract.
+
+Unlike the sync client, every stream it follows shares one pub/sub connection per Redis node
+(``shared.subscriptions.ChannelHub``): an API replica with 10,000 open streams holds a handful of
+Redis connections, not 10,000."""
 
 from __future__ import annotations
 
@@ -9,13 +13,14 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeVar, Unpack
 
 import redis.asyncio as aioredis
-from redis.asyncio.client import PubSub
 
-from shared.client_core import CLIENT_SCRIPTS, QueueCore, SubmitOptions, redis_kwargs
+from shared.client_core import CLIENT_SCRIPTS, QueueCore, SubmitOptions
 from shared.event_delivery import AnyEvent, EventSequencer
+from shared.redis_connect import connect_async
 from shared.redis_plan import Emit, Plan, Steps, start
 from shared.schemas import FinalResult, QueuedRequest, RequestInfo, SamplingSpec, WorkerHeartbeat
 from shared.settings import Settings, get_settings
+from shared.subscriptions import ChannelHub, HubSubscription
 
 T = TypeVar("T")
 
@@ -23,14 +28,14 @@ T = TypeVar("T")
 class AsyncQueueClient:
     def __init__(self, settings: Settings | None = None, *, client: aioredis.Redis | None = None) -> None:
         self.settings = settings or get_settings()
-        self.redis: aioredis.Redis = client or aioredis.Redis.from_url(
-            self.settings.redis_url, **redis_kwargs(self.settings)
-        )
+        # A redis.asyncio.Redis, or its RedisCluster (INFLIGHTQ_REDIS_CLUSTER): same commands.
+        self.redis: aioredis.Redis = client or connect_async(self.settings)  # type: ignore[assignment]
+        self.hub = ChannelHub(self.redis)
         self._core = QueueCore(self.settings)
         self.keys = self._core.keys
         self._scripts = {lua: self.redis.register_script(lua) for lua in CLIENT_SCRIPTS}
 
-    async def _perform(self, plan: Plan[Any], pubsub: PubSub | None = None) -> AsyncIterator[AnyEvent]:
+    async def _perform(self, plan: Plan[Any], pubsub: HubSubscription | None = None) -> AsyncIterator[AnyEvent]:
         while (op := plan.next()) is not None:
             if isinstance(op, Emit):
                 for event in op.events:
@@ -41,7 +46,7 @@ class AsyncQueueClient:
                 except Exception as error:
                     plan.fail(error)
 
-    async def _run(self, steps: Steps[T], pubsub: PubSub | None = None) -> T:
+    async def _run(self, steps: Steps[T], pubsub: HubSubscription | None = None) -> T:
         plan = Plan(steps)
         async for _ in self._perform(plan, pubsub):
             pass
@@ -67,12 +72,12 @@ class AsyncQueueClient:
     async def stream(
         self, request_id: str, from_index: int = 0, timeout: float | None = None
     ) -> AsyncIterator[AnyEvent]:
-        async with self.redis.pubsub() as pubsub:
+        async with self.hub.subscription() as pubsub:
             async for event in self._perform(Plan(self._core.follow(request_id, from_index, timeout)), pubsub):
                 yield event
 
     async def result(self, request_id: str, timeout: float | None = None) -> FinalResult:
-        async with self.redis.pubsub() as pubsub:
+        async with self.hub.subscription() as pubsub:
             return await self._run(self._core.result(request_id, timeout), pubsub)
 
     async def _idle_check(self, request_id: str, sequencer: EventSequencer) -> tuple[list[AnyEvent], bool]:
@@ -104,6 +109,7 @@ class AsyncQueueClient:
         return await self._run(self._core.ping())
 
     async def close(self) -> None:
+        await self.hub.close()
         await self.redis.aclose()
 
     async def __aenter__(self) -> AsyncQueueClient:

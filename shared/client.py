@@ -17,13 +17,14 @@ from collections.abc import Iterator
 from typing import Any, TypeVar, Unpack
 
 import redis
-from redis.client import PubSub
 
 from shared.client_core import CLIENT_SCRIPTS, QueueCore, SubmitOptions, redis_kwargs
 from shared.event_delivery import AnyEvent, EventSequencer
+from shared.redis_connect import connect
 from shared.redis_plan import Emit, Plan, Steps, start
 from shared.schemas import FinalResult, QueuedRequest, RequestInfo, SamplingSpec, WorkerHeartbeat
 from shared.settings import Settings, get_settings
+from shared.subscriptions import StreamSubscription
 
 __all__ = ["QueueClient", "redis_kwargs"]
 
@@ -33,12 +34,13 @@ T = TypeVar("T")
 class QueueClient:
     def __init__(self, settings: Settings | None = None, *, client: redis.Redis | None = None) -> None:
         self.settings = settings or get_settings()
-        self.redis: redis.Redis = client or redis.Redis.from_url(self.settings.redis_url, **redis_kwargs(self.settings))
+        # A redis.Redis, or a redis.cluster.RedisCluster (INFLIGHTQ_REDIS_CLUSTER): same commands.
+        self.redis: redis.Redis = client or connect(self.settings)  # type: ignore[assignment]
         self._core = QueueCore(self.settings)
         self.keys = self._core.keys
         self._scripts = {lua: self.redis.register_script(lua) for lua in CLIENT_SCRIPTS}
 
-    def _perform(self, plan: Plan[Any], pubsub: PubSub | None = None) -> Iterator[AnyEvent]:
+    def _perform(self, plan: Plan[Any], pubsub: StreamSubscription | None = None) -> Iterator[AnyEvent]:
         """Runs the plan's ops against Redis, yielding the events it emits."""
         while (op := plan.next()) is not None:
             if isinstance(op, Emit):
@@ -49,7 +51,7 @@ class QueueClient:
             except Exception as error:
                 plan.fail(error)
 
-    def _run(self, steps: Steps[T], pubsub: PubSub | None = None) -> T:
+    def _run(self, steps: Steps[T], pubsub: StreamSubscription | None = None) -> T:
         plan = Plan(steps)
         for _ in self._perform(plan, pubsub):
             pass
@@ -75,12 +77,12 @@ class QueueClient:
     def stream(self, request_id: str, from_index: int = 0, timeout: float | None = None) -> Iterator[AnyEvent]:
         """Every event of the request from ``from_index`` on, ending with its terminal event.
         ``timeout`` bounds the whole stream (TimeoutError past it)."""
-        with self.redis.pubsub() as pubsub:
+        with StreamSubscription(self.redis) as pubsub:
             yield from self._perform(Plan(self._core.follow(request_id, from_index, timeout)), pubsub)
 
     def result(self, request_id: str, timeout: float | None = None) -> FinalResult:
         """Waits for the request to finish; raises the error type of its ErrorEvent."""
-        with self.redis.pubsub() as pubsub:
+        with StreamSubscription(self.redis) as pubsub:
             return self._run(self._core.result(request_id, timeout), pubsub)
 
     def _idle_check(self, request_id: str, sequencer: EventSequencer) -> tuple[list[AnyEvent], bool]:

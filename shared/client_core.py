@@ -28,10 +28,11 @@ from shared.event_delivery import (
     EventSequencer,
     accept_log_entries,
     log_maxlen,
+    publish_command,
 )
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.redis_plan import Emit, Pause, Pipeline, RunScript, Steps, call, pubsub_call
-from shared.request_lifecycle import CANCEL, ENQUEUE, STATUS, RequestStatus, hash_fields
+from shared.request_lifecycle import CANCEL, CREATE, ENQUEUE, STATUS, RequestStatus, hash_fields
 from shared.schemas import (
     DoneEvent,
     ErrorEvent,
@@ -46,7 +47,7 @@ from shared.settings import Settings
 from shared.work_queue import NOTIFY_KEEP, STREAM_FIELD, depth_of, first_undelivered
 
 # The scripts a client runs; each front registers them once.
-CLIENT_SCRIPTS = (ENQUEUE, CANCEL)
+CLIENT_SCRIPTS = (CREATE, ENQUEUE, CANCEL)
 
 # How long a follower waits on pub/sub before it re-reads the replay log and the hash: the
 # safety net for a lost pub/sub message or a dropped connection, not the normal path. The wait
@@ -61,8 +62,10 @@ IDLE_CHECK_MAX_S = 8.0
 # service following them, on the CPU the worker beside them needs.
 QUEUED_CHECK_MAX_S = 30.0
 # A follower's pause after its pub/sub read failed even with the connection's own retries
-# (``redis_kwargs``); redis-py re-subscribes on reconnect.
+# (``redis_kwargs``); the subscription re-subscribes on reconnect (``shared.subscriptions``).
 RECONNECT_PAUSE_S = 0.2
+# How long a new subscription may take to be confirmed.
+SUBSCRIBE_S = 10.0
 
 
 def redis_kwargs(settings: Settings) -> dict[str, Any]:
@@ -245,28 +248,26 @@ class QueueCore:
         yield from self.ensure_groups(request.model)
         model_streams = [self.keys.stream(request.model, p) for p in range(self.settings.priority_levels)]
         first = hash_fields(request.id, request.model, request.priority, request.submitted_at, request.attempt)
-        fields = [item for pair in first.items() for item in pair]
+        # The hash first, in the request's slot; then the entry, in the model's (another node on a
+        # Cluster): a worker never reads an entry whose hash is still to come.
+        yield RunScript(
+            CREATE,
+            keys=[self.keys.request(request.id)],
+            args=[self.settings.result_ttl_s, *[item for pair in first.items() for item in pair]],
+        )
         verdict, detail = yield RunScript(
             ENQUEUE,
-            keys=[
-                self.keys.request(request.id),
-                self.keys.stream(request.model, request.priority),
-                self.keys.notify(request.model),
-                self.keys.models(),
-                *model_streams,
-            ],
+            keys=[self.keys.stream(request.model, request.priority), self.keys.notify(request.model), *model_streams],
             args=[
-                self.settings.result_ttl_s,
                 request.to_json(),
                 NOTIFY_KEEP,
-                request.model,
                 self.settings.max_queue_depth if check_depth else 0,
                 CONSUMER_GROUP,
                 STREAM_FIELD,
-                *fields,
             ],
         )
         if verdict in (b"overloaded", "overloaded"):
+            yield call("delete", self.keys.request(request.id))
             raise OverloadedError(f"queue for {request.model} is full ({int(detail)} waiting)")
         return request.id
 
@@ -281,6 +282,7 @@ class QueueCore:
             except redis.ResponseError as error:
                 if "BUSYGROUP" not in str(error):
                     raise
+        yield call("sadd", self.keys.models(), model)
         self._models_with_groups.add(model)
 
     # Following ---------------------------------------------------------------------------
@@ -289,26 +291,21 @@ class QueueCore:
         event, which it also returns. ``timeout`` bounds the whole stream (TimeoutError past it)."""
         deadline = deadline_from(timeout)
         sequencer = EventSequencer(next_index=from_index)
-        yield pubsub_call("subscribe", self.keys.tokens_channel(request_id))
-        # The log may be read only once the subscription is live, or an event could fall between.
-        while True:
-            message = yield pubsub_call("get_message", timeout=remaining(deadline))
-            if message is not None and message["type"] == "subscribe":
-                break
+        # The log may be read only once the subscription is live, or an event could fall between:
+        # ``subscribe`` returns once Redis has confirmed it.
+        yield pubsub_call("subscribe", self.keys.tokens_channel(request_id), timeout=remaining(deadline, SUBSCRIBE_S))
         yield Emit((yield from self.catch_up(request_id, sequencer)))
         if not sequencer.finished and not (yield call("exists", self.keys.request(request_id))):
             raise NotFoundError(f"unknown request {request_id}")
         idle = IdleBackoff()
         while not sequencer.finished:
             try:
-                message = yield pubsub_call(
-                    "get_message", ignore_subscribe_messages=True, timeout=idle.timeout(deadline)
-                )
+                message = yield pubsub_call("get_message", timeout=idle.timeout(deadline))
             except (redis.ConnectionError, redis.TimeoutError):
-                # redis-py re-subscribes on reconnect; the log fills whatever passed meanwhile.
+                # The subscription re-subscribes on reconnect; the log fills whatever passed meanwhile.
                 yield Pause(RECONNECT_PAUSE_S)
                 message = None
-            if message is None or message.get("type") != "message":
+            if message is None:  # silence, or the subscription asks for a check (it reconnected)
                 out, queued = yield from self.idle_check(request_id, sequencer)
                 if out:
                     idle.heard()
@@ -316,7 +313,7 @@ class QueueCore:
                     idle.silent(queued=queued)
             else:
                 idle.heard()
-                event = parse_event(message["data"])
+                event = parse_event(message)
                 out = sequencer.accept(event, from_log=False)
                 if sequencer.gap:
                     sequencer.gap = False
@@ -397,7 +394,6 @@ class QueueCore:
                 self.keys.request(request_id),
                 self.keys.replay_log(request_id),
                 self.keys.tokens_channel(request_id),
-                self.keys.cancel_channel(),
             ],
             args=[
                 request_id,
@@ -405,6 +401,8 @@ class QueueCore:
                 repr(time.time()),
                 self.settings.result_ttl_s,
                 log_maxlen(self.settings),
+                self.keys.cancel_channel(),
+                publish_command(self.settings),
             ],
         )
         if outcome == -1:

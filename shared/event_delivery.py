@@ -22,19 +22,27 @@ TERMINAL_ONLY = sys.maxsize
 # Replay-log entries read per round trip when catching up.
 CATCH_UP_COUNT = 512
 
-# KEYS: replay log and token channel of each event, in pairs.  ARGV: log maxlen, ttl, event JSONs.
-# One call per round trip: redis-py packs one command with many arguments far faster than many
-# commands, and the per-token work (log first, then publish) runs inside Redis.
+# KEYS: replay log and token channel of each event, in pairs, all of one slot.
+# ARGV: log maxlen, ttl, publish command (PUBLISH, or SPUBLISH on a Cluster), event JSONs.
+# One call per slot per round trip (on a single Redis, one call in all): redis-py packs one
+# command with many arguments far faster than many commands, and the per-token work (log first,
+# then publish) runs inside Redis.
 PUBLISH_TOKENS = """
-local maxlen, ttl = ARGV[1], ARGV[2]
-for i = 3, #ARGV do
-  local log = KEYS[2 * (i - 3) + 1]
+local maxlen, ttl, publish = ARGV[1], ARGV[2], ARGV[3]
+for i = 4, #ARGV do
+  local log = KEYS[2 * (i - 4) + 1]
   redis.call('XADD', log, 'MAXLEN', '~', maxlen, '*', 'e', ARGV[i])
   redis.call('EXPIRE', log, ttl)
-  redis.call('PUBLISH', KEYS[2 * (i - 3) + 2], ARGV[i])
+  redis.call(publish, KEYS[2 * (i - 4) + 2], ARGV[i])
 end
-return #ARGV - 2
+return #ARGV - 3
 """
+
+
+def publish_command(settings: Settings) -> str:
+    """What the scripts publish events with: on a Cluster a sharded channel (SPUBLISH, Redis 7),
+    so an event goes to the one node that owns its request's slot instead of to every node."""
+    return "SPUBLISH" if settings.redis_cluster else "PUBLISH"
 
 
 def log_maxlen(settings: Settings) -> int:

@@ -1,39 +1,82 @@
 """Every Redis key and channel name, in one place.
 
-All names start with ``{prefix}:`` where the prefix is wrapped in a hash tag, so every
-key of a deployment lands in one Cluster slot (multi-key commands and Lua stay legal)
-and several deployments or test runs share one Redis without touching each other."""
+Where a key lives on a Redis Cluster is decided here, by its hash tag (the part in braces):
+
+- ``{iq}:...``: deployment-wide keys (worker heartbeats, the models set, the cancel channel,
+  files, batches, rate limits) share one slot;
+- ``{iq/q/<model>}:...``: a model's queue (priority streams and their consumer group, wake-up
+  list, dead letters) shares one slot per model;
+- ``{iq/r<shard>.<n>}:...``: a request's hash, replay log and token channel share the slot of
+  its shard. The shard is a hash of the request id (``shard_of``), so any id, generated or
+  chosen by a client, carries its shard; the ``REQUEST_SHARDS`` shards' tags are chosen so that
+  shard k's slot lies in the k-th of ``REQUEST_SHARDS`` equal slot ranges, which spreads requests
+  evenly over however many masters split the slots evenly.
+
+Every Lua script names keys of one tag only (see ``shared.request_lifecycle``), so scripts stay
+legal on a Cluster, and a worker's step groups its token events by slot. All names start with
+``{<prefix>``, so several deployments or test runs share one Redis (or Cluster) without
+touching each other."""
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
+from functools import lru_cache
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 CONSUMER_GROUP = "workers"
+
+# Fixed for good: shard k's tag depends on it, and readers must find what writers wrote.
+REQUEST_SHARDS = 128
+
+
+def shard_of(request_id: str) -> int:
+    return zlib.crc32(request_id.encode()) % REQUEST_SHARDS
+
+
+@lru_cache(maxsize=64)
+def shard_tags(prefix: str) -> tuple[str, ...]:
+    """The hash tag of each request shard of ``prefix``: the first ``<prefix>/r<k>.<n>`` whose
+    slot falls in the k-th slot range (about 128 CRC16s per shard, once per process)."""
+    size = REDIS_CLUSTER_HASH_SLOTS // REQUEST_SHARDS
+    tags = []
+    for shard in range(REQUEST_SHARDS):
+        n = 0
+        while key_slot(f"{{{prefix}/r{shard}.{n}}}".encode()) // size != shard:
+            n += 1
+        tags.append(f"{{{prefix}/r{shard}.{n}}}")
+    return tuple(tags)
 
 
 @dataclass(frozen=True)
 class Keys:
-    prefix: str
+    prefix: str  # the deployment's name, without braces
 
     @classmethod
     def for_prefix(cls, prefix: str) -> Keys:
-        tagged = prefix if prefix.startswith("{") and prefix.endswith("}") else "{" + prefix + "}"
-        return cls(tagged)
+        return cls(prefix.removeprefix("{").removesuffix("}"))
 
     def _k(self, *parts: object) -> str:
-        return ":".join([self.prefix, *map(str, parts)])
+        return ":".join(["{" + self.prefix + "}", *map(str, parts)])
+
+    def _model_k(self, model: str, *parts: object) -> str:
+        return ":".join(["{" + self.prefix + "/q/" + model + "}", *map(str, parts)])
+
+    def _request_k(self, request_id: str, *parts: object) -> str:
+        return ":".join([shard_tags(self.prefix)[shard_of(request_id)], *map(str, parts)])
 
     # Per model ---------------------------------------------------------------------
     def stream(self, model: str, priority: int) -> str:
         """Priority stream of a model; priority 0 is the most urgent."""
-        return self._k("q", model, f"p{priority}")
+        return self._model_k(model, f"p{priority}")
 
     def notify(self, model: str) -> str:
         """A list idle workers block on; every enqueue pushes one wake-up token."""
-        return self._k("notify", model)
+        return self._model_k(model, "notify")
 
     def dead_letters(self, model: str) -> str:
-        return self._k("dead", model)
+        return self._model_k(model, "dead")
 
     def models(self) -> str:
         """Set of model names that ever had a queue (for status and /v1/models)."""
@@ -42,15 +85,15 @@ class Keys:
     # Per request -------------------------------------------------------------------
     def request(self, request_id: str) -> str:
         """Hash: status, model, priority, timestamps, worker, result (JSON) when final."""
-        return self._k("req", request_id)
+        return self._request_k(request_id, "req", request_id)
 
     def tokens_channel(self, request_id: str) -> str:
         """Pub/sub channel with every event of the request, live."""
-        return self._k("tokens", request_id)
+        return self._request_k(request_id, "tokens", request_id)
 
     def replay_log(self, request_id: str) -> str:
         """Stream holding the same events, for late subscribers, SSE resume and takeover."""
-        return self._k("log", request_id)
+        return self._request_k(request_id, "log", request_id)
 
     def idempotency(self, scope: str, key: str) -> str:
         """Maps a client-chosen key (a batch line's custom_id) to the request id it created."""
@@ -108,5 +151,10 @@ class Keys:
         return self._k("workers")
 
     def pattern(self) -> str:
-        """Glob over every key of this prefix (cleanup of a test run)."""
-        return self.prefix.replace("{", "\\{").replace("}", "\\}") + ":*"
+        """Glob over every key of this prefix, whatever its tag (cleanup of a test run); on a
+        Cluster, scan every master with it."""
+        return "\\{" + glob_escape(self.prefix) + "[}/]*"
+
+
+def glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]{}\\" else c for c in text)

@@ -8,14 +8,14 @@ Lua scripts that make those moves in Redis. The one place the lifecycle lives.
       ├──────────┼─────► cancelled  (DELETE /v1/jobs/{id}, client disconnect, client.cancel)
       └──────────┴─────► expired    (deadline passed before or during generation)
 
-Who moves it: the API/client writes ``queued`` (``ENQUEUE``) and may ask for ``cancelled``
+Who moves it: the API/client writes ``queued`` (``CREATE`` then ``ENQUEUE``) and may ask for ``cancelled``
 (``CANCEL``); a worker writes every other state (``START``, ``FINISH``).
 
 Where it is stored: the request hash (``keys.request``), with a TTL:
 
-    id, model, priority, submitted_at   written by ENQUEUE (see ``hash_fields``)
+    id, model, priority, submitted_at   written by CREATE (see ``hash_fields``)
     status                              the state above; written only by the scripts below
-    entry_id                            the priority-stream entry ENQUEUE added
+    entry_id                            the priority-stream entry, written by START
     attempt, deliveries, worker         START: takeovers, deliveries (poison limit), owner
     started_at, finished_at             START, FINISH
     result | error                      FINISH (JSON), or CANCEL's error for a queued request
@@ -25,9 +25,9 @@ Each script is atomic, so the lifecycle holds however clients and workers race; 
 FINISH check their move against ``ALLOWED_TRANSITIONS`` itself, rendered into their Lua, so the
 table the code and the tests read is the one Redis enforces.
 
-- ``ENQUEUE`` (client): checks the model's queue depth, writes the hash ``queued`` (with the
-  stream entry's id), XADDs, wakes a worker, all at once, so concurrent submits cannot push a
-  queue past its limit.
+- ``CREATE`` then ``ENQUEUE`` (client): writes the hash ``queued``; then, in the model's slot,
+  checks the model's queue depth, XADDs and wakes a worker, all at once, so concurrent submits
+  cannot push a queue past its limit (a refused request's hash is deleted again).
 - ``CANCEL`` (client): queued -> cancelled at once; its entry stays in the stream until a worker
   reads and skips it. (Deleting an unread entry would leave a tombstone ahead of the group's
   read position, and Redis then reports the group's lag as unknown, which blinds autoscaling
@@ -37,12 +37,15 @@ table the code and the tests read is the one Redis enforces.
 - ``START`` (worker): queued -> running, or running -> running on takeover (attempt + 1).
   Counts deliveries so a request that keeps killing workers is dead-lettered.
 - ``FINISH`` (worker): -> done | failed | cancelled | expired where the table allows it, stores
-  the result or error, appends the terminal event to the replay log, publishes it, and XACKs +
-  XDELs the stream entry, all at once: no reader ever sees a final status without its terminal
-  event.
+  the result or error, appends the terminal event to the replay log and publishes it, all at
+  once: no reader ever sees a final status without its terminal event. Then the stream entry is
+  XACKed and XDELed.
 
-Scripts name every key they touch in KEYS, and all keys share the prefix's hash tag, so they
-stay legal on Redis Cluster."""
+Each script names every key it touches in KEYS, all of one hash tag (``shared.keys``): a
+request's scripts touch its own slot, ``ENQUEUE`` its model's; so they stay legal on a Redis
+Cluster, where the two live on different nodes. That is why a request's life takes two scripts
+where one would do on a single Redis: the hash before the queue entry (``CREATE``, ``ENQUEUE``),
+and the final status before the XACK (``FINISH``, then the worker's XACK)."""
 
 from __future__ import annotations
 
@@ -130,19 +133,31 @@ def _lua_can_move() -> str:
 
 _CAN_MOVE = _lua_can_move()
 
-# KEYS: request hash, target priority stream, notify list, models set, then every priority
-# stream of the model (for the depth check).
-# ARGV: ttl, entry JSON, notify keep, model, max depth (0 = unchecked), group, stream field,
-# then the hash's field/value pairs.
+# KEYS: request hash.
+# ARGV: ttl, then the hash's field/value pairs.
+# Writes the hash of a new request, unless a worker already did (on a Cluster the queue's XADD
+# runs on another node; ``START`` recreates a hash it cannot find). Returns 1 when written.
+CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local fields = {}
+for i = 2, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[1], unpack(fields))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+
+# KEYS: target priority stream, notify list, then every priority stream of the model (for the
+# depth check): all in the model's slot.
+# ARGV: entry JSON, notify keep, max depth (0 = unchecked), group, stream field.
 # Returns {'ok', entry id} or {'overloaded', waiting}.
 ENQUEUE = """
-local max_depth = tonumber(ARGV[5])
+local max_depth = tonumber(ARGV[3])
 if max_depth > 0 then
   local waiting = 0
-  for i = 5, #KEYS do
+  for i = 3, #KEYS do
     local length = redis.call('XLEN', KEYS[i])
     if length > 0 then
-      local ok, pending = pcall(redis.call, 'XPENDING', KEYS[i], ARGV[6])
+      local ok, pending = pcall(redis.call, 'XPENDING', KEYS[i], ARGV[4])
       local taken = 0
       if ok then taken = tonumber(pending[1]) end
       waiting = waiting + math.max(0, length - taken)
@@ -150,20 +165,16 @@ if max_depth > 0 then
   end
   if waiting >= max_depth then return {'overloaded', waiting} end
 end
-local fields = {}
-for i = 8, #ARGV do fields[#fields + 1] = ARGV[i] end
-redis.call('HSET', KEYS[1], unpack(fields))
-local id = redis.call('XADD', KEYS[2], '*', ARGV[7], ARGV[2])
-redis.call('HSET', KEYS[1], 'entry_id', id)
-redis.call('EXPIRE', KEYS[1], ARGV[1])
-redis.call('LPUSH', KEYS[3], '1')
-redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[3]) - 1)
-redis.call('SADD', KEYS[4], ARGV[4])
+local id = redis.call('XADD', KEYS[1], '*', ARGV[5], ARGV[1])
+redis.call('LPUSH', KEYS[2], '1')
+redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[2]) - 1)
 return {'ok', id}
 """
 
-# KEYS: request hash, replay log, token channel, cancel channel.
-# ARGV: request id, terminal event JSON, now, ttl, log maxlen.
+# KEYS: request hash, replay log, token channel (one slot).
+# ARGV: request id, terminal event JSON, now, ttl, log maxlen, cancel channel, publish command
+# (PUBLISH, or SPUBLISH on a Cluster). The cancel channel is not a key: it is the deployment's
+# one broadcast channel (a plain PUBLISH, which a Cluster sends to every node).
 # Returns 1 cancelled while queued, 2 cancel sent to the running worker, 0 already final, -1 unknown.
 CANCEL = """
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -174,12 +185,12 @@ if status == 'queued' then
   redis.call('EXPIRE', KEYS[1], ARGV[4])
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'e', ARGV[2])
   redis.call('EXPIRE', KEYS[2], ARGV[4])
-  redis.call('PUBLISH', KEYS[3], ARGV[2])
+  redis.call(ARGV[7], KEYS[3], ARGV[2])
   return 1
 end
 if status == 'running' then
   redis.call('HSET', KEYS[1], 'cancel_requested', '1')
-  redis.call('PUBLISH', KEYS[4], ARGV[1])
+  redis.call('PUBLISH', ARGV[6], ARGV[1])
   return 2
 end
 return 0
@@ -187,7 +198,7 @@ return 0
 
 # KEYS: request hash.
 # ARGV: worker name, now, max deliveries, ttl, then (for a hash that vanished, e.g. a Redis
-# restart without persistence) id, model, priority, submitted_at.
+# restart without persistence) id, model, priority, submitted_at; then the stream entry's id.
 # Returns {verdict, deliveries, attempt}; verdict is 'run', 'cancel', 'poison', or the final status.
 START = (
     _CAN_MOVE
@@ -210,17 +221,19 @@ else
   attempt = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0')
   redis.call('HSET', KEYS[1], 'started_at', ARGV[2])
 end
-redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1])
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'entry_id', ARGV[9])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 return {'run', deliveries, attempt}
 """
 )
 
-# KEYS: request hash, replay log, token channel, priority stream.
-# ARGV: status, terminal event JSON, 'result' or 'error', its JSON, now, ttl, group, entry id
-# ('' when there is no entry), log maxlen.
+# KEYS: request hash, replay log, token channel (one slot).
+# ARGV: status, terminal event JSON, 'result' or 'error', its JSON, now, ttl, log maxlen, publish
+# command (PUBLISH, or SPUBLISH on a Cluster).
 # Returns 1 when this call moved the request to its final status, 0 when the move was not
 # allowed (it already was final). A hash that vanished (Redis lost it) is written anyway.
+# The queue entry is XACKed and XDELed after this ran: it lives in the
+# model's slot, and acking first could lose a request whose final write then failed.
 FINISH = (
     _CAN_MOVE
     + """
@@ -228,16 +241,12 @@ local current = redis.call('HGET', KEYS[1], 'status')
 local applied = 0
 if (not current) or can_move(current, ARGV[1]) then
   redis.call('HSET', KEYS[1], 'status', ARGV[1], 'finished_at', ARGV[5], ARGV[3], ARGV[4])
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[9], '*', 'e', ARGV[2])
-  redis.call('PUBLISH', KEYS[3], ARGV[2])
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'e', ARGV[2])
+  redis.call(ARGV[8], KEYS[3], ARGV[2])
   applied = 1
 end
 redis.call('EXPIRE', KEYS[1], ARGV[6])
 redis.call('EXPIRE', KEYS[2], ARGV[6])
-if ARGV[8] ~= '' then
-  redis.call('XACK', KEYS[4], ARGV[7], ARGV[8])
-  redis.call('XDEL', KEYS[4], ARGV[8])
-end
 return applied
 """
 )

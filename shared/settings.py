@@ -18,15 +18,26 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="INFLIGHTQ_", extra="ignore")
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis server every process talks to.")
+    redis_cluster: bool = Field(
+        False,
+        description="Redis is a Redis Cluster (>= 7): redis_url names any one node, the client finds the rest; "
+        "token channels are sharded (SPUBLISH/SSUBSCRIBE).",
+    )
     redis_max_connections: int = Field(
         10_000,
         ge=8,
-        description="Redis connections one process may open; every stream an API follows holds one (pub/sub).",
+        description="Redis connections one process may open (per node on a Cluster); an API's streams share "
+        "one pub/sub connection per node.",
+    )
+    rq_redis_url: str | None = Field(
+        None,
+        description="Standalone Redis for the batch worker's RQ queue (RQ does not run on a Cluster); "
+        "unset = redis_url.",
     )
     key_prefix: str = Field(
         "iq",
-        description="Namespace for every key; wrapped in a hash tag ({iq}:) so one Redis (or Cluster) "
-        "serves several deployments or test runs.",
+        description="Namespace for every key (each starts with {iq); one Redis (or Cluster) serves several "
+        "deployments or test runs.",
     )
     model: str = Field(
         "smollm2-135m-instruct",

@@ -4,7 +4,7 @@ what counts as waiting, and how a live worker keeps the entries it took.
 Per model: one stream per priority, read by one consumer group of workers (``CONSUMER_GROUP``
 in ``shared.keys``); a notify list that wakes idle workers. A request waits while its entry
 is in a stream and not yet delivered to a worker; a delivered entry stays pending until its
-worker finishes it (``FINISH`` XACKs and XDELs it), and one pending past
+worker finishes it (XACK and XDEL, once ``FINISH`` ran), and one pending past
 ``reclaim_after_s`` is taken over by another worker (XAUTOCLAIM)."""
 
 from __future__ import annotations

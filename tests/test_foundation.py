@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import fnmatch
+import uuid
+
 import pytest
 import redis
 from pydantic import ValidationError
+from redis.crc import key_slot
 
 from inflightq_cli.redis_server import PrivateRedis, redis_answers
 from shared import model_source
@@ -33,21 +37,33 @@ def test_settings_reject_nonsense(monkeypatch: pytest.MonkeyPatch) -> None:
         Settings()
 
 
-def test_every_key_shares_one_hash_tag() -> None:
+def test_keys_share_a_slot_per_model_per_request_shard_and_per_deployment() -> None:
     keys = Keys.for_prefix("prod")
-    names = [
-        keys.stream("m", 0),
-        keys.notify("m"),
-        keys.dead_letters("m"),
-        keys.request("r"),
-        keys.tokens_channel("r"),
-        keys.replay_log("r"),
-        keys.cancel_channel(),
-        keys.worker("w"),
-    ]
-    assert all(name.startswith("{prod}:") for name in names)
+    queue = [keys.stream("m", 0), keys.stream("m", 3), keys.notify("m"), keys.dead_letters("m")]
+    request = [keys.request("r"), keys.tokens_channel("r"), keys.replay_log("r")]
+    deployment = [keys.cancel_channel(), keys.worker("w"), keys.workers(), keys.models()]
+    names = queue + request + deployment
+    assert all(name.startswith("{prod") for name in names)
     assert len(set(names)) == len(names)
-    assert keys.stream("m", 0) != keys.stream("m", 1)
+    for group in (queue, request, deployment):
+        assert len({key_slot(name.encode()) for name in group}) == 1
+    assert key_slot(queue[0].encode()) != key_slot(request[0].encode())
+
+
+def test_requests_spread_evenly_over_the_slot_ranges_of_three_masters() -> None:
+    keys = Keys.for_prefix("prod")
+    thirds = [0, 0, 0]
+    for _ in range(3000):
+        thirds[key_slot(keys.request(uuid.uuid4().hex).encode()) * 3 // 16384] += 1
+    assert all(800 < n < 1200 for n in thirds), thirds
+
+
+def test_a_prefix_glob_matches_every_key_of_its_deployment_and_none_of_another() -> None:
+    keys, other = Keys.for_prefix("prod"), Keys.for_prefix("prod2")
+    names = [keys.stream("m", 0), keys.request("r"), keys.workers()]
+    assert all(fnmatch.fnmatchcase(name, keys.pattern().replace("\\", "")) for name in names)
+    assert not any(fnmatch.fnmatchcase(name, keys.pattern().replace("\\", "")) for name in
+                   [other.stream("m", 0), other.request("r"), other.workers()])  # fmt: skip
 
 
 def test_events_round_trip_as_json_and_are_told_apart_by_type() -> None:

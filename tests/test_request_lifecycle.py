@@ -6,7 +6,7 @@ from typing import Any
 
 import redis
 
-from shared.keys import CONSUMER_GROUP, Keys
+from shared.keys import Keys
 from shared.request_lifecycle import (
     ALLOWED_TRANSITIONS,
     CANCEL,
@@ -28,23 +28,23 @@ def run_from(r: redis.Redis, keys: Keys, status: RequestStatus, script: str, *ar
     channels = [keys.replay_log(REQUEST_ID), keys.tokens_channel(REQUEST_ID)]
     script_keys = {
         START: [hash_key],
-        CANCEL: [hash_key, *channels, keys.cancel_channel()],
-        FINISH: [hash_key, *channels, keys.stream("m", 0)],
+        CANCEL: [hash_key, *channels],
+        FINISH: [hash_key, *channels],
     }[script]
     reply = r.eval(script, len(script_keys), *script_keys, *args)
     return reply, r.hget(hash_key, "status")
 
 
 def start(r: redis.Redis, keys: Keys, status: RequestStatus) -> tuple[Any, str]:
-    return run_from(r, keys, status, START, "w", 1.0, 10, 60, REQUEST_ID, "m", 0, 1.0)
+    return run_from(r, keys, status, START, "w", 1.0, 10, 60, REQUEST_ID, "m", 0, 1.0, "1-0")
 
 
 def cancel(r: redis.Redis, keys: Keys, status: RequestStatus) -> tuple[Any, str]:
-    return run_from(r, keys, status, CANCEL, REQUEST_ID, "{}", 1.0, 60, 100)
+    return run_from(r, keys, status, CANCEL, REQUEST_ID, "{}", 1.0, 60, 100, keys.cancel_channel(), "PUBLISH")
 
 
 def finish(r: redis.Redis, keys: Keys, status: RequestStatus, final: RequestStatus) -> tuple[Any, str]:
-    return run_from(r, keys, status, FINISH, final.value, "{}", "error", "{}", 1.0, 60, CONSUMER_GROUP, "", 100)
+    return run_from(r, keys, status, FINISH, final.value, "{}", "error", "{}", 1.0, 60, 100, "PUBLISH")
 
 
 def test_the_scripts_make_exactly_the_moves_the_table_allows(redis_client, keys) -> None:

@@ -72,7 +72,7 @@ class Admission:
                 request.id, stream, entry_id, "expired", "expired", "deadline passed while queued", None
             )
             return False
-        verdict, deliveries, attempt, started_at = self._start_script(request)
+        verdict, deliveries, attempt, started_at = self._start_script(request, entry_id)
         if verdict == "run":
             active = ActiveRequest(request, stream, entry_id, attempt=attempt, started_at=started_at)
             if deliveries > 1:
@@ -122,7 +122,7 @@ class Admission:
         else:
             self.publisher.ack(stream, entry_id)
 
-    def _start_script(self, request: QueuedRequest) -> tuple[str, int, int, float]:
+    def _start_script(self, request: QueuedRequest, entry_id: str) -> tuple[str, int, int, float]:
         now = time.time()
         verdict, deliveries, attempt = self._start(
             keys=[self.keys.request(request.id)],
@@ -135,6 +135,7 @@ class Admission:
                 request.model,
                 request.priority,
                 repr(request.submitted_at),
+                entry_id,
             ],
         )
         started = self.redis.hget(self.keys.request(request.id), "started_at")

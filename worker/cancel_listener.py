@@ -1,4 +1,7 @@
-"""Listens on the cancel channel and tells the engine loop; the loop aborts at its next step."""
+"""Listens on the cancel channel and tells the engine loop; the loop aborts at its next step.
+
+The cancel channel is the deployment's one broadcast channel (plain SUBSCRIBE, also on a
+Cluster, where a PUBLISH reaches every node's subscribers)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ class CancelListener(ResilientLoop):
         super().__init__("cancel listener", stopping)
         self.channel = Keys.for_prefix(settings.key_prefix).cancel_channel()
         self.on_cancel = on_cancel
+        self.connection = connection
         self.pubsub = connection.pubsub(ignore_subscribe_messages=True)
 
     def turn(self) -> None:
@@ -33,7 +37,9 @@ class CancelListener(ResilientLoop):
             self.on_cancel(str(message["data"]))
 
     def after_failure(self) -> None:
-        self.pubsub.reset()
+        # A fresh one: on a Cluster, the node it was bound to may be the one that died.
+        self.pubsub.close()
+        self.pubsub = self.connection.pubsub(ignore_subscribe_messages=True)
 
     def close(self) -> None:
         self.pubsub.close()

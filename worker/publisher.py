@@ -1,12 +1,19 @@
 """Everything a worker writes about requests goes through here, on its own thread.
 
 The engine loop hands over a step's events and moves on; this thread turns whatever has piled
-up (usually one step, more when Redis is slow) into ONE pipelined round trip: per token an
-XADD to the request's replay log then a PUBLISH on its channel (log first, so a subscriber
-that reads the log after subscribing can miss nothing), all tokens in one script call
-(``PUBLISH_TOKENS``), followed by the final-status scripts. A
-failed round trip (Redis restarting) is rebuilt and sent again: clients drop repeated
-indexes, so at-least-once is enough."""
+up (usually one step, more when Redis is slow) into ONE pipelined round trip per Redis node:
+per token an XADD to the request's replay log then a PUBLISH on its channel (log first, so a
+subscriber that reads the log after subscribing can miss nothing), one script call
+(``PUBLISH_TOKENS``) per slot of the requests' shards (on a single Redis, one call for all),
+followed by the final-status scripts. On a Cluster, redis-py's pipeline sends each node its
+share of the calls and reads the replies of all, so a step costs one round trip per node, in
+parallel.
+
+A finished request's queue entry is XACKed only once its final status is written (the two live
+in different slots): on a single Redis in the same round trip, after it; on a Cluster, where a
+pipeline's nodes answer in any order, in a second round trip. A failed round trip (Redis
+restarting, a failover) is rebuilt and sent again: clients drop repeated indexes, so
+at-least-once is enough."""
 
 from __future__ import annotations
 
@@ -19,9 +26,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis
+from redis.crc import key_slot
 from redis.exceptions import NoScriptError
 
-from shared.event_delivery import PUBLISH_TOKENS, log_maxlen
+from shared.event_delivery import PUBLISH_TOKENS, log_maxlen, publish_command
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.request_lifecycle import FINISH
 from shared.schemas import DeadLetter, DoneEvent, ErrorEvent, FinalResult
@@ -61,6 +69,7 @@ def token_json(request_id: str, index: int, token_id: int, text: str, event: Any
 
 class Publisher(ResilientLoop):
     def __init__(self, settings: Settings, connection: redis.Redis, worker_name: str) -> None:
+        """``connection``: a redis.Redis, or a redis.cluster.RedisCluster on a Cluster."""
         self._stopped = threading.Event()
         super().__init__("publisher", self._stopped)
         self.settings = settings
@@ -68,16 +77,22 @@ class Publisher(ResilientLoop):
         self.redis = connection
         self.worker_name = worker_name
         self.maxlen = log_maxlen(settings)
+        self.publish = publish_command(settings)
+        # On a Cluster a script call may only touch one slot, and a pipeline's nodes answer in any
+        # order (so acks wait for the final writes' round trip).
+        self.by_slot = settings.redis_cluster
         # Called by EVALSHA in the pipeline; loaded up front and again after a NOSCRIPT (a Redis
         # restart). redis-py's Script objects would add a SCRIPT EXISTS round trip to every send.
         self._scripts = {FINISH: "", PUBLISH_TOKENS: ""}
         self._writes: deque[Write] = deque()
+        self._acks: deque[Write] = deque()  # sent after the writes they follow
         self._tokens: list[tuple[Any, int]] = []
         self._token_batches = 0
         self._cond = threading.Condition()
         self._submitted = 0
         self._sent = 0
-        self._in_hand: tuple[list[tuple[Any, int]], list[Write], int] | None = None  # taken, not yet sent
+        self._in_hand: tuple[list[tuple[Any, int]], list[Write], list[Write], int] | None = None  # taken, unsent
+        self._handed = 0  # writes and acks handed over since the last take
         self._finished = False
         self.round_trips = 0
         self.events_sent = 0
@@ -97,24 +112,30 @@ class Publisher(ResilientLoop):
 
     def finish_done(self, stream: str, entry_id: str, result: FinalResult) -> None:
         event = DoneEvent(request_id=result.request_id, result=result)
-        self._put(self._final(result.request_id, stream, entry_id, "done", event.to_json(), "result", result.to_json()))
+        final = self._final(result.request_id, "done", event.to_json(), "result", result.to_json())
+        self._put(final, self._ack(stream, entry_id) if entry_id else None)
 
     def finish_error(
         self, request_id: str, stream: str, entry_id: str, status: str, error_type: str, message: str, index: int | None
     ) -> None:
         event = ErrorEvent(request_id=request_id, error_type=error_type, message=message, index=index).to_json()
-        self._put(self._final(request_id, stream, entry_id, status, event, "error", event))
+        ack = self._ack(stream, entry_id) if entry_id else None
+        self._put(self._final(request_id, status, event, "error", event), ack)
 
     def dead_letter(self, model: str, letter: DeadLetter) -> None:
         key = self.keys.dead_letters(model)
-        self._put(lambda pipe: pipe.xadd(key, {"letter": letter.to_json()}, maxlen=10_000, approximate=True))
+        self._put(lambda pipe: pipe.xadd(key, {"letter": letter.to_json()}, maxlen=10_000, approximate=True), None)
 
     def ack(self, stream: str, entry_id: str) -> None:
+        self._put(None, self._ack(stream, entry_id))
+
+    @staticmethod
+    def _ack(stream: str, entry_id: str) -> Write:
         def write(pipe: Any) -> None:
             pipe.xack(stream, CONSUMER_GROUP, entry_id)
             pipe.xdel(stream, entry_id)
 
-        self._put(write)
+        return write
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Waits until everything handed over so far has reached Redis."""
@@ -142,19 +163,20 @@ class Publisher(ResilientLoop):
     def turn(self) -> None:
         if self._in_hand is None:
             with self._cond:
-                while not self._writes and not self._tokens and not self._stopped.is_set():
+                while not self._writes and not self._acks and not self._tokens and not self._stopped.is_set():
                     self._cond.wait()
-                if not self._writes and not self._tokens:
+                if not self._writes and not self._acks and not self._tokens:
                     self._finished = True
                     return
-                writes = list(self._writes)
+                writes, acks = list(self._writes), list(self._acks)
                 self._writes.clear()
+                self._acks.clear()
                 tokens, self._tokens = self._tokens, []
-                self._in_hand = (tokens, writes, len(writes) + self._token_batches)
-                self._token_batches = 0
-        tokens, writes, handed = self._in_hand
+                self._in_hand = (tokens, writes, acks, self._handed + self._token_batches)
+                self._token_batches = self._handed = 0
+        tokens, writes, acks, handed = self._in_hand
         try:
-            self._send(tokens, writes)
+            self._send(tokens, writes, acks)
         except TRANSIENT:
             if self._stopped.is_set():  # shutting down with Redis gone: give up on what is left
                 self._finished = True
@@ -162,17 +184,35 @@ class Publisher(ResilientLoop):
             raise  # sent again after a backoff
         except Exception:
             # Not an outage: sending it again would fail again and wedge every later write.
-            log.exception("dropping a round trip of %d writes that cannot be sent", len(writes) + len(tokens))
+            lost = len(writes) + len(acks) + len(tokens)
+            log.exception("dropping a round trip of %d writes that cannot be sent", lost)
         self._in_hand = None
         with self._cond:
             self._sent += handed
             self._cond.notify_all()
 
-    def _send(self, tokens: list[tuple[Any, int]], writes: list[Write]) -> None:
-        calls = [self._token_chunk(tokens[i : i + TOKENS_PER_CALL]) for i in range(0, len(tokens), TOKENS_PER_CALL)]
+    def _send(self, tokens: list[tuple[Any, int]], writes: list[Write], acks: list[Write]) -> None:
+        calls = [self._token_chunk(chunk) for group in self._by_slot(tokens) for chunk in _chunks(group)]
         calls += writes
         if not all(self._scripts.values()):
             self._load_scripts()
+        if self.by_slot:
+            self._round_trips(calls)
+            self._round_trips(acks)
+        else:
+            self._round_trips(calls + acks)
+        self.events_sent += len(tokens)
+
+    def _by_slot(self, tokens: list[tuple[Any, int]]) -> list[list[tuple[Any, int]]]:
+        if not self.by_slot:
+            return [tokens]
+        groups: dict[int, list[tuple[Any, int]]] = {}
+        for token in tokens:
+            groups.setdefault(key_slot(self.keys.replay_log(token[0].request_id).encode()), []).append(token)
+        return list(groups.values())
+
+    def _round_trips(self, calls: list[Write]) -> None:
+        """One pipelined round trip (per node), again for script calls that found no script."""
         while calls:
             pipe = self.redis.pipeline(transaction=False)
             spans = []
@@ -193,14 +233,14 @@ class Publisher(ResilientLoop):
             if again:
                 self._load_scripts()
             calls = again
-        self.events_sent += len(tokens)
 
     def _load_scripts(self) -> None:
         for script in self._scripts:
             self._scripts[script] = self.redis.script_load(script)
 
     def _evalsha(self, pipe: Any, script: str, keys: list[str], args: list[Any]) -> None:
-        pipe.evalsha(self._scripts[script], len(keys), *keys, *args)
+        # execute_command: redis-py's Cluster pipeline refuses its evalsha() helper, not the command.
+        pipe.execute_command("EVALSHA", self._scripts[script], len(keys), *keys, *args)
 
     def _token_chunk(self, tokens: list[tuple[Any, int]]) -> Write:
         keys: list[str] = []
@@ -209,24 +249,24 @@ class Publisher(ResilientLoop):
             rid = event.request_id
             keys += (self.keys.replay_log(rid), self.keys.tokens_channel(rid))
             docs.append(token_json(rid, event.index, event.token_id, event.text, event, attempt))
-        args = [self.maxlen, self.settings.result_ttl_s, *docs]
+        args = [self.maxlen, self.settings.result_ttl_s, self.publish, *docs]
         return lambda pipe: self._evalsha(pipe, PUBLISH_TOKENS, keys, args)
 
-    def _put(self, write: Write) -> None:
+    def _put(self, write: Write | None, ack: Write | None) -> None:
         with self._cond:
-            self._writes.append(write)
+            if write is not None:
+                self._writes.append(write)
+            if ack is not None:
+                self._acks.append(ack)
             self._submitted += 1
+            self._handed += 1
             self._cond.notify()
 
-    def _final(
-        self, request_id: str, stream: str, entry_id: str, status: str, event: str, field: str, payload: str
-    ) -> Write:
-        keys = [
-            self.keys.request(request_id),
-            self.keys.replay_log(request_id),
-            self.keys.tokens_channel(request_id),
-            stream,
-        ]
-        args = [status, event, field, payload, repr(time.time()), self.settings.result_ttl_s]
-        args += [CONSUMER_GROUP, entry_id, self.maxlen]
+    def _final(self, request_id: str, status: str, event: str, field: str, payload: str) -> Write:
+        keys = [self.keys.request(request_id), self.keys.replay_log(request_id), self.keys.tokens_channel(request_id)]
+        args = [status, event, field, payload, repr(time.time()), self.settings.result_ttl_s, self.maxlen, self.publish]
         return lambda pipe: self._evalsha(pipe, FINISH, keys, args)
+
+
+def _chunks(tokens: list[tuple[Any, int]]) -> list[list[tuple[Any, int]]]:
+    return [tokens[i : i + TOKENS_PER_CALL] for i in range(0, len(tokens), TOKENS_PER_CALL)]

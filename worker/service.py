@@ -25,9 +25,7 @@ import threading
 import time
 import uuid
 
-import redis
-
-from shared.client import redis_kwargs
+from shared.redis_connect import connect
 from shared.schemas import WorkerHeartbeat
 from shared.settings import Settings
 from worker.active import ActiveRequest
@@ -96,7 +94,7 @@ class WorkerService:
         self._active: dict[str, ActiveRequest] = {}  # engine-loop thread only
         self._early_cancels: dict[str, float] = {}
 
-        self.redis = redis.Redis.from_url(settings.redis_url, **redis_kwargs(settings))
+        self.redis = connect(settings)  # a RedisCluster on a Cluster: every thread below takes either
         self.publisher = Publisher(settings, self.redis, self.name)
         self.admission = Admission(
             settings, self.redis, self.publisher, self.name, self.model, self._hand_over, self.counters

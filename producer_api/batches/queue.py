@@ -36,8 +36,9 @@ def queue_name(settings: Settings) -> str:
 
 
 def rq_connection(settings: Settings) -> redis.Redis:
-    # RQ reads raw bytes replies; the queue client's decoded connection would break it.
-    return redis.Redis.from_url(settings.redis_url)
+    # RQ reads raw bytes replies; the queue client's decoded connection would break it. RQ does not
+    # run on a Redis Cluster: there, rq_redis_url names a standalone Redis for it.
+    return redis.Redis.from_url(settings.rq_redis_url or settings.redis_url)
 
 
 def batch_queue(settings: Settings, connection: redis.Redis | None = None) -> Queue:
@@ -137,11 +138,11 @@ class BatchWorker(Worker):
 def run_batch_worker(
     settings: Settings, *, name: str | None = None, recover_every_s: int = 15, burst: bool = False
 ) -> int:
-    from shared.client import redis_kwargs
+    from shared.redis_connect import connect
 
     # Every run is forked from this process: whatever the job module loads now, runs get for free.
     warm_up(settings)
-    store = BatchStore(settings, redis.Redis.from_url(settings.redis_url, **redis_kwargs(settings)))
+    store = BatchStore(settings, connect(settings))  # type: ignore[arg-type]
     worker = BatchWorker(
         settings,
         store,

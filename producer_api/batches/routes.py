@@ -10,7 +10,6 @@ from email.message import Message
 from email.parser import BytesParser
 from email.policy import HTTP
 
-import redis
 from anyio import to_thread
 from fastapi import APIRouter, Depends, Query, Request, Response
 
@@ -22,6 +21,7 @@ from producer_api.batches.queue import cancel_batch, create_batch
 from producer_api.batches.store import BatchObject, BatchPage, BatchStore
 from producer_api.state import state_of
 from shared.errors import ValidationError
+from shared.redis_connect import connect
 
 router = APIRouter(tags=["Batch"], dependencies=[Depends(authenticate)])
 
@@ -31,7 +31,7 @@ def batch_store(request: Request) -> BatchStore:
     store: BatchStore | None = getattr(request.app.state, "batch_store", None)
     if store is None:
         settings = state_of(request).settings
-        store = BatchStore(settings, redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2.0))
+        store = BatchStore(settings, connect(settings, socket_connect_timeout=2.0))  # type: ignore[arg-type]
         request.app.state.batch_store = store
     return store
 

@@ -1,0 +1,170 @@
+"""A real, private Redis Cluster for tests and benchmarks: masters and replicas started from the
+``redis-server`` binary on free loopback ports, joined by ``redis-cli --cluster create``.
+
+AOF is on (``appendfsync always``), so a master killed with SIGKILL loses nothing it answered;
+its replica takes over. ``stop()`` kills every node it started and removes their files."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from inflightq_cli.redis_server import find_redis_binary, free_port
+
+
+@dataclass
+class ClusterNode:
+    port: int
+    workdir: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, binary: str, node_timeout_ms: int) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        args = [
+            binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", str(node_timeout_ms),
+            "--appendonly", "yes",
+            "--appendfsync", "always",
+            "--save", "",
+            "--dir", str(self.workdir),
+            "--daemonize", "no",
+        ]  # fmt: skip
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True, socket_timeout=2)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashed machine would."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=5)
+            if self.process.poll() is None:
+                self.kill()
+
+
+@dataclass
+class PrivateRedisCluster:
+    masters: int = 3
+    replicas_per_master: int = 1
+    node_timeout_ms: int = 2000
+    binary: str = field(default_factory=find_redis_binary)
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="inflightq-cluster-")))
+    nodes: list[ClusterNode] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        """Any one node: the clients discover the rest."""
+        return self.nodes[0].url
+
+    def start(self, timeout: float = 30.0) -> PrivateRedisCluster:
+        atexit.register(self.stop)
+        count = self.masters * (1 + self.replicas_per_master)
+        self.nodes = [ClusterNode(port, self.workdir / str(port)) for port in _free_ports(count)]
+        for node in self.nodes:
+            node.start(self.binary, self.node_timeout_ms)
+        try:
+            for node in self.nodes:
+                _wait_for(lambda n=node: _answers(n), timeout, f"node {node.port} did not start")
+            cli = shutil.which("redis-cli") or str(Path(self.binary).with_name("redis-cli"))
+            subprocess.run(
+                [cli, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
+                 "--cluster-replicas", str(self.replicas_per_master), "--cluster-yes"],
+                check=True, capture_output=True, timeout=timeout,
+            )  # fmt: skip
+            _wait_for(self.healthy, timeout, "the cluster did not reach cluster_state:ok")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def healthy(self) -> bool:
+        """Every live node says ok and agrees that all slots are served by as many masters as were made."""
+        for node in self.live_nodes():
+            try:
+                with node.client() as client:
+                    info = client.cluster("info")
+                    if info.get("cluster_state") != "ok" or int(info.get("cluster_known_nodes", 0)) < len(self.nodes):
+                        return False
+            except redis.RedisError:
+                return False
+        return len(self.master_nodes()) == self.masters
+
+    def live_nodes(self) -> list[ClusterNode]:
+        return [n for n in self.nodes if n.process is not None and n.process.poll() is None]
+
+    def master_nodes(self) -> list[ClusterNode]:
+        masters = []
+        for node in self.live_nodes():
+            with contextlib.suppress(redis.RedisError), node.client() as client:
+                if client.info("replication").get("role") == "master":
+                    masters.append(node)
+        return masters
+
+    def node_of(self, key: str) -> ClusterNode:
+        """The master serving ``key``'s slot right now."""
+        slot = redis.cluster.key_slot(key.encode())
+        with self.master_nodes()[0].client() as client:
+            for start, end, master, *_ in client.execute_command("CLUSTER", "SLOTS"):
+                if start <= slot <= end:
+                    return next(n for n in self.nodes if n.port == int(master[1]))
+        raise LookupError(f"no master serves slot {slot}")
+
+    def wait_failover(self, timeout: float = 30.0) -> None:
+        """After a master died: until its replica is promoted and every slot is served again."""
+        _wait_for(self.healthy, timeout, "no replica took over the dead master's slots")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _answers(node: ClusterNode) -> bool:
+    try:
+        with node.client() as client:
+            return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def _free_ports(count: int) -> list[int]:
+    """Ports whose cluster bus port (port + 10000) is free too."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port + 10000 < 65536 and port not in ports:
+            ports.append(port)
+    return ports
+
+
+def _wait_for(check: object, timeout: float, message: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():  # type: ignore[operator]
+            return
+        time.sleep(0.1)
+    raise RuntimeError(message)
