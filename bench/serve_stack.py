@@ -128,7 +128,7 @@ def delete_prefix(settings: Settings) -> None:
     """Deletes this benchmark's keys, and only those (the Redis may be shared)."""
     client = redis.Redis.from_url(settings.redis_url)
     try:
-        for key in client.scan_iter(match=Keys.for_prefix(settings.key_prefix).prefix + "*", count=1000):
+        for key in client.scan_iter(match=Keys.for_prefix(settings.key_prefix).pattern(), count=1000):
             client.delete(key)
     finally:
         client.close()

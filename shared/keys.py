@@ -150,6 +150,10 @@ class Keys:
         """Sorted set of worker names scored by last heartbeat time."""
         return self._k("workers")
 
+    def request_pattern(self) -> str:
+        """Glob over every request hash of this prefix, whatever its shard."""
+        return "\\{" + glob_escape(self.prefix) + "/r*}:req:*"
+
     def pattern(self) -> str:
         """Glob over every key of this prefix, whatever its tag (cleanup of a test run); on a
         Cluster, scan every master with it."""

@@ -1,18 +1,22 @@
-"""Shared fixtures: a real Redis (the configured one, or a private server started here),
-a key prefix unique to this test run, and models on disk."""
+"""Shared fixtures: a real Redis (the configured one, or a private server started here), or a
+real Redis Cluster (3 masters + 3 replicas started here, for the modules that override
+``redis_backend``), a key prefix unique to this test run, and models on disk."""
 
 from __future__ import annotations
 
 import os
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
 
+from inflightq_cli.redis_cluster import PrivateRedisCluster
 from inflightq_cli.redis_server import ensure_redis
 from shared.keys import Keys
+from shared.redis_connect import connect
 from shared.settings import Settings
 
 
@@ -35,6 +39,37 @@ def redis_url() -> Iterator[str]:
         server.stop()
 
 
+@dataclass(frozen=True)
+class RedisBackend:
+    """Where a test's processes find Redis: a standalone server, or any node of a Cluster."""
+
+    url: str
+    cluster: bool = False
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"INFLIGHTQ_REDIS_URL": self.url, "INFLIGHTQ_REDIS_CLUSTER": "true" if self.cluster else "false"}
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[PrivateRedisCluster]:
+    """A private Redis Cluster, 3 masters + 3 replicas on loopback ports, AOF on; every node is
+    stopped (and its files removed) at the end of the session."""
+    cluster = PrivateRedisCluster().start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_backend(redis_url: str) -> RedisBackend:
+    """The standalone Redis; a module overrides this with ``cluster_backend`` to run on the Cluster."""
+    return RedisBackend(redis_url)
+
+
+def cluster_backend(redis_cluster: PrivateRedisCluster) -> RedisBackend:
+    return RedisBackend(redis_cluster.url, cluster=True)
+
+
 @pytest.fixture(scope="session")
 def run_prefix() -> str:
     """Every key a test run writes lives under this prefix; the run deletes only those."""
@@ -53,14 +88,17 @@ def keys(key_prefix: str) -> Keys:
 
 
 @pytest.fixture
-def settings(redis_url: str, key_prefix: str, tiny_model_dir: Path) -> Settings:
-    return Settings(redis_url=redis_url, key_prefix=key_prefix, model=str(tiny_model_dir))
+def settings(redis_backend: RedisBackend, key_prefix: str, tiny_model_dir: Path) -> Settings:
+    backend = {"redis_url": redis_backend.url, "redis_cluster": redis_backend.cluster}
+    return Settings(**backend, key_prefix=key_prefix, model=str(tiny_model_dir))  # type: ignore[arg-type]
 
 
 @pytest.fixture
-def redis_client(redis_url: str, run_prefix: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    yield client
+def redis_client(redis_backend: RedisBackend, run_prefix: str) -> Iterator[redis.Redis]:
+    """A plain client of the test's Redis (a RedisCluster on the Cluster)."""
+    backend = Settings(redis_url=redis_backend.url, redis_cluster=redis_backend.cluster)
+    client = connect(backend, decode_responses=True)
+    yield client  # type: ignore[misc]
     client.close()
 
 

@@ -25,6 +25,7 @@ from shared.keys import Keys
 from shared.model_source import load_tokenizer
 from shared.schemas import WorkerHeartbeat
 from shared.settings import Settings
+from tests.conftest import RedisBackend
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -108,11 +109,19 @@ def fake_heartbeat(redis_url: str, settings: Settings, name: str = "fake-worker"
 
 class WorkerProcess:
     def __init__(
-        self, model_dir: Path, redis_url: str, prefix: str, log: Path, extra_env: dict[str, str] | None = None
+        self,
+        model_dir: Path,
+        redis_url: str,
+        prefix: str,
+        log: Path,
+        extra_env: dict[str, str] | None = None,
+        *,
+        cluster: bool = False,
     ) -> None:
         env = {
             **os.environ,
             "INFLIGHTQ_REDIS_URL": redis_url,
+            "INFLIGHTQ_REDIS_CLUSTER": "true" if cluster else "false",
             "INFLIGHTQ_KEY_PREFIX": prefix,
             "INFLIGHTQ_MODEL": str(model_dir),
             "INFLIGHTQ_HEARTBEAT_TTL_S": "3",
@@ -162,7 +171,7 @@ def wait_for_workers(http: httpx.Client, model: str, count: int, workers: list[W
 
 @pytest.fixture(scope="module")
 def live_api(
-    redis_url: str,
+    redis_backend: RedisBackend,
     module_prefix: str,
     tiny_model_dir: Path,
     start_api: Callable[[Settings], ApiServer],
@@ -170,7 +179,8 @@ def live_api(
 ) -> Iterator[ApiServer]:
     """An API with one real worker (tiny model, float64) behind it, for the module."""
     settings = Settings(
-        redis_url=redis_url,
+        redis_url=redis_backend.url,
+        redis_cluster=redis_backend.cluster,
         key_prefix=module_prefix,
         model=str(tiny_model_dir),
         heartbeat_ttl_s=3,
@@ -179,7 +189,7 @@ def live_api(
         default_max_new_tokens=16,
     )
     log = tmp_path_factory.mktemp("worker") / "worker.log"
-    worker = WorkerProcess(tiny_model_dir, redis_url, module_prefix, log)
+    worker = WorkerProcess(tiny_model_dir, redis_backend.url, module_prefix, log, cluster=redis_backend.cluster)
     try:
         server = start_api(settings)
         with server.client() as http:

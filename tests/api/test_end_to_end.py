@@ -322,10 +322,10 @@ def test_leaving_a_chat_stream_cancels_every_choice(oai: openai.OpenAI, api: Api
 def test_a_non_stream_client_that_leaves_cancels_its_request(api: ApiServer, http: httpx.Client) -> None:
     keys = Keys.for_prefix(api.settings.key_prefix)
     r = redis.Redis.from_url(api.settings.redis_url, decode_responses=True)
-    before = set(r.scan_iter(match=keys.request("*")))
+    before = set(r.scan_iter(match=keys.request_pattern()))
     with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=api.url, timeout=1.5) as impatient:
         impatient.post("/generate", json={"inputs": "Go", "parameters": LONG})
-    (key,) = set(r.scan_iter(match=keys.request("*"))) - before
+    (key,) = set(r.scan_iter(match=keys.request_pattern())) - before
     deadline = time.monotonic() + 30
     while r.hget(key, "status") != "cancelled" and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -58,7 +58,7 @@ def test_n_choices_past_the_limit_withdraw_the_accepted_ones(
     with api.client() as http:
         body = {"model": settings.model, "prompt": "x", "n": 3, "max_tokens": 2}
         assert http.post("/v1/completions", json=body).status_code == 429
-    statuses = [redis_client.hget(key, "status") for key in redis_client.scan_iter(match=keys.request("*"))]
+    statuses = [redis_client.hget(key, "status") for key in redis_client.scan_iter(match=keys.request_pattern())]
     assert statuses == ["cancelled", "cancelled"]
 
 

@@ -8,25 +8,28 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import redis
 
 from shared.keys import Keys
+from shared.redis_connect import connect
 from shared.settings import Settings
 from tests.api.conftest import ApiServer, WorkerProcess, wait_for_workers
 from tests.api.test_end_to_end import sse_events
+from tests.conftest import RedisBackend
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_job_stream_survives_a_worker_crash(
-    redis_url: str,
+    redis_backend: RedisBackend,
     module_prefix: str,
     tiny_model_dir: Path,
     start_api: Callable[[Settings], ApiServer],
     tmp_path: Path,
 ) -> None:
+    redis_url, cluster = redis_backend.url, redis_backend.cluster
     settings = Settings(
         redis_url=redis_url,
+        redis_cluster=cluster,
         key_prefix=module_prefix,
         model=str(tiny_model_dir),
         heartbeat_ttl_s=3,
@@ -34,7 +37,11 @@ def test_job_stream_survives_a_worker_crash(
         max_new_tokens=2000,
     )
     fast_reclaim = {"INFLIGHTQ_RECLAIM_AFTER_S": "1"}
-    first = WorkerProcess(tiny_model_dir, redis_url, module_prefix, tmp_path / "first.log", fast_reclaim)
+
+    def worker(name: str) -> WorkerProcess:
+        return WorkerProcess(tiny_model_dir, redis_url, module_prefix, tmp_path / name, fast_reclaim, cluster=cluster)
+
+    first = worker("first.log")
     second: WorkerProcess | None = None
     try:
         api = start_api(settings)
@@ -53,9 +60,7 @@ def test_job_stream_survives_a_worker_crash(
                     seen.append((event["index"], event["token"]["id"]))
                     if len(seen) == 5:
                         first.crash()
-                        second = WorkerProcess(
-                            tiny_model_dir, redis_url, module_prefix, tmp_path / "second.log", fast_reclaim
-                        )
+                        second = worker("second.log")
                     if event["generated_text"] is not None:
                         final = event
             job = http.get(f"/v1/jobs/{job_id}").json()
@@ -68,6 +73,6 @@ def test_job_stream_survives_a_worker_crash(
     assert [index for index, _ in seen] == list(range(400))
     assert [token for _, token in seen] == job["result"]["token_ids"]
     assert final["generated_text"] == job["result"]["generated_text"]
-    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    r = connect(settings, decode_responses=True)
     assert r.hget(Keys.for_prefix(module_prefix).request(job_id), "status") == "done"
     r.close()

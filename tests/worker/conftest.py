@@ -84,6 +84,7 @@ def worker_env(settings: Settings) -> dict[str, str]:
     return {
         **os.environ,
         "INFLIGHTQ_REDIS_URL": settings.redis_url,
+        "INFLIGHTQ_REDIS_CLUSTER": "true" if settings.redis_cluster else "false",
         "INFLIGHTQ_KEY_PREFIX": settings.key_prefix,
         "INFLIGHTQ_RECLAIM_AFTER_S": str(RECLAIM_AFTER_S),
         "INFLIGHTQ_HEARTBEAT_TTL_S": "3",

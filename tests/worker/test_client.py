@@ -8,6 +8,7 @@ import time
 
 import pytest
 import redis
+from redis.cluster import RedisCluster
 
 from shared.async_client import AsyncQueueClient
 from shared.client import QueueClient
@@ -28,13 +29,16 @@ from shared.schemas import (
 )
 from shared.settings import Settings
 from shared.work_queue import STREAM_FIELD
+from tests.conftest import RedisBackend
 
 MODEL = "m"
 
 
 @pytest.fixture
-def client_settings(redis_url: str, key_prefix: str) -> Settings:
-    return Settings(redis_url=redis_url, key_prefix=key_prefix, max_queue_depth=3)
+def client_settings(redis_backend: RedisBackend, key_prefix: str) -> Settings:
+    return Settings(
+        redis_url=redis_backend.url, redis_cluster=redis_backend.cluster, key_prefix=key_prefix, max_queue_depth=3
+    )
 
 
 @pytest.fixture
@@ -47,7 +51,10 @@ def emit(r: redis.Redis, keys: Keys, event: TokenEvent | DoneEvent | ErrorEvent,
     """What a worker's publisher does for one event: log first, then publish."""
     if log:
         r.xadd(keys.replay_log(event.request_id), {LOG_FIELD: event.to_json()})
-    r.publish(keys.tokens_channel(event.request_id), event.to_json())
+    if isinstance(r, RedisCluster):
+        r.spublish(keys.tokens_channel(event.request_id), event.to_json())
+    else:
+        r.publish(keys.tokens_channel(event.request_id), event.to_json())
 
 
 def token(request_id: str, index: int) -> TokenEvent:
