@@ -10,6 +10,12 @@ Three figures from one run on one Redis:
    because it costs next to nothing to run) serving ``batch`` requests from Redis, against the
    same engine generating the same work with no Redis at all: the loop's cost of publishing.
 
+With ``cluster=True`` (``inflightq bench transport --cluster``), also, in the same run: the
+publisher through one Redis node (a private standalone server) against the same publisher on a
+private 3-master Redis Cluster (``INFLIGHTQ_REDIS_CLUSTER``: one script call per slot, one pipelined
+round trip per node, SPUBLISH), with each node's CPU time per million token events (INFO cpu):
+the figure a capacity plan divides by.
+
 Results go to ``bench/results/transport-<stamp>.json`` and ``.md``."""
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from typing import Any
 
 import redis
 
-from inflightq_cli.redis_server import ensure_redis
+from inflightq_cli.redis_cluster import PrivateRedisCluster
+from inflightq_cli.redis_server import PrivateRedis, ensure_redis
 from shared.client import QueueClient
 from shared.keys import Keys
+from shared.redis_connect import connect
 from shared.schemas import SamplingSpec
 from shared.settings import Settings, get_settings
 from worker.publisher import Publisher, token_json
@@ -99,6 +107,50 @@ def publisher_alone(settings: Settings, connection: redis.Redis, steps: list[lis
     }
 
 
+def node_cpu_s(urls: list[str]) -> list[float]:
+    """CPU seconds (user + sys) each Redis node has used so far."""
+    out = []
+    for url in urls:
+        client = redis.Redis.from_url(url)
+        try:
+            cpu = client.info("cpu")
+            out.append(float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]))
+        finally:
+            client.close()
+    return out
+
+
+def publisher_on(settings: Settings, node_urls: list[str], steps: list[list[Any]], seconds: float) -> dict[str, Any]:
+    """The publisher against the settings' Redis (one node, or a Cluster), with each node's CPU."""
+    connection = connect(settings)
+    try:
+        before = node_cpu_s(node_urls)
+        figures = publisher_alone(settings, connection, steps, seconds)  # type: ignore[arg-type]
+        used = [after - b for after, b in zip(node_cpu_s(node_urls), before, strict=True)]
+    finally:
+        connection.close()
+    per_million = [cpu / max(1, figures["events"]) * 1e6 for cpu in used]
+    return {**figures, "nodes": len(node_urls), "node_cpu_s": used, "node_cpu_s_per_million_events": per_million}
+
+
+def one_node_vs_cluster(base: Settings, steps: list[list[Any]], seconds: float) -> dict[str, Any]:
+    """The publisher through one node vs a 3-master Cluster (no replicas: this measures the masters)."""
+    prefix = f"bench-transport-{uuid.uuid4().hex[:8]}"
+    single = PrivateRedis().start()
+    try:
+        one = publisher_on(base.model_copy(update={"redis_url": single.url, "key_prefix": prefix}), [single.url],
+                           steps, seconds)  # fmt: skip
+    finally:
+        single.stop()
+    cluster = PrivateRedisCluster(replicas_per_master=0).start()
+    try:
+        settings = base.model_copy(update={"redis_url": cluster.url, "redis_cluster": True, "key_prefix": prefix})
+        three = publisher_on(settings, [n.url for n in cluster.nodes], steps, seconds)
+    finally:
+        cluster.stop()
+    return {"one_node": one, "cluster": three, "cluster_vs_one_node": three["events_per_s"] / one["events_per_s"]}
+
+
 def worker_end_to_end(settings: Settings, model_dir: str, batch: int) -> dict[str, float]:
     from worker.engine import SamplingParams
     from worker.engine.llm import LLM
@@ -152,7 +204,9 @@ def engine_rate(llm: Any, prompts: list[list[int]]) -> float:
     return rate[0]
 
 
-def main(*, seconds: float = 5.0, batch: int = 64, out_dir: str = "bench/results") -> dict[str, Any]:
+def main(
+    *, seconds: float = 5.0, batch: int = 64, out_dir: str = "bench/results", cluster: bool = False
+) -> dict[str, Any]:
     from worker.engine.tiny_model import make_tiny_llama
 
     base = get_settings()
@@ -170,6 +224,7 @@ def main(*, seconds: float = 5.0, batch: int = 64, out_dir: str = "bench/results
             raw_coalesced = raw_publish(connection, keys, steps, seconds, STEPS_AHEAD)
             raw = max(raw_per_step, raw_coalesced, key=lambda r: r["events_per_s"])
             end_to_end = worker_end_to_end(settings, model_dir, batch)
+            sharded = one_node_vs_cluster(base, steps, seconds) if cluster else None
     finally:
         for key in connection.scan_iter(match=keys.pattern(), count=1000):
             connection.delete(key)
@@ -177,7 +232,7 @@ def main(*, seconds: float = 5.0, batch: int = 64, out_dir: str = "bench/results
         if private is not None:
             private.stop()
     report = {
-        "command": f"inflightq bench transport --seconds {seconds} --batch {batch}",
+        "command": f"inflightq bench transport --seconds {seconds} --batch {batch}" + (" --cluster" if cluster else ""),
         "model": "tiny RANDOM Llama (hidden 64, 2 layers, SmolLM2 tokenizer), float32, CPU: costs next to nothing",
         "redis": connection_info(url),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
@@ -188,6 +243,7 @@ def main(*, seconds: float = 5.0, batch: int = 64, out_dir: str = "bench/results
         "publisher": ours,
         "publisher_vs_raw": ours["events_per_s"] / raw["events_per_s"],
         "worker_end_to_end": end_to_end,
+        "one_node_vs_cluster": sharded,
         "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     write(report, Path(out_dir))
@@ -206,6 +262,7 @@ def connection_info(url: str) -> str:
 def markdown(report: dict[str, Any]) -> str:
     ours, e2e = report["publisher"], report["worker_end_to_end"]
     one_step = report["raw_publish_one_step_per_round_trip"]["events_per_s"]
+    sharded = report.get("one_node_vs_cluster")
     coalesced = report["raw_publish_coalesced"]["events_per_s"]
     return f"""# Transport benchmark ({report["at"]})
 
@@ -231,6 +288,31 @@ End to end, one worker with the tiny random model serving {report["batch"]} requ
 (`LLM.generate`, best of a run before and after): {e2e["worker_vs_engine_alone"]:.0%}. The worker
 used about {e2e["worker_tokens_per_s"] / ours["events_per_s"]:.0%} of what its publisher can send:
 the engine, not the transport, sets the pace.
+""" + (cluster_markdown(sharded) if sharded else "")
+
+
+def cluster_markdown(sharded: dict[str, Any]) -> str:
+    one, three = sharded["one_node"], sharded["cluster"]
+
+    def cpu(figures: dict[str, Any]) -> str:
+        return " / ".join(f"{c:.1f}" for c in figures["node_cpu_s_per_million_events"])
+
+    return f"""
+## One node vs a 3-master Redis Cluster
+
+The same publisher (one process, one thread), fed the same steps: through one Redis node
+(standalone), and through a private 3-master Cluster (`INFLIGHTQ_REDIS_CLUSTER=true`: one script
+call per slot of the step's requests, one pipelined round trip per node, SPUBLISH).
+
+| where | token events/s | events per round trip | CPU s per 1M events, per node |
+|---|---|---|---|
+| one node | {one["events_per_s"]:,.0f} | {one["events_per_round_trip"]:.0f} | {cpu(one)} |
+| 3-master Cluster | {three["events_per_s"]:,.0f} | {three["events_per_round_trip"]:.0f} | {cpu(three)} |
+| **Cluster / one node** | **{sharded["cluster_vs_one_node"]:.2f}** | | |
+
+On a Cluster each node carries about a third of the events, so a node's CPU per event (the
+figure a capacity plan divides by) is what to compare; one publishing process on a 2-core
+machine is bound by its own Python, not by the nodes.
 """
 
 

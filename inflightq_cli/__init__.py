@@ -247,11 +247,14 @@ def bench_transport(
     seconds: float = typer.Option(5.0, help="How long each measurement runs."),
     batch: int = typer.Option(64, min=1, help="Token events per engine step (sequences in the batch)."),
     out: str = typer.Option("bench/results", help="Directory for transport-*.json and .md."),
+    cluster: bool = typer.Option(
+        False, "--cluster", help="Also: the publisher through one node vs a private 3-master Redis Cluster."
+    ),
 ) -> None:
     """Token events/s one worker publishes (tiny random model) vs raw pipelined PUBLISH, same Redis, same run."""
     from bench.transport import main
 
-    main(seconds=seconds, batch=batch, out_dir=out)
+    main(seconds=seconds, batch=batch, out_dir=out, cluster=cluster)
 
 
 @bench_app.command("engine", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

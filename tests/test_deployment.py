@@ -464,3 +464,27 @@ def test_keda_reaches_the_redis_the_settings_name() -> None:
     for trigger in _k8s("ScaledObject", "worker")["spec"]["triggers"]:
         address = trigger["metadata"]["address"]
         assert address.split(".")[0] == host and address.endswith(f":{port}")
+
+
+def test_the_cluster_overlay_scales_on_the_same_streams_with_keda_cluster_triggers() -> None:
+    overlay = K8S / "cluster"
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    assert "../" in kustomization["resources"]
+    settings = {**_configmap(), **yaml.safe_load((overlay / "configmap.yaml").read_text())["data"]}
+    fields = {name.removeprefix("INFLIGHTQ_").lower(): value for name, value in settings.items()}
+    assert Settings(**fields).redis_cluster
+    assert settings["INFLIGHTQ_RQ_REDIS_URL"] == _configmap()["INFLIGHTQ_REDIS_URL"], "RQ stays on a single Redis"
+    keys = Keys.for_prefix(settings["INFLIGHTQ_KEY_PREFIX"])
+    model, levels = settings["INFLIGHTQ_MODEL"], int(settings["INFLIGHTQ_PRIORITY_LEVELS"])
+    patch = yaml.safe_load((overlay / "keda-scaledobject.yaml").read_text())
+    triggers = patch["spec"]["triggers"]
+    base = _k8s("ScaledObject", "worker")["spec"]["triggers"]
+    assert all(t["type"] == "redis-cluster-streams" for t in triggers)
+    assert [t["metadata"]["stream"] for t in triggers] == [keys.stream(model, p) for p in range(levels)]
+    assert [t["metadata"]["lagCount"] for t in triggers] == [t["metadata"]["lagCount"] for t in base]
+    node = re.match(r"redis://([^:/]+):(\d+)", settings["INFLIGHTQ_REDIS_URL"]).groups()  # type: ignore[union-attr]
+    for trigger in triggers:
+        meta = trigger["metadata"]
+        assert meta["consumerGroup"] == CONSUMER_GROUP and "pendingEntriesCount" not in meta
+        addresses = [a.strip() for a in meta["addresses"].split(",")]
+        assert any(a.startswith(node[0] + ".") and a.endswith(f":{node[1]}") for a in addresses)
