@@ -212,6 +212,15 @@ def batch_cancel(batch_id: str = typer.Argument(..., help="The batch id (batch_.
         print(cancel_batch(store.settings, store, batch_id).model_dump_json(indent=2, exclude_none=True))
 
 
+class _HealthyChecksQuiet:
+    """Leaves successful /health polls (``inflightq up`` waiting for a worker, load balancers, probes)
+    out of the access log; everything else, failed health checks included, is logged."""
+
+    def filter(self, record: object) -> bool:
+        args = getattr(record, "args", None)
+        return not (isinstance(args, tuple) and len(args) >= 5 and args[2] == "/health" and args[4] == 200)
+
+
 @app.command("api")
 def api(
     host: str | None = typer.Option(None, help="Address to bind; default INFLIGHTQ_API_HOST."),
@@ -219,12 +228,15 @@ def api(
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Serve the HTTP API (TGI- and OpenAI-compatible routes, async jobs) over the Redis queue."""
+    import logging
+
     import uvicorn
 
     from producer_api.app import create_app
     from shared.settings import get_settings
 
     settings = get_settings()
+    logging.getLogger("uvicorn.access").addFilter(_HealthyChecksQuiet())
     uvicorn.run(
         create_app(settings),
         host=host or settings.api_host,
