@@ -5,11 +5,15 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import anyio
 import redis
 import redis.asyncio as aioredis
 from fastapi import FastAPI
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
@@ -61,6 +65,39 @@ def _redis(settings: Settings) -> aioredis.Redis:
     )
 
 
+DOCS_ASSETS = "/docs-assets"
+
+
+def install_offline_docs(app: FastAPI) -> None:
+    """/docs (Swagger UI) and /redoc from the assets the fastapi-offline wheel ships: they work on a machine
+    without internet, where FastAPI's defaults load them from a CDN and show a blank page."""
+    import fastapi_offline
+
+    assets = Path(fastapi_offline.__file__).parent / "static"
+    app.mount(DOCS_ASSETS, StaticFiles(directory=assets), name="docs-assets")
+    openapi_url = app.openapi_url or "/openapi.json"
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=openapi_url,
+            title=f"{app.title} - Swagger UI",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png",
+        )
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(
+            openapi_url=openapi_url,
+            title=f"{app.title} - ReDoc",
+            redoc_js_url=f"{DOCS_ASSETS}/redoc.standalone.js",
+            redoc_favicon_url=f"{DOCS_ASSETS}/favicon.png",
+            with_google_fonts=False,
+        )
+
+
 def create_app(settings: Settings | None = None, *, tokenizers: Tokenizers | None = None) -> FastAPI:
     settings = settings or get_settings()
     api_keys = load_keys(settings)  # fail at startup, not per request, on a malformed key file
@@ -89,6 +126,8 @@ def create_app(settings: Settings | None = None, *, tokenizers: Tokenizers | Non
         version="0.1.0",
         description=DESCRIPTION,
         lifespan=lifespan,
+        docs_url=None,  # served below from local assets, not a CDN
+        redoc_url=None,
         openapi_tags=[
             {"name": "TGI", "description": "Text Generation Inference's API."},
             {"name": "OpenAI", "description": "OpenAI's completions and chat completions API."},
@@ -103,6 +142,7 @@ def create_app(settings: Settings | None = None, *, tokenizers: Tokenizers | Non
     app.include_router(jobs.router)
     app.include_router(batches.router)
     app.include_router(routes_ops.router)
+    install_offline_docs(app)
     # Added last = outermost: metrics see every request, including 413s.
     app.add_middleware(
         BodyLimitMiddleware,

@@ -25,6 +25,20 @@ class ValidationError(InflightqError):
     http_status = 422
 
 
+class ModelNotFoundError(ValidationError):
+    """A model this deployment does not serve: a 422 on TGI's routes, OpenAI's 404 ``model_not_found`` on its own."""
+
+    openai_status = 404
+    openai_code = "model_not_found"
+
+
+class MalformedBodyError(ValidationError):
+    """A body that is not JSON (or none at all): a 422 on TGI's routes, OpenAI's 400 on its own."""
+
+    openai_status = 400
+    openai_code = "invalid_json"
+
+
 class PayloadTooLargeError(InflightqError):
     error_type = "payload_too_large"
     http_status = 413

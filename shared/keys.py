@@ -107,6 +107,11 @@ class Keys:
         """Sorted set of worker names scored by last heartbeat time."""
         return self._k("workers")
 
+    # RQ (the batch worker) ----------------------------------------------------------
+    def rq(self) -> str:
+        """RQ's own key prefix (RQ_KEY_PREFIX): its queues, jobs, workers and registries live under ours."""
+        return self._k("rq")
+
     def pattern(self) -> str:
-        """Glob over every key of this prefix (cleanup of a test run)."""
-        return self.prefix.replace("{", "\\{").replace("}", "\\}") + ":*"
+        """Glob over every key of this prefix, RQ's included (``inflightq purge``, cleanup of a test run)."""
+        return "".join("\\" + c if c in "{}*?[]\\" else c for c in self.prefix) + ":*"
