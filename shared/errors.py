@@ -40,6 +40,13 @@ class NotFoundError(InflightqError):
     http_status = 404
 
 
+class ConflictError(InflightqError):
+    """A request id that is already in use (a reused id never touches the request that owns it)."""
+
+    error_type = "conflict"
+    http_status = 409
+
+
 class OverloadedError(InflightqError):
     error_type = "overloaded"
     http_status = 429
@@ -88,6 +95,7 @@ ERROR_TYPES: dict[str, type[InflightqError]] = {
         PayloadTooLargeError,
         AuthenticationError,
         NotFoundError,
+        ConflictError,
         OverloadedError,
         RateLimitedError,
         UnavailableError,

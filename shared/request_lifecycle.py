@@ -25,9 +25,9 @@ Each script is atomic, so the lifecycle holds however clients and workers race; 
 FINISH check their move against ``ALLOWED_TRANSITIONS`` itself, rendered into their Lua, so the
 table the code and the tests read is the one Redis enforces.
 
-- ``ENQUEUE`` (client): checks the model's queue depth, writes the hash ``queued`` (with the
-  stream entry's id), XADDs, wakes a worker, all at once, so concurrent submits cannot push a
-  queue past its limit.
+- ``ENQUEUE`` (client): refuses an id already in use, checks the model's queue depth, writes
+  the hash ``queued`` (with the stream entry's id), XADDs, wakes a worker, all at once, so
+  concurrent submits cannot push a queue past its limit.
 - ``CANCEL`` (client): queued -> cancelled at once; its entry stays in the stream until a worker
   reads and skips it. (Deleting an unread entry would leave a tombstone ahead of the group's
   read position, and Redis then reports the group's lag as unknown, which blinds autoscaling
@@ -138,8 +138,11 @@ _CAN_MOVE = _lua_can_move()
 # stream of the model (for the depth check).
 # ARGV: ttl, entry JSON, notify keep, model, max depth (0 = unchecked), group, stream field,
 # then the hash's field/value pairs.
-# Returns {'ok', entry id} or {'overloaded', waiting}.
+# Returns {'ok', entry id}, {'overloaded', waiting}, or {'duplicate', status} when a request
+# with this id exists (a reused id must never touch the request that owns it).
 ENQUEUE = """
+local existing = redis.call('HGET', KEYS[1], 'status')
+if existing then return {'duplicate', existing} end
 local max_depth = tonumber(ARGV[5])
 if max_depth > 0 then
   local waiting = 0
@@ -191,16 +194,19 @@ return 0
 
 # KEYS: request hash.
 # ARGV: worker name, now, max deliveries, ttl, then (for a hash that vanished, e.g. a Redis
-# restart without persistence) id, model, priority, submitted_at.
-# Returns {verdict, deliveries, attempt}; verdict is 'run', 'cancel', 'poison', or the final status.
+# restart without persistence) id, model, priority, submitted_at; then the stream entry's id.
+# Returns {verdict, deliveries, attempt}; verdict is 'run', 'cancel', 'poison', 'duplicate' (the
+# hash belongs to another entry with the same request id: this one must not touch it), or the
+# final status.
 START = (
     _CAN_MOVE
     + """
-local h = redis.call('HMGET', KEYS[1], 'status', 'cancel_requested')
+local h = redis.call('HMGET', KEYS[1], 'status', 'cancel_requested', 'entry_id')
 local status = h[1]
+if status and h[3] and h[3] ~= ARGV[9] then return {'duplicate', 0, 0} end
 if not status then
   redis.call('HSET', KEYS[1], 'id', ARGV[5], 'model', ARGV[6], 'priority', ARGV[7],
-             'submitted_at', ARGV[8], 'status', 'queued', 'attempt', '0')
+             'submitted_at', ARGV[8], 'status', 'queued', 'attempt', '0', 'entry_id', ARGV[9])
   status = 'queued'
 end
 if not can_move(status, 'running') then return {status, 0, 0} end

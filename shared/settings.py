@@ -64,6 +64,12 @@ class Settings(BaseSettings):
     drain_timeout_s: float = Field(
         30.0, ge=0, description="On SIGTERM, time a worker gives running requests to finish."
     )
+    redis_outage_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="How long a followed stream waits out an unreachable Redis (a restart, a failover) before "
+        "it ends with 503; shorter outages are only a pause, and the stream resumes from the replay log.",
+    )
     no_worker_wait_s: float = Field(
         5.0, ge=0, description="How long the API waits for a live worker before answering 503."
     )
