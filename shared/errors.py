@@ -64,6 +64,14 @@ class UnavailableError(InflightqError):
     http_status = 503
 
 
+class SlowReaderError(InflightqError):
+    """A streaming client fell too far behind its events (``stream_buffer_events``) and was
+    dropped; it only ever arrives as the stream's last event."""
+
+    error_type = "slow_reader"
+    http_status = 503
+
+
 class GenerationError(InflightqError):
     """The engine failed on this request (or it was dead-lettered)."""
 
@@ -99,6 +107,7 @@ ERROR_TYPES: dict[str, type[InflightqError]] = {
         OverloadedError,
         RateLimitedError,
         UnavailableError,
+        SlowReaderError,
         GenerationError,
         IncompleteGenerationError,
         CancelledError,

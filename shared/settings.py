@@ -84,6 +84,13 @@ class Settings(BaseSettings):
     )
     api_keys_file: str | None = Field(None, description="File with one API key (and limits) per line.")
 
+    stream_buffer_events: int = Field(
+        4096,
+        ge=16,
+        description="Events a multi-choice stream (n > 1) may hold for a client that reads slower than they "
+        "come; past it that client is dropped with a slow_reader error (others are unaffected).",
+    )
+
     # Worker engine.
     device: str = Field("auto", description="Worker device: auto, cpu, cuda, cuda:N.")
     dtype: str = Field("auto", description="Worker dtype: auto, float32, bfloat16, float16, float64.")
