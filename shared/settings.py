@@ -113,7 +113,22 @@ class Settings(BaseSettings):
         ge=0,
         description="How long a full worker leaves an urgent entry to another worker that advertises a free slot.",
     )
-    num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; unset sizes it from memory.")
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="KV cache blocks; unset sizes it from memory (kv_cache_memory_fraction)."
+    )
+    kv_cache_memory_fraction: float = Field(
+        0.25,
+        gt=0,
+        le=0.9,
+        description="Share of the memory free at start that the KV caches of all workers on one host may take "
+        "together (an unset num_kv_blocks); each worker takes its part, this / workers_per_host.",
+    )
+    workers_per_host: int = Field(
+        1,
+        ge=1,
+        description="Workers sharing this host's memory (or GPU); their KV caches together fit "
+        "kv_cache_memory_fraction. `inflightq up --workers N` sets it to N.",
+    )
     block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
     torch_threads: int = Field(
         0,
