@@ -450,7 +450,8 @@ class QueueCore:
         return RequestInfo.from_hash(fields) if fields else None
 
     def cancel(self, request_id: str) -> Steps[bool]:
-        """True when the request was queued (now cancelled) or running (its worker is told)."""
+        """True when this call cancelled the request: it was queued (now cancelled) or running
+        (its worker is told). Of concurrent calls, exactly one gets True."""
         outcome = yield RunScript(
             CANCEL,
             keys=[
@@ -495,7 +496,7 @@ class QueueCore:
         return oldest
 
     def live_workers(self, model: str | None = None) -> Steps[list[WorkerHeartbeat]]:
-        since = time.time() - self.settings.heartbeat_ttl_s
+        since = time.time() - min(self.settings.heartbeat_stale_s, self.settings.heartbeat_ttl_s)
         names = yield call("zrangebyscore", self.keys.workers(), since, "+inf")
         if not names:
             return []

@@ -30,6 +30,11 @@ class PayloadTooLargeError(InflightqError):
     http_status = 413
 
 
+class HeadersTooLargeError(InflightqError):
+    error_type = "headers_too_large"
+    http_status = 431
+
+
 class AuthenticationError(InflightqError):
     error_type = "authentication"
     http_status = 401
@@ -101,6 +106,7 @@ ERROR_TYPES: dict[str, type[InflightqError]] = {
     for cls in (
         ValidationError,
         PayloadTooLargeError,
+        HeadersTooLargeError,
         AuthenticationError,
         NotFoundError,
         ConflictError,

@@ -171,7 +171,8 @@ return {'ok', id}
 
 # KEYS: request hash, replay log, token channel, cancel channel.
 # ARGV: request id, terminal event JSON, now, ttl, log maxlen.
-# Returns 1 cancelled while queued, 2 cancel sent to the running worker, 0 already final, -1 unknown.
+# Returns 1 cancelled while queued, 2 cancel sent to the running worker, 3 a cancel was already
+# sent (of concurrent cancels exactly one gets 1 or 2), 0 already final, -1 unknown.
 CANCEL = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return -1 end
@@ -185,6 +186,7 @@ if status == 'queued' then
   return 1
 end
 if status == 'running' then
+  if redis.call('HGET', KEYS[1], 'cancel_requested') == '1' then return 3 end
   redis.call('HSET', KEYS[1], 'cancel_requested', '1')
   redis.call('PUBLISH', KEYS[4], ARGV[1])
   return 2
@@ -228,7 +230,8 @@ return {'run', deliveries, attempt}
 
 # KEYS: request hash, replay log, token channel, priority stream.
 # ARGV: status, terminal event JSON, 'result' or 'error', its JSON, now, ttl, group, entry id
-# ('' when there is no entry), log maxlen.
+# ('' when there is no entry), log maxlen, the replay log's ttl once final (shorter: the hash keeps
+# the result, and a log with top-n logprobs costs over 1 KB a token).
 # Returns 1 when this call moved the request to its final status, 0 when the move was not
 # allowed (it already was final). A hash that vanished (Redis lost it) is written anyway.
 FINISH = (
@@ -243,7 +246,7 @@ if (not current) or can_move(current, ARGV[1]) then
   applied = 1
 end
 redis.call('EXPIRE', KEYS[1], ARGV[6])
-redis.call('EXPIRE', KEYS[2], ARGV[6])
+redis.call('EXPIRE', KEYS[2], ARGV[10])
 if ARGV[8] ~= '' then
   redis.call('XACK', KEYS[4], ARGV[7], ARGV[8])
   redis.call('XDEL', KEYS[4], ARGV[8])

@@ -54,7 +54,20 @@ class Settings(BaseSettings):
     )
     max_deliveries: int = Field(3, ge=1, description="Deliveries before a request goes to the dead-letter stream.")
     result_ttl_s: int = Field(86_400, ge=1, description="How long results, request hashes and replay logs live.")
-    heartbeat_ttl_s: float = Field(10.0, gt=0, description="A worker is dead when its heartbeat is this old.")
+    replay_log_ttl_s: int = Field(
+        3600,
+        ge=1,
+        description="How long a finished request's replay log (every token event: SSE Last-Event-ID resume) "
+        "outlives it; its result and status stay result_ttl_s.",
+    )
+    heartbeat_ttl_s: float = Field(10.0, gt=0, description="A worker's heartbeat document expires after this long.")
+    heartbeat_stale_s: float = Field(
+        3.0,
+        gt=0,
+        description="/health, `inflightq status` and the API's admission count a worker live while its last "
+        "heartbeat is at most this old (workers beat every second, or every heartbeat_ttl_s / 3 if shorter); "
+        "a killed worker stops counting within it.",
+    )
     engine_stall_s: float = Field(
         300.0,
         ge=0,
