@@ -15,7 +15,7 @@ from tests.worker.test_worker import prompt, tokens_sent, wait_for
 
 
 def test_repeated_sigkills_lose_and_duplicate_nothing(spawn_worker, client, reference) -> None:
-    requests, kills, n = scale(30, 200), scale(3, 8), 80
+    requests, kills, n = scale(30, 200), scale(3, 8), 200
     model = client.settings.model
     workers = [spawn_worker(f"w{i}") for i in range(3)]
     ids = [client.submit(model, prompt(i % 4), greedy(n)) for i in range(requests)]
@@ -26,8 +26,13 @@ def test_repeated_sigkills_lose_and_duplicate_nothing(spawn_worker, client, refe
     for thread in followers:
         thread.start()
     started = time.monotonic()
+    done_kills = 0
     for k in range(kills):
-        wait_for(lambda: any(0 < tokens_sent(client, rid) < n for rid in ids), timeout=120)
+        try:
+            wait_for(lambda: any(0 < tokens_sent(client, rid) < n for rid in ids), timeout=60)
+        except AssertionError:
+            break  # everything finished already: nothing left to kill
+        done_kills += 1
         victim = workers.pop(k % len(workers))
         victim.signal(signal.SIGKILL)
         victim.wait(timeout=10)
@@ -50,8 +55,8 @@ def test_repeated_sigkills_lose_and_duplicate_nothing(spawn_worker, client, refe
         assert [e.index for e in tokens] == list(range(n)), rid
         assert isinstance(events[-1], DoneEvent)
     assert lost == 0 and duplicated == 0
-    assert taken_over >= 1
+    assert taken_over >= 1 and done_kills >= 1
     print(
-        f"FAULTS kill storm: {requests} requests, {kills} SIGKILLs, {taken_over} taken over, lost {lost}, "
+        f"FAULTS kill storm: {requests} requests, {done_kills} SIGKILLs, {taken_over} taken over, lost {lost}, "
         f"duplicated {duplicated}, all done {elapsed:.1f} s after the first request"
     )
