@@ -203,12 +203,13 @@ return 0
 START = (
     _CAN_MOVE
     + """
+local entry = ARGV[9] or ''
 local h = redis.call('HMGET', KEYS[1], 'status', 'cancel_requested', 'entry_id')
 local status = h[1]
-if status and h[3] and h[3] ~= ARGV[9] then return {'duplicate', 0, 0} end
+if status and entry ~= '' and h[3] and h[3] ~= entry then return {'duplicate', 0, 0} end
 if not status then
   redis.call('HSET', KEYS[1], 'id', ARGV[5], 'model', ARGV[6], 'priority', ARGV[7],
-             'submitted_at', ARGV[8], 'status', 'queued', 'attempt', '0', 'entry_id', ARGV[9])
+             'submitted_at', ARGV[8], 'status', 'queued', 'attempt', '0', 'entry_id', entry)
   status = 'queued'
 end
 if not can_move(status, 'running') then return {status, 0, 0} end
@@ -246,7 +247,7 @@ if (not current) or can_move(current, ARGV[1]) then
   applied = 1
 end
 redis.call('EXPIRE', KEYS[1], ARGV[6])
-redis.call('EXPIRE', KEYS[2], ARGV[10])
+redis.call('EXPIRE', KEYS[2], ARGV[10] or ARGV[6])
 if ARGV[8] ~= '' then
   redis.call('XACK', KEYS[4], ARGV[7], ARGV[8])
   redis.call('XDEL', KEYS[4], ARGV[8])
