@@ -17,7 +17,9 @@ from tests.worker.test_worker import prompt, tokens_sent, wait_for
 def test_repeated_sigkills_lose_and_duplicate_nothing(spawn_worker, client, reference) -> None:
     requests, kills, n = scale(30, 200), scale(3, 8), 200
     model = client.settings.model
-    workers = [spawn_worker(f"w{i}") for i in range(3)]
+    # Four sequences a worker: requests queue, so every kill finds work running and more waiting.
+    few = {"INFLIGHTQ_MAX_NUM_SEQS": "4", "INFLIGHTQ_PREFETCH_SEQS": "0"}
+    workers = [spawn_worker(f"w{i}", env=few) for i in range(3)]
     ids = [client.submit(model, prompt(i % 4), greedy(n)) for i in range(requests)]
     followed: dict[str, list] = {rid: [] for rid in ids[:5]}
     followers = [
@@ -36,7 +38,7 @@ def test_repeated_sigkills_lose_and_duplicate_nothing(spawn_worker, client, refe
         victim = workers.pop(k % len(workers))
         victim.signal(signal.SIGKILL)
         victim.wait(timeout=10)
-        workers.append(spawn_worker(f"w{3 + k}"))
+        workers.append(spawn_worker(f"w{3 + k}", env=few, ready=False))
         time.sleep(2.0)
     results = {rid: client.result(rid, timeout=600) for rid in ids}
     elapsed = time.monotonic() - started
