@@ -122,7 +122,9 @@ class Runner:
 def queue_redis(settings: Settings) -> aioredis.Redis:
     """The queue client's connection, with room for every stream: each stream holds a pub/sub connection
     for its whole life, and redis-py's default pool of 100 fails past that (MaxConnectionsError)."""
-    return aioredis.Redis.from_url(settings.redis_url, **(redis_kwargs(settings) | {"max_connections": 100_000}))
+    return aioredis.Redis.from_url(
+        settings.redis_url, **(redis_kwargs(settings, asyncio=True) | {"max_connections": 100_000})
+    )
 
 
 def run_low_load(runner: Runner, endpoints: list[str], samples: list[ChatSample], workers: int, offline: Any) -> None:

@@ -41,9 +41,13 @@ def threads_per_worker(workers: int) -> int:
 
 
 def worker_env(env: dict[str, str], workers: int) -> dict[str, str]:
-    """``env`` for one of ``workers`` local workers: its share of the cores unless the operator set one."""
+    """``env`` for one of ``workers`` local workers: its share of the cores unless the operator set
+    one, and its share of the memory for KV caches (``workers_per_host``)."""
+    env = {**env}
     if workers > 1 and not env.get("INFLIGHTQ_TORCH_THREADS"):
-        return {**env, "INFLIGHTQ_TORCH_THREADS": str(threads_per_worker(workers))}
+        env["INFLIGHTQ_TORCH_THREADS"] = str(threads_per_worker(workers))
+    if workers > 1 and not env.get("INFLIGHTQ_WORKERS_PER_HOST"):
+        env["INFLIGHTQ_WORKERS_PER_HOST"] = str(workers)
     return env
 
 

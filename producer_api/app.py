@@ -8,14 +8,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
-import redis
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
 
 from producer_api import errors, routes_ops
 from producer_api.api_keys import RateLimiter, load_keys
@@ -29,6 +26,7 @@ from producer_api.state import AppState
 from producer_api.tgi import routes as tgi
 from producer_api.tokenization import Tokenizers
 from shared.async_client import AsyncQueueClient
+from shared.client_core import redis_kwargs
 from shared.keys import Keys
 from shared.settings import Settings, get_settings
 
@@ -53,16 +51,12 @@ Every generation route also takes `priority` (0 = most urgent), `ignore_eos`, an
 
 
 def _redis(settings: Settings) -> aioredis.Redis:
-    # Few, short retries: a Redis that is down must become a 503 within a second, not a hang.
-    return aioredis.Redis.from_url(
-        settings.redis_url,
-        decode_responses=True,
-        max_connections=settings.redis_max_connections,
-        socket_connect_timeout=2.0,
-        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 3),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-        health_check_interval=30,
-    )
+    # Few, short retries (redis.asyncio's Retry: the sync one never retried here): a Redis that is
+    # down must become a 503 within a second, not a hang, while a stale pooled connection after a
+    # restart is replaced on its first failure instead of answering 503. Followed streams wait out
+    # longer outages themselves (redis_outage_grace_s).
+    kwargs = redis_kwargs(settings, asyncio=True, retries=3, backoff_cap_s=0.2)
+    return aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2.0, **kwargs)
 
 
 DOCS_ASSETS = "/docs-assets"

@@ -35,6 +35,7 @@ _OPENAI_TYPES = {
     "validation": "invalid_request_error",
     "payload_too_large": "invalid_request_error",
     "not_found": "invalid_request_error",
+    "conflict": "invalid_request_error",
     "authentication": "authentication_error",
     "overloaded": "rate_limit_error",
     "rate_limited": "rate_limit_error",

@@ -24,7 +24,7 @@ class AsyncQueueClient:
     def __init__(self, settings: Settings | None = None, *, client: aioredis.Redis | None = None) -> None:
         self.settings = settings or get_settings()
         self.redis: aioredis.Redis = client or aioredis.Redis.from_url(
-            self.settings.redis_url, **redis_kwargs(self.settings)
+            self.settings.redis_url, **redis_kwargs(self.settings, asyncio=True)
         )
         self._core = QueueCore(self.settings)
         self.keys = self._core.keys

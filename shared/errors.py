@@ -44,6 +44,11 @@ class PayloadTooLargeError(InflightqError):
     http_status = 413
 
 
+class HeadersTooLargeError(InflightqError):
+    error_type = "headers_too_large"
+    http_status = 431
+
+
 class AuthenticationError(InflightqError):
     error_type = "authentication"
     http_status = 401
@@ -52,6 +57,13 @@ class AuthenticationError(InflightqError):
 class NotFoundError(InflightqError):
     error_type = "not_found"
     http_status = 404
+
+
+class ConflictError(InflightqError):
+    """A request id that is already in use (a reused id never touches the request that owns it)."""
+
+    error_type = "conflict"
+    http_status = 409
 
 
 class OverloadedError(InflightqError):
@@ -68,6 +80,14 @@ class UnavailableError(InflightqError):
     """Redis is unreachable or no worker serves the model."""
 
     error_type = "unavailable"
+    http_status = 503
+
+
+class SlowReaderError(InflightqError):
+    """A streaming client fell too far behind its events (``stream_buffer_events``) and was
+    dropped; it only ever arrives as the stream's last event."""
+
+    error_type = "slow_reader"
     http_status = 503
 
 
@@ -100,11 +120,14 @@ ERROR_TYPES: dict[str, type[InflightqError]] = {
     for cls in (
         ValidationError,
         PayloadTooLargeError,
+        HeadersTooLargeError,
         AuthenticationError,
         NotFoundError,
+        ConflictError,
         OverloadedError,
         RateLimitedError,
         UnavailableError,
+        SlowReaderError,
         GenerationError,
         IncompleteGenerationError,
         CancelledError,

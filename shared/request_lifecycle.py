@@ -25,9 +25,9 @@ Each script is atomic, so the lifecycle holds however clients and workers race; 
 FINISH check their move against ``ALLOWED_TRANSITIONS`` itself, rendered into their Lua, so the
 table the code and the tests read is the one Redis enforces.
 
-- ``ENQUEUE`` (client): checks the model's queue depth, writes the hash ``queued`` (with the
-  stream entry's id), XADDs, wakes a worker, all at once, so concurrent submits cannot push a
-  queue past its limit.
+- ``ENQUEUE`` (client): refuses an id already in use, checks the model's queue depth, writes
+  the hash ``queued`` (with the stream entry's id), XADDs, wakes a worker, all at once, so
+  concurrent submits cannot push a queue past its limit.
 - ``CANCEL`` (client): queued -> cancelled at once; its entry stays in the stream until a worker
   reads and skips it. (Deleting an unread entry would leave a tombstone ahead of the group's
   read position, and Redis then reports the group's lag as unknown, which blinds autoscaling
@@ -134,8 +134,11 @@ _CAN_MOVE = _lua_can_move()
 # stream of the model (for the depth check).
 # ARGV: ttl, entry JSON, notify keep, model, max depth (0 = unchecked), group, stream field,
 # then the hash's field/value pairs.
-# Returns {'ok', entry id} or {'overloaded', waiting}.
+# Returns {'ok', entry id}, {'overloaded', waiting}, or {'duplicate', status} when a request
+# with this id exists (a reused id must never touch the request that owns it).
 ENQUEUE = """
+local existing = redis.call('HGET', KEYS[1], 'status')
+if existing then return {'duplicate', existing} end
 local max_depth = tonumber(ARGV[5])
 if max_depth > 0 then
   local waiting = 0
@@ -164,7 +167,8 @@ return {'ok', id}
 
 # KEYS: request hash, replay log, token channel, cancel channel.
 # ARGV: request id, terminal event JSON, now, ttl, log maxlen.
-# Returns 1 cancelled while queued, 2 cancel sent to the running worker, 0 already final, -1 unknown.
+# Returns 1 cancelled while queued, 2 cancel sent to the running worker, 3 a cancel was already
+# sent (of concurrent cancels exactly one gets 1 or 2), 0 already final, -1 unknown.
 CANCEL = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return -1 end
@@ -178,6 +182,7 @@ if status == 'queued' then
   return 1
 end
 if status == 'running' then
+  if redis.call('HGET', KEYS[1], 'cancel_requested') == '1' then return 3 end
   redis.call('HSET', KEYS[1], 'cancel_requested', '1')
   redis.call('PUBLISH', KEYS[4], ARGV[1])
   return 2
@@ -187,16 +192,20 @@ return 0
 
 # KEYS: request hash.
 # ARGV: worker name, now, max deliveries, ttl, then (for a hash that vanished, e.g. a Redis
-# restart without persistence) id, model, priority, submitted_at.
-# Returns {verdict, deliveries, attempt}; verdict is 'run', 'cancel', 'poison', or the final status.
+# restart without persistence) id, model, priority, submitted_at; then the stream entry's id.
+# Returns {verdict, deliveries, attempt}; verdict is 'run', 'cancel', 'poison', 'duplicate' (the
+# hash belongs to another entry with the same request id: this one must not touch it), or the
+# final status.
 START = (
     _CAN_MOVE
     + """
-local h = redis.call('HMGET', KEYS[1], 'status', 'cancel_requested')
+local entry = ARGV[9] or ''
+local h = redis.call('HMGET', KEYS[1], 'status', 'cancel_requested', 'entry_id')
 local status = h[1]
+if status and entry ~= '' and h[3] and h[3] ~= entry then return {'duplicate', 0, 0} end
 if not status then
   redis.call('HSET', KEYS[1], 'id', ARGV[5], 'model', ARGV[6], 'priority', ARGV[7],
-             'submitted_at', ARGV[8], 'status', 'queued', 'attempt', '0')
+             'submitted_at', ARGV[8], 'status', 'queued', 'attempt', '0', 'entry_id', entry)
   status = 'queued'
 end
 if not can_move(status, 'running') then return {status, 0, 0} end
@@ -218,7 +227,8 @@ return {'run', deliveries, attempt}
 
 # KEYS: request hash, replay log, token channel, priority stream.
 # ARGV: status, terminal event JSON, 'result' or 'error', its JSON, now, ttl, group, entry id
-# ('' when there is no entry), log maxlen.
+# ('' when there is no entry), log maxlen, the replay log's ttl once final (shorter: the hash keeps
+# the result, and a log with top-n logprobs costs over 1 KB a token).
 # Returns 1 when this call moved the request to its final status, 0 when the move was not
 # allowed (it already was final). A hash that vanished (Redis lost it) is written anyway.
 FINISH = (
@@ -233,7 +243,7 @@ if (not current) or can_move(current, ARGV[1]) then
   applied = 1
 end
 redis.call('EXPIRE', KEYS[1], ARGV[6])
-redis.call('EXPIRE', KEYS[2], ARGV[6])
+redis.call('EXPIRE', KEYS[2], ARGV[10] or ARGV[6])
 if ARGV[8] ~= '' then
   redis.call('XACK', KEYS[4], ARGV[7], ARGV[8])
   redis.call('XDEL', KEYS[4], ARGV[8])

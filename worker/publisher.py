@@ -228,5 +228,5 @@ class Publisher(ResilientLoop):
             stream,
         ]
         args = [status, event, field, payload, repr(time.time()), self.settings.result_ttl_s]
-        args += [CONSUMER_GROUP, entry_id, self.maxlen]
+        args += [CONSUMER_GROUP, entry_id, self.maxlen, min(self.settings.replay_log_ttl_s, self.settings.result_ttl_s)]
         return lambda pipe: self._evalsha(pipe, FINISH, keys, args)
