@@ -68,15 +68,17 @@ class Runner:
         self.quiet = quiet  # None: measure whatever else runs
         self.report: dict[str, Any] = {}
 
-    def _sender(self, endpoint: str, http: httpx.AsyncClient, queue: AsyncQueueClient) -> Sender:
+    def _sender(
+        self, endpoint: str, http: httpx.AsyncClient, queue: AsyncQueueClient, priority: int | None = None
+    ) -> Sender:
         key = self.api_keys[self.used % len(self.api_keys)] if self.api_keys else ""
         self.used += 1
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         if endpoint == "generate_stream":
-            return tgi_sender(http, headers)
+            return tgi_sender(http, headers, priority)
         if endpoint == "chat":
-            return chat_sender(http, headers, self.settings.model)
-        return queue_sender(queue, self.settings.model, tenant=f"bench-{key or uuid.uuid4().hex}")
+            return chat_sender(http, headers, self.settings.model, priority)
+        return queue_sender(queue, self.settings.model, tenant=f"bench-{key or uuid.uuid4().hex}", priority=priority)
 
     @contextlib.asynccontextmanager
     async def _clients(self) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncQueueClient]]:
