@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import math
 import os
 import random
-import shlex
-import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -44,9 +42,9 @@ from typing import Any
 
 import httpx
 
-from bench.serve import Runner, bench_settings, checkpoint, machine, quiet_policy, stop_on_sigterm
+from bench.serve import ENGINE_KEYS, Runner, bench_settings, checkpoint, quiet_policy, report_head, stop_on_sigterm
 from bench.serve_clients import run_load
-from bench.serve_dataset import ChatSample, describe, synthetic_chat
+from bench.serve_dataset import ChatSample, synthetic_chat
 from bench.serve_metrics import RequestResult, print_summary, summarize
 from bench.serve_stack import Quiet, Stack, measure
 from shared.async_client import AsyncQueueClient
@@ -57,6 +55,7 @@ URGENT_PRIORITY, BACKGROUND_PRIORITIES, FCFS_PRIORITY = 0, (2, 3), 3
 SLO_FACTOR = 2.0  # the SLO: TTFT and TPOT each within this factor of the idle urgent p99
 TARGET_TTFT_RATIO, TARGET_THROUGHPUT_RATIO = 2.0, 0.9
 QUICK = {"num_requests": 80, "calibration_requests": 80, "transformers_requests": 6}
+PARTIAL = Path(tempfile.gettempdir()) / "inflightq-bench-priority-partial.json"
 FULL = {"num_requests": 200, "calibration_requests": 96, "transformers_requests": 24}
 
 
@@ -113,10 +112,10 @@ class PoolWatch:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 name = s.name.removeprefix("inflightq_worker_")
-                if s.labels.get("priority") is not None or name.endswith(("_bucket", "_created")):
+                if name.endswith(("_bucket", "_created")):
                     continue
-                reason = s.labels.get("reason")
-                out[f"{name}:{reason}" if reason else name] = s.value
+                label = s.labels.get("reason") or (f"p{s.labels['priority']}" if "priority" in s.labels else None)
+                out[f"{name}:{label}" if label else name] = s.value
         return out
 
     async def sample(self, http: httpx.AsyncClient, queue: AsyncQueueClient, into: Sampled, t0: float) -> None:
@@ -143,7 +142,16 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
         "generated_tokens_total",
         "engine_step_seconds_total",
     )
-    return {k.removesuffix("_total").replace("_total:", ":"): after.get(k, 0) - before.get(k, 0) for k in keys}
+    out = {k.removesuffix("_total").replace("_total:", ":"): after.get(k, 0) - before.get(k, 0) for k in keys}
+    # The worker's own split of each priority's TTFT: waiting in Redis, then in the engine until the first token.
+    for hist in ("time_in_queue_seconds", "time_to_first_token_seconds"):
+        for key in sorted(k for k in after if k.startswith(f"{hist}_count:")):
+            level = key.split(":")[1]
+            count = after[key] - before.get(key, 0)
+            total = after[f"{hist}_sum:{level}"] - before.get(f"{hist}_sum:{level}", 0)
+            if count:
+                out[f"mean_{hist.removesuffix('_seconds')}_ms:{level}"] = round(1000 * total / count, 1)
+    return out
 
 
 async def drive(
@@ -288,22 +296,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tokenizer, n_cal, input_len=(lo_in, hi_in), output_len=(lo_out, hi_out), seed=args.seed + 1000
     )
     warm = synthetic_chat(tokenizer, 4, input_len=(40, 60), output_len=(4, 4), seed=args.seed + 1)
-    report: dict[str, Any] = {
-        "command": "inflightq bench priority "
-        + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "note": args.note,
-        "model": settings.model,
-        "dtype": settings.dtype,
-        "endpoint": args.endpoint,
-        "engine": {
-            k: getattr(settings, k)
-            for k in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "urgent_poll_s")
-        },
-        "dataset": describe(samples) | {"seed": args.seed, "input_len": [lo_in, hi_in], "output_len": [lo_out, hi_out]},
-        "runs": {},
-    }
+    engine_keys = (*ENGINE_KEYS, "urgent_poll_s", "torch_threads")
+    report = report_head("inflightq bench priority", argv, settings, samples, args, engine_keys)
+    env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("INFLIGHTQ_") and "URL" not in k)
+    report["command"] = f"{env} {report['command']}".strip()  # the settings the stack was started with, too
+    report |= {"note": args.note, "endpoint": args.endpoint, "runs": {}}
     keys = [f"bench-{uuid.uuid4().hex[:12]}" for _ in range(64)]
     stack = Stack(settings, keys, worker_metrics=True)
     try:
@@ -364,7 +361,7 @@ def run_stack_phases(
         "urgent_offsets_s": [round(r.offset, 2) for r in load if r.klass == URGENT],
     }
     print(f"saturation {report['saturation']}; offered {rate:.3f} req/s; {report['workload']['urgent']} urgent")
-    checkpoint(report)
+    checkpoint(report, PARTIAL)
 
     urgent = [r for r in load if r.klass == URGENT]
     idle = [Request(r.sample, URGENT, URGENT_PRIORITY, 0.0) for r in urgent]
@@ -415,7 +412,7 @@ def run_stack_phases(
         for klass, m in row["classes"].items():
             print_summary(f"{name}: {klass}", m)
         print(f"{name}: worker {row['worker']}; pool full {row['pool']['full_share']}", flush=True)
-        checkpoint(report)
+        checkpoint(report, PARTIAL)
     return load
 
 
@@ -428,6 +425,10 @@ def run_transformers(
 
     w = report["workload"]
     dtype = resolve_dtype(settings.dtype, None)
+    if settings.torch_threads:  # the threads the worker had (INFLIGHTQ_TORCH_THREADS), for a like-for-like anchor
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
     (results, duration), contended = measure(
         lambda _: transformers_cb_online(settings, dtype, [r.sample for r in load], [r.offset for r in load]),
         quiet,

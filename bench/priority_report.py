@@ -47,8 +47,9 @@ def latency_table(report: dict[str, Any]) -> list[str]:
 def worker_table(report: dict[str, Any]) -> list[str]:
     lines = [
         "| run | duration s | out tok/s (all) | engine steps | preemptions: urgency / kv_blocks | per minute "
-        "| recomputed tokens | pool full (share of 1 s samples) | queued: mean / max | load avg before / after |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| recomputed tokens | pool full (share of 1 s samples) | queued: mean / max | load avg before / after "
+        "| mean ms in queue / to first token by priority (worker's histograms) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in ("calibration", "priority", "fcfs"):
         run = report["runs"].get(name)
@@ -60,9 +61,22 @@ def worker_table(report: dict[str, Any]) -> list[str]:
             f"| {LABELS[name]} | {m['duration_s']:.0f} | {m['output_throughput']} | {w['engine_steps']:.0f} "
             f"| {w['engine_preemptions_by_reason:urgency']:.0f} / {w['engine_preemptions_by_reason:kv_blocks']:.0f} "
             f"| {per_min} | {w['engine_recomputed_tokens']:.0f} | {p['full_share']} "
-            f"| {p['mean_queued']} / {p['max_queued']} | {' / '.join(map(str, run.get('load_average', ['-'])))} |"
+            f"| {p['mean_queued']} / {p['max_queued']} | {' / '.join(map(str, run.get('load_average', ['-'])))} "
+            f"| {_split_by_priority(w)} |"
         )
     return lines
+
+
+def _split_by_priority(worker: dict[str, Any]) -> str:
+    levels = sorted({k.split(":")[1] for k in worker if k.startswith("mean_time_in_queue_ms:")})
+    return (
+        ", ".join(
+            f"{level}: {worker[f'mean_time_in_queue_ms:{level}']:.0f} / "
+            f"{worker.get(f'mean_time_to_first_token_ms:{level}', math.nan):.0f}"
+            for level in levels
+        )
+        or "-"
+    )
 
 
 def target_lines(report: dict[str, Any]) -> list[str]:

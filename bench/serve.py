@@ -251,25 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     endpoints = [e for e in args.endpoints.split(",") if e]
     rates = [float(r) for r in (args.request_rate or ("1,inf" if args.quick else "1,2,inf")).split(",")]
     workers = [int(w) for w in args.workers.split(",")]
-    report: dict[str, Any] = {
-        "command": "inflightq bench serve "
-        + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "model": settings.model,
-        "dtype": settings.dtype,
-        "engine": {
-            k: getattr(settings, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks")
-        },
-        "dataset": {
-            **describe(samples),
-            "seed": args.seed,
-            "input_len": [lo_in, hi_in],
-            "output_len": [lo_out, hi_out],
-        },
-        "anchors": {},
-        "runs": [],
-    }
+    report = report_head("inflightq bench serve", argv, settings, samples, args) | {"anchors": {}, "runs": []}
     offline = None
     if not args.skip_anchors:
         report["anchors"], offline = run_anchors(settings, samples, bool(phases["low_load"]), args)
@@ -282,6 +264,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         write(report, Path(args.out), tag=args.tag)
     return report
+
+
+ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks")
+
+
+def report_head(
+    prog: str,
+    argv: list[str] | None,
+    settings: Settings,
+    samples: list[ChatSample],
+    args: argparse.Namespace,
+    engine_keys: tuple[str, ...] = ENGINE_KEYS,
+) -> dict[str, Any]:
+    """What every benchmark report opens with: the command, when, where, the model, engine and dataset."""
+    return {
+        "command": f"{prog} " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "model": settings.model,
+        "dtype": settings.dtype,
+        "engine": {k: getattr(settings, k) for k in engine_keys},
+        "dataset": describe(samples)
+        | {
+            "seed": args.seed,
+            "input_len": list(map(int, args.input_len.split(","))),
+            "output_len": list(map(int, args.output_len.split(","))),
+        },
+    }
 
 
 def run_anchors(
@@ -364,12 +374,12 @@ def run_stack(
             stack.stop()
 
 
-def checkpoint(report: dict[str, Any]) -> None:
+def checkpoint(report: dict[str, Any], path: Path = PARTIAL) -> None:
     """The report so far, so that a run cut short still leaves its figures behind."""
     from bench.serve_report import _clean
 
     if report:
-        PARTIAL.write_text(json.dumps(_clean(report), indent=2) + "\n")
+        path.write_text(json.dumps(_clean(report), indent=2) + "\n")
 
 
 def warm_stack(runner: Runner, endpoints: list[str], warm: list[ChatSample]) -> None:

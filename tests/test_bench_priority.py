@@ -97,6 +97,9 @@ def test_bench_priority_reports_consistent_figures_for_a_real_stack(
             worker["engine_preemptions"] / (total["duration_s"] / 60), rel=0.01
         )
         assert run["pool"]["samples"] == len(run["pool"]["series"]["t"]) >= 1
+    # The worker splits each level's TTFT into time in Redis and time in the engine.
+    assert {"mean_time_in_queue_ms:p0", "mean_time_to_first_token_ms:p0"} <= set(runs["priority"]["worker"])
+    assert not any(k.endswith(":p0") for k in runs["fcfs"]["worker"])
     # FCFS sends every request at one priority: nothing is preempted for urgency.
     assert runs["fcfs"]["worker"]["engine_preemptions_by_reason:urgency"] == 0
 
