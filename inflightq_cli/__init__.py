@@ -375,3 +375,12 @@ def bench_serve(ctx: typer.Context) -> None:
     from bench.serve import main
 
     main(list(ctx.args))
+
+
+@bench_app.command("priority", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_priority(ctx: typer.Context) -> None:
+    """Urgent requests while background work saturates the pool: TTFT vs the idle stack, FCFS and transformers'
+    continuous batching, same run (args: python -m bench.priority --help)."""
+    from bench.priority import main
+
+    main(list(ctx.args))
