@@ -47,6 +47,7 @@ from bench.serve_metrics import RequestResult, print_summary, summarize
 from bench.serve_stack import Quiet, Stack, measure
 from shared.async_client import AsyncQueueClient
 from shared.client import redis_kwargs
+from shared.redis_connect import connect_async
 from shared.settings import Settings, get_settings
 
 QUICK_REQUESTS = 100
@@ -68,15 +69,17 @@ class Runner:
         self.quiet = quiet  # None: measure whatever else runs
         self.report: dict[str, Any] = {}
 
-    def _sender(self, endpoint: str, http: httpx.AsyncClient, queue: AsyncQueueClient) -> Sender:
+    def _sender(
+        self, endpoint: str, http: httpx.AsyncClient, queue: AsyncQueueClient, priority: int | None = None
+    ) -> Sender:
         key = self.api_keys[self.used % len(self.api_keys)] if self.api_keys else ""
         self.used += 1
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         if endpoint == "generate_stream":
-            return tgi_sender(http, headers)
+            return tgi_sender(http, headers, priority)
         if endpoint == "chat":
-            return chat_sender(http, headers, self.settings.model)
-        return queue_sender(queue, self.settings.model, tenant=f"bench-{key or uuid.uuid4().hex}")
+            return chat_sender(http, headers, self.settings.model, priority)
+        return queue_sender(queue, self.settings.model, tenant=f"bench-{key or uuid.uuid4().hex}", priority=priority)
 
     @contextlib.asynccontextmanager
     async def _clients(self) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncQueueClient]]:
@@ -120,9 +123,12 @@ class Runner:
 
 
 def queue_redis(settings: Settings) -> aioredis.Redis:
-    """The queue client's connection, with room for every stream: each stream holds a pub/sub connection
-    for its whole life, and redis-py's default pool of 100 fails past that (MaxConnectionsError)."""
-    return aioredis.Redis.from_url(settings.redis_url, **(redis_kwargs(settings) | {"max_connections": 100_000}))
+    """The queue client's connection (a RedisCluster on a Cluster), with room for every concurrent
+    command: streams share one pub/sub connection per node, but each submit and idle check takes one
+    from the pool while it runs, and redis-py's default pool of 100 fails past that (MaxConnectionsError)."""
+    return connect_async(  # type: ignore[return-value]
+        settings, **(redis_kwargs(settings, asyncio=True) | {"max_connections": 100_000})
+    )
 
 
 def run_low_load(runner: Runner, endpoints: list[str], samples: list[ChatSample], workers: int, offline: Any) -> None:
@@ -249,25 +255,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     endpoints = [e for e in args.endpoints.split(",") if e]
     rates = [float(r) for r in (args.request_rate or ("1,inf" if args.quick else "1,2,inf")).split(",")]
     workers = [int(w) for w in args.workers.split(",")]
-    report: dict[str, Any] = {
-        "command": "inflightq bench serve "
-        + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "model": settings.model,
-        "dtype": settings.dtype,
-        "engine": {
-            k: getattr(settings, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks")
-        },
-        "dataset": {
-            **describe(samples),
-            "seed": args.seed,
-            "input_len": [lo_in, hi_in],
-            "output_len": [lo_out, hi_out],
-        },
-        "anchors": {},
-        "runs": [],
-    }
+    report = report_head("inflightq bench serve", argv, settings, samples, args) | {"anchors": {}, "runs": []}
     offline = None
     if not args.skip_anchors:
         report["anchors"], offline = run_anchors(settings, samples, bool(phases["low_load"]), args)
@@ -280,6 +268,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         write(report, Path(args.out), tag=args.tag)
     return report
+
+
+ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks")
+
+
+def report_head(
+    prog: str,
+    argv: list[str] | None,
+    settings: Settings,
+    samples: list[ChatSample],
+    args: argparse.Namespace,
+    engine_keys: tuple[str, ...] = ENGINE_KEYS,
+) -> dict[str, Any]:
+    """What every benchmark report opens with: the command, when, where, the model, engine and dataset."""
+    return {
+        "command": f"{prog} " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "model": settings.model,
+        "dtype": settings.dtype,
+        "engine": {k: getattr(settings, k) for k in engine_keys},
+        "dataset": describe(samples)
+        | {
+            "seed": args.seed,
+            "input_len": list(map(int, args.input_len.split(","))),
+            "output_len": list(map(int, args.output_len.split(","))),
+        },
+    }
 
 
 def run_anchors(
@@ -362,12 +378,12 @@ def run_stack(
             stack.stop()
 
 
-def checkpoint(report: dict[str, Any]) -> None:
+def checkpoint(report: dict[str, Any], path: Path = PARTIAL) -> None:
     """The report so far, so that a run cut short still leaves its figures behind."""
     from bench.serve_report import _clean
 
     if report:
-        PARTIAL.write_text(json.dumps(_clean(report), indent=2) + "\n")
+        path.write_text(json.dumps(_clean(report), indent=2) + "\n")
 
 
 def warm_stack(runner: Runner, endpoints: list[str], warm: list[ChatSample]) -> None:

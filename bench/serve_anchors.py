@@ -92,3 +92,59 @@ def transformers_cb(settings: Settings, dtype: torch.dtype, samples: list[ChatSa
         "output_throughput": out["tok_per_s"],
         "request_throughput": round(len(samples) / out["seconds"], 3),
     }
+
+
+def transformers_cb_online(
+    settings: Settings, dtype: torch.dtype, samples: list[ChatSample], offsets: list[float]
+) -> tuple[list[RequestResult], float]:
+    """transformers' continuous batching fed on an arrival schedule (``offsets``, seconds from the start), in
+    this process (no HTTP, no Redis): FCFS, as it has no priorities. Each token is timed by transformers'
+    own per-token timestamps (``record_timestamps``, perf_counter), each request from when it was added.
+    Returns every request's result, in order, and the wall time from the first arrival to the last token."""
+    import threading
+
+    from transformers import GenerationConfig
+
+    from bench import engine
+
+    engine.KV_TOKENS = settings.num_kv_blocks * settings.block_size if settings.num_kv_blocks else engine.KV_TOKENS
+    cb = engine.TransformersCB(settings.model, dtype)
+    cb._generate([s.prompt_token_ids for s in samples[:2]], [4, 4])  # warm-up
+    config = GenerationConfig(
+        max_new_tokens=max(s.output_len for s in samples), do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+    results = [RequestResult(s.prompt_len, s.output_len) for s in samples]
+    sent = [0.0] * len(samples)
+    with cb.model.continuous_batching_context_manager(
+        generation_config=config, continuous_batching_config=cb.cb_config, block=True, timeout=30
+    ) as manager:
+        start = time.perf_counter()
+
+        def submit() -> None:
+            for i, (sample, offset) in enumerate(zip(samples, offsets, strict=True)):
+                time.sleep(max(0.0, start + offset - time.perf_counter()))
+                sent[i] = time.perf_counter()
+                ids, n = sample.prompt_token_ids, sample.output_len
+                manager.add_request(ids, request_id=f"r{i}", max_new_tokens=n, record_timestamps=True)
+
+        feeder = threading.Thread(target=submit, daemon=True)
+        feeder.start()
+        done, end = 0, start
+        while done < len(samples):
+            out = manager.get_result(timeout=1)
+            if out is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching loop died")
+                continue
+            if not out.is_finished():
+                continue
+            i = int(out.request_id[1:])
+            result, last = results[i], sent[i]
+            for stamp in out.timestamps or []:
+                last = result.record_token(sent[i], stamp, last)
+            result.latency, result.reported_tokens = last - sent[i], len(out.generated_tokens)
+            result.success, result.error = out.error is None, out.error or ""
+            end = max(end, last)
+            done += 1
+        feeder.join()
+    return results, end - start

@@ -35,10 +35,13 @@ async def sse_data(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
         yield json.loads(payload)
 
 
-def tgi_sender(http: httpx.AsyncClient, headers: dict[str, str]) -> Sender:
+def tgi_sender(http: httpx.AsyncClient, headers: dict[str, str], priority: int | None = None) -> Sender:
     async def send(sample: ChatSample) -> RequestResult:
         result = RequestResult(sample.prompt_len, sample.output_len)
-        body = {"inputs": sample.prompt_text, "parameters": {"max_new_tokens": sample.output_len, "ignore_eos": True}}
+        parameters: dict[str, Any] = {"max_new_tokens": sample.output_len, "ignore_eos": True}
+        if priority is not None:
+            parameters["priority"] = priority
+        body = {"inputs": sample.prompt_text, "parameters": parameters}
         started = last = time.perf_counter()
         try:
             async with http.stream("POST", "/generate_stream", json=body, headers=headers) as response:
@@ -64,10 +67,10 @@ def tgi_sender(http: httpx.AsyncClient, headers: dict[str, str]) -> Sender:
     return send
 
 
-def chat_sender(http: httpx.AsyncClient, headers: dict[str, str], model: str) -> Sender:
+def chat_sender(http: httpx.AsyncClient, headers: dict[str, str], model: str, priority: int | None = None) -> Sender:
     async def send(sample: ChatSample) -> RequestResult:
         result = RequestResult(sample.prompt_len, sample.output_len)
-        body = {
+        body: dict[str, Any] = {
             "model": model,
             "messages": sample.messages,
             "max_tokens": sample.output_len,
@@ -76,6 +79,8 @@ def chat_sender(http: httpx.AsyncClient, headers: dict[str, str], model: str) ->
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if priority is not None:
+            body["priority"] = priority
         started = last = time.perf_counter()
         try:
             async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
@@ -105,13 +110,13 @@ def chat_sender(http: httpx.AsyncClient, headers: dict[str, str], model: str) ->
     return send
 
 
-def queue_sender(client: AsyncQueueClient, model: str, tenant: str | None) -> Sender:
+def queue_sender(client: AsyncQueueClient, model: str, tenant: str | None, priority: int | None = None) -> Sender:
     async def send(sample: ChatSample) -> RequestResult:
         result = RequestResult(sample.prompt_len, sample.output_len)
         spec = SamplingSpec(max_new_tokens=sample.output_len, ignore_eos=True)
         started = last = time.perf_counter()
         try:
-            request_id = await client.submit(model, sample.prompt_token_ids, spec, tenant=tenant)
+            request_id = await client.submit(model, sample.prompt_token_ids, spec, tenant=tenant, priority=priority)
             async for event in client.stream(request_id, timeout=600):
                 if isinstance(event, TokenEvent):
                     last = result.record_token(started, time.perf_counter(), last)
@@ -139,9 +144,11 @@ async def run_load(
     request_rate: float = math.inf,
     max_concurrency: int | None = None,
     seed: int = 0,
+    offsets: list[float] | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Releases ``samples`` in order with exponential gaps (Poisson arrivals; inf = all at once),
-    at most ``max_concurrency`` in flight; returns the results and the wall time of the whole run."""
+    or each at its own ``offsets`` (seconds from the start, non-decreasing), at most
+    ``max_concurrency`` in flight; returns the results and the wall time of the whole run."""
     rng = random.Random(seed)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
@@ -153,9 +160,11 @@ async def run_load(
 
     started = time.perf_counter()
     tasks = []
-    for sample in samples:
+    for i, sample in enumerate(samples):
+        if offsets is not None:  # on an absolute clock, so the schedule does not drift with the loop's lag
+            await asyncio.sleep(max(0.0, started + offsets[i] - time.perf_counter()))
         tasks.append(asyncio.create_task(one(sample)))
-        if not math.isinf(request_rate):
+        if offsets is None and not math.isinf(request_rate):
             await asyncio.sleep(rng.expovariate(request_rate))
     results = await asyncio.gather(*tasks)
     return list(results), time.perf_counter() - started

@@ -38,6 +38,8 @@ class Stack:
     logs: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="inflightq-bench-serve-")))
     api: subprocess.Popen[bytes] | None = None
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    worker_metrics: bool = False  # each worker serves Prometheus metrics on a free port (``metrics_urls``)
+    metrics_urls: list[str] = field(default_factory=list)
 
     @property
     def base_url(self) -> str:
@@ -74,19 +76,27 @@ class Stack:
             self.add_worker(timeout=timeout)
         return self
 
+    def _worker_args(self, name: str) -> list[str]:
+        args = ["worker", "--name", name]
+        if self.worker_metrics:
+            port = free_port()
+            self.metrics_urls.append(f"http://127.0.0.1:{port}/metrics")
+            args += ["--metrics-port", str(port)]
+        return args
+
     def add_worker(self, timeout: float = 300.0) -> None:
         name = f"bench-worker-{len(self.workers)}"
-        self.workers.append(self._spawn(name, ["worker", "--name", name]))
+        self.workers.append(self._spawn(name, self._worker_args(name)))
         self.wait_ready(len(self.workers), timeout)
 
     def restart_workers(self, count: int, timeout: float = 300.0) -> None:
         """Replaces the workers by ``count`` fresh ones, each with its share of the cores, as
         ``inflightq up --workers N`` starts them (so the comparison is not one of oversubscription)."""
         self._stop_children(self.workers)
-        self.workers = []
+        self.workers, self.metrics_urls = [], []
         for i in range(count):
             name = f"bench-worker-{count}x-{i}"
-            self.workers.append(self._spawn(name, ["worker", "--name", name], worker_env(self._env(), count)))
+            self.workers.append(self._spawn(name, self._worker_args(name), worker_env(self._env(), count)))
         self.wait_ready(count, timeout)
 
     def wait_ready(self, workers: int, timeout: float) -> None:
@@ -107,7 +117,7 @@ class Stack:
 
     def stop(self) -> None:
         self._stop_children([c for c in [*self.workers, self.api] if c is not None])
-        self.workers, self.api = [], None
+        self.workers, self.api, self.metrics_urls = [], None, []
         delete_prefix(self.settings)
 
     @staticmethod

@@ -6,12 +6,51 @@ supervising processes is this layer's own job: ``supervisor.py`` (``inflightq up
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
-app = typer.Typer(help="inflightq: Redis-backed LLM serving with continuous batching.", no_args_is_help=True)
+
+class _Cli(typer.Typer):
+    """The console script. A user's mistake (a missing file, an unknown id, a Redis that does not answer, a
+    bad setting) is one line on stderr and a non-zero exit code; only a bug shows a traceback."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import pydantic
+        import redis
+
+        try:
+            return super().__call__(*args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError) as err:
+            from shared.settings import get_settings
+
+            url = _redacted(get_settings().redis_url)
+            print(f"inflightq: Redis at {url} does not answer ({err}); is it running?", file=sys.stderr)
+            sys.exit(1)
+        except pydantic.ValidationError as err:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in err.errors())
+            print(f"inflightq: bad setting: {problems}", file=sys.stderr)
+            sys.exit(2)
+
+
+def _redacted(url: str) -> str:
+    """A Redis URL without its password."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password:
+        netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return url
+
+
+app = _Cli(
+    help="inflightq: Redis-backed LLM serving with continuous batching.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
 bench_app = typer.Typer(help="Benchmarks; each prints a ratio against an anchor run in the same process.")
 app.add_typer(bench_app, name="bench")
 
@@ -34,13 +73,21 @@ def up(
     batch_workers: int = typer.Option(1, min=0, help="Batch (RQ) worker processes to start for /v1/batches."),
     host: str | None = typer.Option(None, help="API bind address (default INFLIGHTQ_API_HOST)."),
     port: int | None = typer.Option(None, help="API port (default INFLIGHTQ_API_PORT)."),
+    metrics_port: int | None = typer.Option(
+        None,
+        help="Worker i serves Prometheus metrics on this port + i (default INFLIGHTQ_METRICS_PORT, else 9100); "
+        "a taken port is replaced by a free one, printed; 0 = free ports.",
+    ),
 ) -> None:
     """Run everything on this machine: Redis (a private one if none answers), the API, the workers
-    and a batch worker."""
+    and a batch worker; says "ready" once the API answers with a live worker."""
     from inflightq_cli.supervisor import run_stack
     from shared.settings import get_settings
 
-    raise typer.Exit(run_stack(get_settings(), workers=workers, batch_workers=batch_workers, host=host, port=port))
+    code = run_stack(
+        get_settings(), workers=workers, batch_workers=batch_workers, host=host, port=port, metrics_port=metrics_port
+    )
+    raise typer.Exit(code)
 
 
 # Batches (OpenAI Batch API over RQ) ------------------------------------------------------
@@ -106,8 +153,11 @@ def batch_submit(
     from producer_api.batches.lines import endpoint_of
     from producer_api.batches.queue import create_batch
 
-    store = _batch_store()
     path = Path(file)
+    if not path.is_file():
+        typer.echo(f"inflightq: no such file: {file}", err=True)
+        raise typer.Exit(2)
+    store = _batch_store()
     content = path.read_bytes()
     endpoint = endpoint or endpoint_of(content) or "/v1/chat/completions"
     with _batch_errors():
@@ -161,6 +211,15 @@ def batch_cancel(batch_id: str = typer.Argument(..., help="The batch id (batch_.
         print(cancel_batch(store.settings, store, batch_id).model_dump_json(indent=2, exclude_none=True))
 
 
+class _HealthyChecksQuiet:
+    """Leaves successful /health polls (``inflightq up`` waiting for a worker, load balancers, probes)
+    out of the access log; everything else, failed health checks included, is logged."""
+
+    def filter(self, record: object) -> bool:
+        args = getattr(record, "args", None)
+        return not (isinstance(args, tuple) and len(args) >= 5 and args[2] == "/health" and args[4] == 200)
+
+
 @app.command("api")
 def api(
     host: str | None = typer.Option(None, help="Address to bind; default INFLIGHTQ_API_HOST."),
@@ -168,12 +227,15 @@ def api(
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Serve the HTTP API (TGI- and OpenAI-compatible routes, async jobs) over the Redis queue."""
+    import logging
+
     import uvicorn
 
     from producer_api.app import create_app
     from shared.settings import get_settings
 
     settings = get_settings()
+    logging.getLogger("uvicorn.access").addFilter(_HealthyChecksQuiet())
     uvicorn.run(
         create_app(settings),
         host=host or settings.api_host,
@@ -223,7 +285,7 @@ def status(model: list[str] | None = typer.Option(None, help="Only these models 
 
     with QueueClient(get_settings()) as client:
         if not client.ping():
-            print(f"redis at {client.settings.redis_url} does not answer")
+            typer.echo(f"inflightq: Redis at {_redacted(client.settings.redis_url)} does not answer", err=True)
             raise typer.Exit(1)
         workers = client.live_workers()
         print(f"{len(workers)} live worker(s)")
@@ -240,6 +302,63 @@ def status(model: list[str] | None = typer.Option(None, help="Only these models 
             dead = client.redis.xlen(client.keys.dead_letters(name))
             age = client.oldest_waiting_age_s(name)
             print(f"queue {name}: {shown} (total {sum(depth.values())}, oldest {age:.1f}s, dead letters {dead})")
+
+
+@app.command("purge")
+def purge(
+    yes: bool = typer.Option(False, "--yes", "-y", help="Delete without asking."),
+    force: bool = typer.Option(False, "--force", help="Delete even while workers of this deployment are live."),
+) -> None:
+    """Delete every key of this deployment (everything under INFLIGHTQ_KEY_PREFIX, RQ's keys included) and
+    nothing else: queued work, results, files and batches are gone. Stop the deployment first."""
+    from shared.client import QueueClient
+    from shared.settings import get_settings
+
+    with QueueClient(get_settings()) as client:
+        if not client.ping():
+            typer.echo(f"inflightq: Redis at {_redacted(client.settings.redis_url)} does not answer", err=True)
+            raise typer.Exit(1)
+        live = client.live_workers()
+        if live and not force:
+            names = ", ".join(sorted(w.name for w in live))
+            typer.echo(f"inflightq: {len(live)} worker(s) still live ({names}); stop them first, or --force", err=True)
+            raise typer.Exit(1)
+        # Where the keys live: the deployment's Redis (every master of a Cluster: scan_iter and unlink
+        # go to each), and RQ's own Redis where it has one (rq_redis_url: RQ does not run on a Cluster).
+        targets: list[tuple[Any, str, str]] = [
+            (
+                client.redis,
+                client.keys.pattern(),
+                f"{_redacted(client.settings.redis_url)} under {client.keys.described()}",
+            )
+        ]
+        rq_url = client.settings.rq_redis_url
+        if rq_url and rq_url != client.settings.redis_url:
+            import redis
+
+            rq = redis.Redis.from_url(rq_url, decode_responses=True, encoding_errors="replace")
+            targets.append((rq, client.keys.rq_pattern(), f"{_redacted(rq_url)} under {client.keys.rq()}:"))
+        found = [sum(1 for _ in target.scan_iter(match=pattern, count=1000)) for target, pattern, _ in targets]
+        where = " and ".join(w for (_, _, w), n in zip(targets, found, strict=True) if n) or targets[0][2]
+        if not sum(found):
+            print(f"inflightq: no keys at {where}")
+            return
+        if not yes:
+            if not sys.stdin.isatty():
+                typer.echo(f"inflightq: {sum(found)} keys at {where}; add --yes to delete them", err=True)
+                raise typer.Exit(2)
+            typer.confirm(f"Delete {sum(found)} keys at {where}?", abort=True)
+        deleted = 0
+        for target, pattern, _ in targets:
+            batch: list[str] = []
+            for key in target.scan_iter(match=pattern, count=1000):
+                batch.append(key)
+                if len(batch) >= 500:
+                    deleted += target.unlink(*batch)
+                    batch.clear()
+            if batch:
+                deleted += target.unlink(*batch)
+        print(f"inflightq: deleted {deleted} keys at {where}")
 
 
 @bench_app.command("transport")
@@ -271,5 +390,14 @@ def bench_serve(ctx: typer.Context) -> None:
     """Load generator in the manner of `vllm bench serve` through the API and the queue, beside the offline
     engine and transformers' continuous batching on the same prompts (args: python -m bench.serve --help)."""
     from bench.serve import main
+
+    main(list(ctx.args))
+
+
+@bench_app.command("priority", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_priority(ctx: typer.Context) -> None:
+    """Urgent requests while background work saturates the pool: TTFT vs the idle stack, FCFS and transformers'
+    continuous batching, same run (args: python -m bench.priority --help)."""
+    from bench.priority import main
 
     main(list(ctx.args))

@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import anyio
-import redis
 import redis.asyncio as aioredis
 from fastapi import FastAPI
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
 
 from producer_api import errors, routes_ops
 from producer_api.api_keys import RateLimiter, load_keys
@@ -25,6 +26,7 @@ from producer_api.state import AppState
 from producer_api.tgi import routes as tgi
 from producer_api.tokenization import Tokenizers
 from shared.async_client import AsyncQueueClient
+from shared.client_core import redis_kwargs
 from shared.keys import Keys
 from shared.redis_connect import connect_async
 from shared.settings import Settings, get_settings
@@ -50,16 +52,45 @@ Every generation route also takes `priority` (0 = most urgent), `ignore_eos`, an
 
 
 def _redis(settings: Settings) -> aioredis.Redis:
-    # Few, short retries: a Redis that is down must become a 503 within a second, not a hang.
-    return connect_async(  # type: ignore[return-value]
-        settings,
-        decode_responses=True,
-        max_connections=settings.redis_max_connections,
-        socket_connect_timeout=2.0,
-        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 3),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-        health_check_interval=30,
-    )
+    # Few, short retries (redis.asyncio's Retry: the sync one never retried here): a Redis that is
+    # down must become a 503 within a second, not a hang, while a stale pooled connection after a
+    # restart is replaced on its first failure instead of answering 503. Followed streams wait out
+    # longer outages themselves (redis_outage_grace_s). A RedisCluster on a Cluster (same options).
+    kwargs = redis_kwargs(settings, asyncio=True, retries=3, backoff_cap_s=0.2)
+    return connect_async(settings, socket_connect_timeout=2.0, **kwargs)  # type: ignore[return-value]
+
+
+DOCS_ASSETS = "/docs-assets"
+
+
+def install_offline_docs(app: FastAPI) -> None:
+    """/docs (Swagger UI) and /redoc from the assets the fastapi-offline wheel ships: they work on a machine
+    without internet, where FastAPI's defaults load them from a CDN and show a blank page."""
+    import fastapi_offline
+
+    assets = Path(fastapi_offline.__file__).parent / "static"
+    app.mount(DOCS_ASSETS, StaticFiles(directory=assets), name="docs-assets")
+    openapi_url = app.openapi_url or "/openapi.json"
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=openapi_url,
+            title=f"{app.title} - Swagger UI",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png",
+        )
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(
+            openapi_url=openapi_url,
+            title=f"{app.title} - ReDoc",
+            redoc_js_url=f"{DOCS_ASSETS}/redoc.standalone.js",
+            redoc_favicon_url=f"{DOCS_ASSETS}/favicon.png",
+            with_google_fonts=False,
+        )
 
 
 def create_app(settings: Settings | None = None, *, tokenizers: Tokenizers | None = None) -> FastAPI:
@@ -90,6 +121,8 @@ def create_app(settings: Settings | None = None, *, tokenizers: Tokenizers | Non
         version="0.1.0",
         description=DESCRIPTION,
         lifespan=lifespan,
+        docs_url=None,  # served below from local assets, not a CDN
+        redoc_url=None,
         openapi_tags=[
             {"name": "TGI", "description": "Text Generation Inference's API."},
             {"name": "OpenAI", "description": "OpenAI's completions and chat completions API."},
@@ -104,6 +137,7 @@ def create_app(settings: Settings | None = None, *, tokenizers: Tokenizers | Non
     app.include_router(jobs.router)
     app.include_router(batches.router)
     app.include_router(routes_ops.router)
+    install_offline_docs(app)
     # Added last = outermost: metrics see every request, including 413s.
     app.add_middleware(
         BodyLimitMiddleware,

@@ -2,7 +2,9 @@
 
 TGI's routes and the jobs API answer TGI's ``{"error", "error_type"}`` (huggingface_hub turns
 ``error_type`` into its exception classes); ``/v1/*`` OpenAI routes answer OpenAI's
-``{"error": {"message", "type", "param", "code"}}`` (the openai package reads ``message``).
+``{"error": {"message", "type", "param", "code"}}`` (the openai package reads ``message``) with OpenAI's
+status codes where they differ from TGI's: an unknown model is a 404 ``model_not_found`` and a body that
+is not JSON a 400 there, where TGI's routes answer 422 for both.
 Anything unexpected becomes a generic 500 without a traceback in the body."""
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared.errors import (
     InflightqError,
+    MalformedBodyError,
     NotFoundError,
     PayloadTooLargeError,
     UnavailableError,
@@ -32,6 +35,7 @@ _OPENAI_TYPES = {
     "validation": "invalid_request_error",
     "payload_too_large": "invalid_request_error",
     "not_found": "invalid_request_error",
+    "conflict": "invalid_request_error",
     "authentication": "authentication_error",
     "overloaded": "rate_limit_error",
     "rate_limited": "rate_limit_error",
@@ -66,7 +70,7 @@ def normalize(exc: BaseException) -> InflightqError:
             return PayloadTooLargeError(str(exc.detail))
         if exc.status_code == 400:
             # FastAPI's "error parsing the body" (e.g. JSON nested too deep): a malformed request.
-            return ValidationError(f"malformed body: {exc.detail}", field="body")
+            return MalformedBodyError(f"malformed body: {exc.detail}", field="body")
         error = ValidationError(str(exc.detail))
         error.http_status = exc.status_code
         return error
@@ -77,20 +81,24 @@ def _from_validation_errors(errors: Any) -> ValidationError:
     """Pydantic's error list -> one message naming the first bad field (all problems in the message)."""
     parts: list[str] = []
     first_field: str | None = None
+    malformed = False
     for err in errors:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         field = ".".join(loc)
         if err.get("type") == "json_invalid":
             msg = f"malformed JSON body: {err.get('ctx', {}).get('error', 'invalid JSON')}"
             field = "body"
+            malformed = True
         elif err.get("type") == "missing" and not field:
             msg = "a JSON body is required"
             field = "body"
+            malformed = True
         else:
             msg = f"{field or 'body'}: {err.get('msg', 'invalid value')}"
         first_field = first_field or field or "body"
         parts.append(msg)
-    return ValidationError("; ".join(parts) or "invalid request", field=first_field)
+    error_class = MalformedBodyError if malformed else ValidationError
+    return error_class("; ".join(parts) or "invalid request", field=first_field)
 
 
 def tgi_body(error: InflightqError) -> dict[str, Any]:
@@ -103,13 +111,22 @@ def openai_body(error: InflightqError) -> dict[str, Any]:
             "message": error.message,
             "type": _OPENAI_TYPES.get(error.error_type, "server_error"),
             "param": error.field,
-            "code": error.error_type,
+            "code": getattr(error, "openai_code", error.error_type),
         }
     }
 
 
+def openai_status(error: InflightqError) -> int:
+    """OpenAI's status for ``error`` (404 for an unknown model, 400 for a body that is not JSON)."""
+    return int(getattr(error, "openai_status", error.http_status))
+
+
 def body_for(path: str, error: InflightqError) -> dict[str, Any]:
     return openai_body(error) if is_openai_path(path) else tgi_body(error)
+
+
+def status_for(path: str, error: InflightqError) -> int:
+    return openai_status(error) if is_openai_path(path) else error.http_status
 
 
 def error_response(path: str, exc: BaseException, state: dict[str, Any] | None = None) -> JSONResponse:
@@ -122,7 +139,7 @@ def error_response(path: str, exc: BaseException, state: dict[str, Any] | None =
     headers = {"retry-after": _RETRY_AFTER[error.error_type]} if error.error_type in _RETRY_AFTER else None
     if error.error_type == "rate_limited":
         headers = {"retry-after": str(getattr(error, "retry_after", 60))}
-    return JSONResponse(body_for(path, error), status_code=error.http_status, headers=headers)
+    return JSONResponse(body_for(path, error), status_code=status_for(path, error), headers=headers)
 
 
 def sse_error_payload(path: str, exc: BaseException) -> str:

@@ -10,7 +10,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from producer_api import metrics
 from producer_api.errors import error_response
-from shared.errors import PayloadTooLargeError
+from shared.errors import HeadersTooLargeError, PayloadTooLargeError
+
+# Request headers beyond these get 431 (nginx's default buffers hold 4 x 8 KB; 200 KB of headers or
+# 5,000 of them were accepted and parsed on every request).
+MAX_HEADERS = 100
+MAX_HEADER_BYTES = 32 * 1024
 
 
 def route_template(scope: Scope) -> str:
@@ -49,7 +54,8 @@ class MetricsMiddleware:
 
 
 class BodyLimitMiddleware:
-    """413 past ``max_bytes``, by Content-Length or, when that is absent or lies, by counting the body.
+    """431 past MAX_HEADERS or MAX_HEADER_BYTES of request headers; 413 past ``max_bytes``, by
+    Content-Length or, when that is absent or lies, by counting the body.
 
     The body is read here in full (at most max_bytes) and replayed to the app; later receive()
     calls go to the server so the app still hears a disconnect."""
@@ -61,6 +67,16 @@ class BodyLimitMiddleware:
         self.path_limits = path_limits or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = scope["headers"]
+            size = sum(len(name) + len(value) + 4 for name, value in headers)
+            if len(headers) > MAX_HEADERS or size > MAX_HEADER_BYTES:
+                error = HeadersTooLargeError(
+                    f"request headers too large: {len(headers)} headers, {size} bytes "
+                    f"(at most {MAX_HEADERS} and {MAX_HEADER_BYTES})"
+                )
+                await self._send_error(scope, send, error)
+                return
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
             await self.app(scope, receive, send)
             return
@@ -94,7 +110,10 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
     async def _reject(self, scope: Scope, send: Send, max_bytes: int) -> None:
-        error = PayloadTooLargeError(f"request body is larger than {max_bytes} bytes")
+        await self._send_error(scope, send, PayloadTooLargeError(f"request body is larger than {max_bytes} bytes"))
+
+    @staticmethod
+    async def _send_error(scope: Scope, send: Send, error: Exception) -> None:
         response = error_response(scope["path"], error, scope.setdefault("state", {}))
         response.headers["connection"] = "close"  # the unread rest of the body must not be parsed as a request
         await response(scope, _no_body, send)

@@ -23,7 +23,11 @@ class QueueCollector(Collector):
         self.settings = settings
         # Short timeouts and no retries: a scrape must answer even while Redis is away.
         connection = connect(
-            settings, decode_responses=True, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+            settings,
+            decode_responses=True,
+            encoding_errors="replace",  # a stream entry that is not UTF-8 must not break the scrape
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
         )
         self.client = QueueClient(settings, client=connection)
 

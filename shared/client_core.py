@@ -17,10 +17,18 @@ import time
 from typing import Any, TypedDict
 
 import redis
+from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from shared.errors import NotFoundError, OverloadedError, ValidationError, error_from_type
+from shared.errors import (
+    ConflictError,
+    NotFoundError,
+    OverloadedError,
+    UnavailableError,
+    ValidationError,
+    error_from_type,
+)
 from shared.event_delivery import (
     CATCH_UP_COUNT,
     TERMINAL_ONLY,
@@ -61,24 +69,65 @@ IDLE_CHECK_MAX_S = 8.0
 # wait). At 8 s, 1,000 queued streams still cost 125 checks a second, in the API and in any
 # service following them, on the CPU the worker beside them needs.
 QUEUED_CHECK_MAX_S = 30.0
-# A follower's pause after its pub/sub read failed even with the connection's own retries
-# (``redis_kwargs``); the subscription re-subscribes on reconnect (``shared.subscriptions``).
+# A follower's pause after a Redis round trip failed even with the connection's own retries
+# (``redis_kwargs``); it keeps trying for ``redis_outage_grace_s``, and the subscription
+# re-subscribes on reconnect (``shared.subscriptions``).
 RECONNECT_PAUSE_S = 0.2
 # How long a new subscription may take to be confirmed.
 SUBSCRIBE_S = 10.0
 
 
-def redis_kwargs(settings: Settings) -> dict[str, Any]:
-    """Connection options both clients use: text replies, retries with backoff across a restart,
+def redis_kwargs(
+    settings: Settings,
+    *,
+    asyncio: bool = False,
+    encoding_errors: str = "replace",
+    retries: int = 8,
+    backoff_cap_s: float = 2.0,
+) -> dict[str, Any]:
+    """Connection options every client uses: text replies, retries with backoff across a restart,
     and a pool as large as the settings allow (redis-py's default of 100 would turn the 101st
-    followed stream into a spurious "Redis unreachable")."""
+    followed stream into a spurious "Redis unreachable").
+
+    ``asyncio`` picks redis.asyncio's own Retry: the sync one, given to an asyncio client, returns
+    an un-awaited coroutine instead of retrying, so every command failed across a blip and stale
+    pooled connections gave random errors for minutes after it. ``encoding_errors``: a reply that
+    is not UTF-8 (anyone may XADD anything) becomes U+FFFD instead of an exception that stops the
+    reader; the worker asks for ``surrogateescape`` to tell such bytes apart and reject them."""
+    retry_class = AsyncRetry if asyncio else Retry
     return {
         "max_connections": settings.redis_max_connections,
         "decode_responses": True,
-        "retry": Retry(ExponentialBackoff(cap=2.0, base=0.05), 8),
+        "encoding_errors": encoding_errors,
+        "retry": retry_class(ExponentialBackoff(cap=backoff_cap_s, base=0.05), retries),
         "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
         "health_check_interval": 30,
     }
+
+
+class OutageClock:
+    """How long a follower has found Redis unreachable; past ``grace_s`` it gives up with 503
+    (``UnavailableError``). Shorter outages are only a pause: the follower then reads what it
+    missed from the replay log."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.since: float | None = None
+
+    @property
+    def down(self) -> bool:
+        return self.since is not None
+
+    def failed(self, error: Exception) -> None:
+        now = time.monotonic()
+        self.since = self.since if self.since is not None else now
+        if now - self.since >= self.grace_s:
+            raise UnavailableError(
+                f"the queue (Redis) has been unreachable for {now - self.since:.0f} s ({error})"
+            ) from error
+
+    def over(self) -> None:
+        self.since = None
 
 
 # Rules without I/O ---------------------------------------------------------------------------
@@ -250,11 +299,14 @@ class QueueCore:
         first = hash_fields(request.id, request.model, request.priority, request.submitted_at, request.attempt)
         # The hash first, in the request's slot; then the entry, in the model's (another node on a
         # Cluster): a worker never reads an entry whose hash is still to come.
-        yield RunScript(
+        # A reused id is refused here, before anything is written: the request that owns it stays untouched.
+        verdict, detail = yield RunScript(
             CREATE,
             keys=[self.keys.request(request.id)],
             args=[self.settings.result_ttl_s, *[item for pair in first.items() for item in pair]],
         )
+        if verdict in (b"duplicate", "duplicate"):
+            raise ConflictError(f"request id {request.id} is already in use (status {detail}); choose a new id")
         verdict, detail = yield RunScript(
             ENQUEUE,
             keys=[self.keys.stream(request.model, request.priority), self.keys.notify(request.model), *model_streams],
@@ -298,29 +350,43 @@ class QueueCore:
         if not sequencer.finished and not (yield call("exists", self.keys.request(request_id))):
             raise NotFoundError(f"unknown request {request_id}")
         idle = IdleBackoff()
+        outage = OutageClock(self.settings.redis_outage_grace_s)
         while not sequencer.finished:
             try:
-                message = yield pubsub_call("get_message", timeout=idle.timeout(deadline))
-            except (redis.ConnectionError, redis.TimeoutError):
-                # The subscription re-subscribes on reconnect; the log fills whatever passed meanwhile.
+                out = yield from self.follow_once(request_id, sequencer, idle, deadline, resync=outage.down)
+                outage.over()
+            except (redis.ConnectionError, redis.TimeoutError) as error:
+                outage.failed(error)  # past the grace: 503
                 yield Pause(RECONNECT_PAUSE_S)
-                message = None
-            if message is None:  # silence, or the subscription asks for a check (it reconnected)
-                out, queued = yield from self.idle_check(request_id, sequencer)
-                if out:
-                    idle.heard()
-                else:
-                    idle.silent(queued=queued)
-            else:
-                idle.heard()
-                event = parse_event(message)
-                out = sequencer.accept(event, from_log=False)
-                if sequencer.gap:
-                    sequencer.gap = False
-                    out = yield from self.catch_up(request_id, sequencer)
-                    out += sequencer.accept(event, from_log=True)
+                continue
             yield Emit(out)
         return sequencer.terminal
+
+    def follow_once(
+        self, request_id: str, sequencer: EventSequencer, idle: IdleBackoff, deadline: float | None, *, resync: bool
+    ) -> Steps[list[AnyEvent]]:
+        """One wait on pub/sub and what it brings; ``resync`` (after Redis was unreachable) reads
+        the log and status first: whatever was published meanwhile is only there. The subscription
+        (``shared.subscriptions``) gives an event's JSON, or None: silence, or a request to check
+        (it re-subscribed after its connection failed)."""
+        message = None
+        if not resync:
+            message = yield pubsub_call("get_message", timeout=idle.timeout(deadline))
+        if message is None:
+            out, queued = yield from self.idle_check(request_id, sequencer)
+            if out or resync:
+                idle.heard()
+            else:
+                idle.silent(queued=queued)
+            return out
+        idle.heard()
+        event = parse_event(message)
+        out = sequencer.accept(event, from_log=False)
+        if sequencer.gap:
+            sequencer.gap = False
+            out = yield from self.catch_up(request_id, sequencer)
+            out += sequencer.accept(event, from_log=True)
+        return out
 
     def catch_up(self, request_id: str, sequencer: EventSequencer) -> Steps[list[AnyEvent]]:
         log = self.keys.replay_log(request_id)
@@ -387,7 +453,8 @@ class QueueCore:
         return RequestInfo.from_hash(fields) if fields else None
 
     def cancel(self, request_id: str) -> Steps[bool]:
-        """True when the request was queued (now cancelled) or running (its worker is told)."""
+        """True when this call cancelled the request: it was queued (now cancelled) or running
+        (its worker is told). Of concurrent calls, exactly one gets True."""
         outcome = yield RunScript(
             CANCEL,
             keys=[
@@ -433,7 +500,7 @@ class QueueCore:
         return oldest
 
     def live_workers(self, model: str | None = None) -> Steps[list[WorkerHeartbeat]]:
-        since = time.time() - self.settings.heartbeat_ttl_s
+        since = time.time() - min(self.settings.heartbeat_stale_s, self.settings.heartbeat_ttl_s)
         names = yield call("zrangebyscore", self.keys.workers(), since, "+inf")
         if not names:
             return []

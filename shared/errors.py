@@ -25,9 +25,28 @@ class ValidationError(InflightqError):
     http_status = 422
 
 
+class ModelNotFoundError(ValidationError):
+    """A model this deployment does not serve: a 422 on TGI's routes, OpenAI's 404 ``model_not_found`` on its own."""
+
+    openai_status = 404
+    openai_code = "model_not_found"
+
+
+class MalformedBodyError(ValidationError):
+    """A body that is not JSON (or none at all): a 422 on TGI's routes, OpenAI's 400 on its own."""
+
+    openai_status = 400
+    openai_code = "invalid_json"
+
+
 class PayloadTooLargeError(InflightqError):
     error_type = "payload_too_large"
     http_status = 413
+
+
+class HeadersTooLargeError(InflightqError):
+    error_type = "headers_too_large"
+    http_status = 431
 
 
 class AuthenticationError(InflightqError):
@@ -38,6 +57,13 @@ class AuthenticationError(InflightqError):
 class NotFoundError(InflightqError):
     error_type = "not_found"
     http_status = 404
+
+
+class ConflictError(InflightqError):
+    """A request id that is already in use (a reused id never touches the request that owns it)."""
+
+    error_type = "conflict"
+    http_status = 409
 
 
 class OverloadedError(InflightqError):
@@ -54,6 +80,14 @@ class UnavailableError(InflightqError):
     """Redis is unreachable or no worker serves the model."""
 
     error_type = "unavailable"
+    http_status = 503
+
+
+class SlowReaderError(InflightqError):
+    """A streaming client fell too far behind its events (``stream_buffer_events``) and was
+    dropped; it only ever arrives as the stream's last event."""
+
+    error_type = "slow_reader"
     http_status = 503
 
 
@@ -86,11 +120,14 @@ ERROR_TYPES: dict[str, type[InflightqError]] = {
     for cls in (
         ValidationError,
         PayloadTooLargeError,
+        HeadersTooLargeError,
         AuthenticationError,
         NotFoundError,
+        ConflictError,
         OverloadedError,
         RateLimitedError,
         UnavailableError,
+        SlowReaderError,
         GenerationError,
         IncompleteGenerationError,
         CancelledError,

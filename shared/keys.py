@@ -57,6 +57,10 @@ class Keys:
     def for_prefix(cls, prefix: str) -> Keys:
         return cls(prefix.removeprefix("{").removesuffix("}"))
 
+    def described(self) -> str:
+        """Where this prefix's keys live, for messages: every key starts with one of these tags."""
+        return f"{{{self.prefix}}}: and {{{self.prefix}/...}}:"
+
     def _k(self, *parts: object) -> str:
         return ":".join(["{" + self.prefix + "}", *map(str, parts)])
 
@@ -150,13 +154,23 @@ class Keys:
         """Sorted set of worker names scored by last heartbeat time."""
         return self._k("workers")
 
+    # RQ (the batch worker) ----------------------------------------------------------
+    def rq(self) -> str:
+        """RQ's own key prefix (RQ_KEY_PREFIX): its queues, jobs, workers and registries live under ours."""
+        return self._k("rq")
+
+    def rq_pattern(self) -> str:
+        """Glob over RQ's keys alone: ``inflightq purge`` scans the RQ Redis with it where RQ has its own
+        (``rq_redis_url``, as on a Cluster)."""
+        return glob_escape(self.rq()) + ":*"
+
     def request_pattern(self) -> str:
         """Glob over every request hash of this prefix, whatever its shard."""
         return "\\{" + glob_escape(self.prefix) + "/r*}:req:*"
 
     def pattern(self) -> str:
-        """Glob over every key of this prefix, whatever its tag (cleanup of a test run); on a
-        Cluster, scan every master with it."""
+        """Glob over every key of this prefix, whatever its tag, RQ's included where RQ shares this Redis
+        (``inflightq purge``, cleanup of a test run); on a Cluster, scan every master with it."""
         return "\\{" + glob_escape(self.prefix) + "[}/]*"
 
 

@@ -31,8 +31,9 @@ def connect(settings: Settings, **options: Any) -> redis.Redis | RedisCluster:
 
 
 def connect_async(settings: Settings, **options: Any) -> aioredis.Redis | AsyncRedisCluster:
-    """The asyncio twin of ``connect``."""
-    kwargs = options or redis_kwargs(settings)
+    """The asyncio twin of ``connect``; ``options`` default to ``redis_kwargs(asyncio=True)``
+    (redis.asyncio's own Retry: the sync one does not retry an asyncio client)."""
+    kwargs = options or redis_kwargs(settings, asyncio=True)
     if settings.redis_cluster:
         return AsyncRedisCluster.from_url(settings.redis_url, **_for_cluster(kwargs))
     return aioredis.Redis.from_url(settings.redis_url, **kwargs)

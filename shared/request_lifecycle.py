@@ -15,7 +15,8 @@ Where it is stored: the request hash (``keys.request``), with a TTL:
 
     id, model, priority, submitted_at   written by CREATE (see ``hash_fields``)
     status                              the state above; written only by the scripts below
-    entry_id                            the priority-stream entry, written by START
+    entry_id                            the priority-stream entry it belongs to, written by the
+                                        first START (until then: the entry with its submitted_at)
     attempt, deliveries, worker         START: takeovers, deliveries (poison limit), owner
     started_at, finished_at             START, FINISH
     result | error                      FINISH (JSON), or CANCEL's error for a queued request
@@ -25,9 +26,10 @@ Each script is atomic, so the lifecycle holds however clients and workers race; 
 FINISH check their move against ``ALLOWED_TRANSITIONS`` itself, rendered into their Lua, so the
 table the code and the tests read is the one Redis enforces.
 
-- ``CREATE`` then ``ENQUEUE`` (client): writes the hash ``queued``; then, in the model's slot,
-  checks the model's queue depth, XADDs and wakes a worker, all at once, so concurrent submits
-  cannot push a queue past its limit (a refused request's hash is deleted again).
+- ``CREATE`` then ``ENQUEUE`` (client): CREATE refuses an id already in use (without touching the
+  request that owns it) and writes the hash ``queued``; then, in the model's slot, ENQUEUE checks
+  the model's queue depth, XADDs and wakes a worker, all at once, so concurrent submits cannot
+  push a queue past its limit (a refused request's hash is deleted again).
 - ``CANCEL`` (client): queued -> cancelled at once; its entry stays in the stream until a worker
   reads and skips it. (Deleting an unread entry would leave a tombstone ahead of the group's
   read position, and Redis then reports the group's lag as unknown, which blinds autoscaling
@@ -35,7 +37,8 @@ table the code and the tests read is the one Redis enforces.
   cancel channel tells the running worker, which moves it to cancelled at its next step. The
   flag also stops a takeover from resuming it.
 - ``START`` (worker): queued -> running, or running -> running on takeover (attempt + 1).
-  Counts deliveries so a request that keeps killing workers is dead-lettered.
+  Counts deliveries so a request that keeps killing workers is dead-lettered. An entry that
+  reuses the id of a request whose hash belongs to another entry is refused (``duplicate``).
 - ``FINISH`` (worker): -> done | failed | cancelled | expired where the table allows it, stores
   the result or error, appends the terminal event to the replay log and publishes it, all at
   once: no reader ever sees a final status without its terminal event. Then the stream entry is
@@ -99,7 +102,7 @@ ATTEMPT = "attempt"
 
 
 def hash_fields(request_id: str, model: str, priority: int, submitted_at: float, attempt: int) -> dict[str, str]:
-    """The request hash as ENQUEUE first writes it (plain values: ``shared.schemas`` imports this module)."""
+    """The request hash as CREATE first writes it (plain values: ``shared.schemas`` imports this module)."""
     return {
         "id": request_id,
         STATUS: RequestStatus.QUEUED.value,
@@ -135,15 +138,19 @@ _CAN_MOVE = _lua_can_move()
 
 # KEYS: request hash.
 # ARGV: ttl, then the hash's field/value pairs.
-# Writes the hash of a new request, unless a worker already did (on a Cluster the queue's XADD
-# runs on another node; ``START`` recreates a hash it cannot find). Returns 1 when written.
+# Writes the hash of a new request. Returns {'ok', ''}, or {'duplicate', status} when a request
+# with this id exists (a reused id must never touch the request that owns it). The queue entry
+# comes after, from ``ENQUEUE`` (on a Cluster its XADD runs on another node), so a worker never
+# reads an entry whose hash is still to come; ``START`` recreates a hash Redis lost.
 CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return {'duplicate', redis.call('HGET', KEYS[1], 'status') or 'unknown'}
+end
 local fields = {}
 for i = 2, #ARGV do fields[#fields + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
-return 1
+return {'ok', ''}
 """
 
 # KEYS: target priority stream, notify list, then every priority stream of the model (for the
@@ -175,7 +182,8 @@ return {'ok', id}
 # ARGV: request id, terminal event JSON, now, ttl, log maxlen, cancel channel, publish command
 # (PUBLISH, or SPUBLISH on a Cluster). The cancel channel is not a key: it is the deployment's
 # one broadcast channel (a plain PUBLISH, which a Cluster sends to every node).
-# Returns 1 cancelled while queued, 2 cancel sent to the running worker, 0 already final, -1 unknown.
+# Returns 1 cancelled while queued, 2 cancel sent to the running worker, 3 a cancel was already
+# sent (of concurrent cancels exactly one gets 1 or 2), 0 already final, -1 unknown.
 CANCEL = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return -1 end
@@ -189,6 +197,7 @@ if status == 'queued' then
   return 1
 end
 if status == 'running' then
+  if redis.call('HGET', KEYS[1], 'cancel_requested') == '1' then return 3 end
   redis.call('HSET', KEYS[1], 'cancel_requested', '1')
   redis.call('PUBLISH', ARGV[6], ARGV[1])
   return 2
@@ -199,15 +208,26 @@ return 0
 # KEYS: request hash.
 # ARGV: worker name, now, max deliveries, ttl, then (for a hash that vanished, e.g. a Redis
 # restart without persistence) id, model, priority, submitted_at; then the stream entry's id.
-# Returns {verdict, deliveries, attempt}; verdict is 'run', 'cancel', 'poison', or the final status.
+# Returns {verdict, deliveries, attempt}; verdict is 'run', 'cancel', 'poison', 'duplicate' (the
+# hash belongs to another entry with the same request id: this one must not touch it), or the
+# final status. The hash names its entry from the first START on (CREATE runs before the entry
+# exists); until then the entry it belongs to is the one with the hash's submitted_at.
 START = (
     _CAN_MOVE
     + """
-local h = redis.call('HMGET', KEYS[1], 'status', 'cancel_requested')
+local entry = ARGV[9] or ''
+local h = redis.call('HMGET', KEYS[1], 'status', 'cancel_requested', 'entry_id', 'submitted_at')
 local status = h[1]
+if status and entry ~= '' then
+  if h[3] and h[3] ~= '' then
+    if h[3] ~= entry then return {'duplicate', 0, 0} end
+  elseif h[4] and h[4] ~= ARGV[8] then
+    return {'duplicate', 0, 0}
+  end
+end
 if not status then
   redis.call('HSET', KEYS[1], 'id', ARGV[5], 'model', ARGV[6], 'priority', ARGV[7],
-             'submitted_at', ARGV[8], 'status', 'queued', 'attempt', '0')
+             'submitted_at', ARGV[8], 'status', 'queued', 'attempt', '0', 'entry_id', entry)
   status = 'queued'
 end
 if not can_move(status, 'running') then return {status, 0, 0} end
@@ -221,7 +241,8 @@ else
   attempt = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '0')
   redis.call('HSET', KEYS[1], 'started_at', ARGV[2])
 end
-redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1], 'entry_id', ARGV[9])
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[1])
+if entry ~= '' then redis.call('HSET', KEYS[1], 'entry_id', entry) end
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 return {'run', deliveries, attempt}
 """
@@ -229,7 +250,8 @@ return {'run', deliveries, attempt}
 
 # KEYS: request hash, replay log, token channel (one slot).
 # ARGV: status, terminal event JSON, 'result' or 'error', its JSON, now, ttl, log maxlen, publish
-# command (PUBLISH, or SPUBLISH on a Cluster).
+# command (PUBLISH, or SPUBLISH on a Cluster), the replay log's ttl once final (shorter: the hash
+# keeps the result, and a log with top-n logprobs costs over 1 KB a token).
 # Returns 1 when this call moved the request to its final status, 0 when the move was not
 # allowed (it already was final). A hash that vanished (Redis lost it) is written anyway.
 # The queue entry is XACKed and XDELed after this ran: it lives in the
@@ -246,7 +268,7 @@ if (not current) or can_move(current, ARGV[1]) then
   applied = 1
 end
 redis.call('EXPIRE', KEYS[1], ARGV[6])
-redis.call('EXPIRE', KEYS[2], ARGV[6])
+redis.call('EXPIRE', KEYS[2], ARGV[9] or ARGV[6])
 return applied
 """
 )

@@ -216,13 +216,35 @@ class RequestInfo(BaseModel):
         )
 
 
+# A dead letter keeps at most this much of the entry it stands for (a 20 MB garbage entry must
+# not become a 20 MB dead letter); what is cut is replaced by a marker naming the full size.
+DEAD_LETTER_RAW_MAX = 64 * 1024
+DEAD_LETTER_REASON_MAX = 1024
+
+
+def bounded(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"...[truncated: {len(text)} characters in all]"
+
+
 class DeadLetter(WireModel):
-    """What the dead-letter stream of a model holds: the raw entry and why it was dropped."""
+    """What the dead-letter stream of a model holds: the raw entry (bounded) and why it was dropped."""
 
     reason: str
     stream: str
     entry_id: str
     request_id: str | None = None
     worker: str | None = None
-    raw: str = Field("", description="The stream entry's fields, as JSON, exactly as read.")
+    raw: str = Field(
+        "",
+        description="The stream entry's fields, as ASCII JSON (bytes that are not UTF-8 appear "
+        "as \\udcXX escapes), cut at DEAD_LETTER_RAW_MAX characters.",
+    )
     at: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> DeadLetter:
+        self.raw = bounded(self.raw, DEAD_LETTER_RAW_MAX)
+        self.reason = bounded(self.reason, DEAD_LETTER_REASON_MAX)
+        return self

@@ -65,7 +65,20 @@ class Settings(BaseSettings):
     )
     max_deliveries: int = Field(3, ge=1, description="Deliveries before a request goes to the dead-letter stream.")
     result_ttl_s: int = Field(86_400, ge=1, description="How long results, request hashes and replay logs live.")
-    heartbeat_ttl_s: float = Field(10.0, gt=0, description="A worker is dead when its heartbeat is this old.")
+    replay_log_ttl_s: int = Field(
+        3600,
+        ge=1,
+        description="How long a finished request's replay log (every token event: SSE Last-Event-ID resume) "
+        "outlives it; its result and status stay result_ttl_s.",
+    )
+    heartbeat_ttl_s: float = Field(10.0, gt=0, description="A worker's heartbeat document expires after this long.")
+    heartbeat_stale_s: float = Field(
+        3.0,
+        gt=0,
+        description="/health, `inflightq status` and the API's admission count a worker live while its last "
+        "heartbeat is at most this old (workers beat every second, or every heartbeat_ttl_s / 3 if shorter); "
+        "a killed worker stops counting within it.",
+    )
     engine_stall_s: float = Field(
         300.0,
         ge=0,
@@ -74,6 +87,12 @@ class Settings(BaseSettings):
     )
     drain_timeout_s: float = Field(
         30.0, ge=0, description="On SIGTERM, time a worker gives running requests to finish."
+    )
+    redis_outage_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="How long a followed stream waits out an unreachable Redis (a restart, a failover) before "
+        "it ends with 503; shorter outages are only a pause, and the stream resumes from the replay log.",
     )
     no_worker_wait_s: float = Field(
         5.0, ge=0, description="How long the API waits for a live worker before answering 503."
@@ -88,6 +107,13 @@ class Settings(BaseSettings):
         "A key may carry limits: key:max_priority:requests_per_minute.",
     )
     api_keys_file: str | None = Field(None, description="File with one API key (and limits) per line.")
+
+    stream_buffer_events: int = Field(
+        4096,
+        ge=16,
+        description="Events a multi-choice stream (n > 1) may hold for a client that reads slower than they "
+        "come; past it that client is dropped with a slow_reader error (others are unaffected).",
+    )
 
     # Worker engine.
     device: str = Field("auto", description="Worker device: auto, cpu, cuda, cuda:N.")
@@ -111,7 +137,22 @@ class Settings(BaseSettings):
         ge=0,
         description="How long a full worker leaves an urgent entry to another worker that advertises a free slot.",
     )
-    num_kv_blocks: int | None = Field(None, ge=1, description="KV cache blocks; unset sizes it from memory.")
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="KV cache blocks; unset sizes it from memory (kv_cache_memory_fraction)."
+    )
+    kv_cache_memory_fraction: float = Field(
+        0.25,
+        gt=0,
+        le=0.9,
+        description="Share of the memory free at start that the KV caches of all workers on one host may take "
+        "together (an unset num_kv_blocks); each worker takes its part, this / workers_per_host.",
+    )
+    workers_per_host: int = Field(
+        1,
+        ge=1,
+        description="Workers sharing this host's memory (or GPU); their KV caches together fit "
+        "kv_cache_memory_fraction. `inflightq up --workers N` sets it to N.",
+    )
     block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
     torch_threads: int = Field(
         0,

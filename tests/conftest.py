@@ -19,6 +19,12 @@ from shared.keys import Keys
 from shared.redis_connect import connect
 from shared.settings import Settings
 
+# Every key a test run writes lives under this prefix; the run deletes only those.
+RUN_PREFIX = f"iqtest-{uuid.uuid4().hex[:10]}"
+# RQ reads its key prefix once per process, at import: in this process (and the batch workers it starts,
+# which inherit the variable) RQ's keys live under the run's prefix too.
+os.environ["RQ_KEY_PREFIX"] = Keys.for_prefix(RUN_PREFIX).rq()
+
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Builds the CPU attention kernel before any test starts a worker process: a fresh machine's
@@ -73,7 +79,7 @@ def cluster_backend(redis_cluster: PrivateRedisCluster) -> RedisBackend:
 @pytest.fixture(scope="session")
 def run_prefix() -> str:
     """Every key a test run writes lives under this prefix; the run deletes only those."""
-    return f"iqtest-{uuid.uuid4().hex[:10]}"
+    return RUN_PREFIX
 
 
 @pytest.fixture

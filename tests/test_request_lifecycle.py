@@ -67,3 +67,29 @@ def test_a_worker_cannot_finish_as_done_a_request_it_never_started(redis_client,
     assert applied == 0 and after == RequestStatus.QUEUED
     applied, after = finish(redis_client, keys, RequestStatus.RUNNING, RequestStatus.DONE)
     assert applied == 1 and after == RequestStatus.DONE
+
+
+def test_start_refuses_an_entry_that_reuses_the_id_of_another_entrys_request(redis_client, keys) -> None:
+    """The hash names its entry from the first START on; before that (CREATE cannot know the entry,
+    which is XADDed after it, on another node of a Cluster) it belongs to the entry with its submitted_at."""
+    hash_key = keys.request(REQUEST_ID)
+
+    def start_entry(entry: str, submitted_at: str) -> Any:
+        return redis_client.eval(START, 1, hash_key, "w", 2.0, 10, 60, REQUEST_ID, "m", 0, submitted_at, entry)
+
+    redis_client.delete(hash_key)
+    fields = {"id": REQUEST_ID, "status": "queued", "submitted_at": "1.5", "attempt": "0", "deliveries": "0"}
+    redis_client.hset(hash_key, mapping=fields)
+    assert start_entry("9-0", "1.25")[0] == "duplicate", "another submission's entry"
+    assert redis_client.hgetall(hash_key) == fields, "a refused entry leaves the hash untouched"
+    assert start_entry("1-0", "1.5")[0] == "run"
+    assert redis_client.hget(hash_key, "entry_id") == "1-0", "the first START claims the hash for its entry"
+    before = redis_client.hgetall(hash_key)
+    assert start_entry("2-0", "1.5")[0] == "duplicate", "once claimed, only that entry owns the hash"
+    assert redis_client.hgetall(hash_key) == before
+    reply = start_entry("1-0", "1.5")  # the same entry again: a takeover
+    assert reply[0] == "run" and reply[2] == 1
+    redis_client.delete(hash_key)
+    assert start_entry("3-0", "1.75")[0] == "run", "a hash Redis lost is recreated by the entry that finds it gone"
+    assert redis_client.hget(hash_key, "entry_id") == "3-0"
+    redis_client.delete(hash_key)

@@ -64,7 +64,7 @@ def test_up_serves_a_first_request_and_stops_cleanly(tiny_model_dir: Path, run_p
             proc.kill()
             output, _ = proc.communicate()
     assert proc.returncode == 0, output[-3000:]
-    assert "curl" in output, "up prints how to send a first request"
+    assert "inflightq: starting the API" in output, "up says what it starts"
     private = re.search(r"started a private one at (redis://\S+)", output)
     assert private, "with nothing at INFLIGHTQ_REDIS_URL, up starts a private Redis"
     assert not redis_answers(private.group(1)), "and stops it on exit"
@@ -78,3 +78,32 @@ def test_up_gives_each_worker_its_share_of_the_cores(monkeypatch) -> None:
     assert worker_env({}, 1) == {}, "one worker keeps torch's default"
     assert worker_env({}, 2)["INFLIGHTQ_TORCH_THREADS"] == "2"
     assert worker_env({"INFLIGHTQ_TORCH_THREADS": "3"}, 2)["INFLIGHTQ_TORCH_THREADS"] == "3", "the operator's wins"
+
+
+def test_up_gives_workers_metrics_ports_from_9100_and_skips_taken_ones() -> None:
+    import socket
+
+    from inflightq_cli.supervisor import DEFAULT_METRICS_PORT, metrics_ports
+
+    assert DEFAULT_METRICS_PORT == 9100, "docker-compose.yml and deploy/prometheus/*.yml scrape workers on 9100"
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = metrics_ports(port, 2)
+    assert ports[0] != port and len(set(ports)) == 2, "a taken port is replaced by a free one"
+    assert all(p > 0 for p in metrics_ports(0, 3))
+
+
+def test_local_prometheus_config_scrapes_what_up_starts() -> None:
+    import yaml
+
+    from inflightq_cli.supervisor import DEFAULT_METRICS_PORT
+
+    repo = Path(__file__).resolve().parents[1]
+    local = yaml.safe_load((repo / "deploy/prometheus/prometheus-local.yml").read_text())
+    compose = yaml.safe_load((repo / "deploy/prometheus/prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in local["scrape_configs"]}
+    assert set(jobs) <= {job["job_name"] for job in compose["scrape_configs"]}, "same job names as compose's"
+    targets = jobs["inflightq-worker"]["static_configs"][0]["targets"]
+    assert targets[0] == f"127.0.0.1:{DEFAULT_METRICS_PORT}"

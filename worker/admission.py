@@ -2,8 +2,16 @@
 
 Either it becomes an ``ActiveRequest`` for the engine, or it ends here: malformed (dead
 letter), past its deadline (expired), cancelled while queued, already final (just XACK), or
-delivered too often (dead letter). A taken-over request is resumed from its replay log: the
-tokens already sent become context and generation continues at the next index."""
+delivered too often (dead letter). A taken-over or handed-back request is resumed from its
+replay log: the tokens already sent become context and generation continues at the next index.
+
+A stream is open to anyone who can XADD, so an entry is judged before anything trusts it: bytes
+that are not UTF-8 (the worker's connection decodes with ``surrogateescape``, so they show up as
+lone surrogates instead of an exception that would stop the intake), fields other than the one
+JSON document, an oversized entry, JSON that is not a ``QueuedRequest``, another model, a priority
+out of range, or a request id whose hash belongs to another entry (a duplicate). Each goes to the
+dead letters (bounded in size) with one log line; the request hash is only finished when it is
+this entry's own, so a hostile or duplicate entry never touches someone else's request."""
 
 from __future__ import annotations
 
@@ -23,8 +31,30 @@ from shared.settings import Settings
 from shared.work_queue import STREAM_FIELD
 from worker.active import ActiveRequest
 from worker.publisher import Publisher
+from worker.reconnect import TRANSIENT
 
 log = logging.getLogger("inflightq.worker")
+
+# The hash field naming the stream entry a request hash belongs to (written by START).
+ENTRY_ID = "entry_id"
+
+
+class Rejected(Exception):
+    """An entry that cannot be run, and why (the dead letter's reason)."""
+
+
+def has_undecodable(text: str) -> bool:
+    """Whether ``text`` came from bytes that are not UTF-8 (surrogateescape's lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def raw_json(fields: dict[str, str]) -> str:
+    """The entry's fields as ASCII JSON: undecodable bytes survive as \\udcXX escapes."""
+    return json.dumps(fields, ensure_ascii=True)
 
 
 class Admission:
@@ -47,35 +77,72 @@ class Admission:
         self.hand_over = hand_over
         self.counters = counters
         self._start = connection.register_script(START)
+        # A request the API accepts is far smaller than its body limit once tokenized.
+        self.max_entry_chars = max(2 * settings.max_body_bytes, 1 << 20)
 
     @staticmethod
     def prompt_length(fields: dict[str, str] | None) -> int:
         """Prompt size of an entry not yet read, for admission; 0 for anything unparsable."""
         try:
             return len(json.loads((fields or {}).get(STREAM_FIELD, ""))["prompt_token_ids"])
-        except (ValueError, KeyError, TypeError):
+        except Exception:  # anything hostile (deep nesting, surrogates, wrong types) is judged by admit
             return 0
 
     def admit(self, stream: str, entry_id: str, fields: dict[str, str] | None) -> bool:
-        """True when the entry went to the engine."""
+        """True when the entry went to the engine. Never raises for what the entry holds: an
+        entry that cannot be judged would stay pending and come back forever."""
         if not fields:  # deleted while pending (Redis 6.2 still lists it): nothing to run
             self.publisher.ack(stream, entry_id)
             return False
         try:
-            request = QueuedRequest.model_validate_json(fields.get(STREAM_FIELD, ""))
-        except (ValidationError, ValueError) as error:
-            self._malformed(stream, entry_id, fields, error)
+            request = self.parse(stream, fields)
+        except Rejected as rejection:
+            self._malformed(stream, entry_id, fields, str(rejection))
             return False
+        try:
+            return self._admit(request, stream, entry_id, fields)
+        except TRANSIENT:
+            raise  # Redis is away: the entry stays pending and comes back
+        except Exception as error:
+            log.exception("entry %s of %s could not be admitted", entry_id, stream)
+            self._malformed(stream, entry_id, fields, f"could not be admitted: {error!r}")
+            return False
+
+    def parse(self, stream: str, fields: dict[str, str]) -> QueuedRequest:
+        """The entry's request, or ``Rejected`` saying why it is none."""
+        if any(has_undecodable(k) or has_undecodable(v) for k, v in fields.items()):
+            raise Rejected("undecodable entry: a field is not UTF-8")
+        if set(fields) != {STREAM_FIELD}:
+            raise Rejected(f"malformed entry: fields {sorted(fields)[:8]}, expected only {STREAM_FIELD!r}")
+        size = len(fields[STREAM_FIELD])
+        if size > self.max_entry_chars:
+            raise Rejected(f"oversized entry: {size} characters (at most {self.max_entry_chars})")
+        try:
+            request = QueuedRequest.model_validate_json(fields[STREAM_FIELD])
+        except (ValidationError, ValueError, RecursionError) as error:
+            raise Rejected(f"malformed entry: {str(error).splitlines()[0]} ({_first_problem(error)})") from None
+        if request.model != self.model:
+            raise Rejected(f"wrong model: the entry names {request.model[:128]!r}, this stream serves {self.model!r}")
+        if request.priority >= self.settings.priority_levels:
+            raise Rejected(f"priority {request.priority} out of range (0..{self.settings.priority_levels - 1})")
+        return request
+
+    def _admit(self, request: QueuedRequest, stream: str, entry_id: str, fields: dict[str, str]) -> bool:
         if request.expired():
             self.counters["expired"] += 1
-            self.publisher.finish_error(
-                request.id, stream, entry_id, "expired", "expired", "deadline passed while queued", None
-            )
+            if self._owns(request.id, entry_id, repr(request.submitted_at)):
+                self.publisher.finish_error(
+                    request.id, stream, entry_id, "expired", "expired", "deadline passed while queued", None
+                )
+            else:
+                self.publisher.ack(stream, entry_id)
             return False
         verdict, deliveries, attempt, started_at = self._start_script(request, entry_id)
         if verdict == "run":
             active = ActiveRequest(request, stream, entry_id, attempt=attempt, started_at=started_at)
-            if deliveries > 1:
+            # A takeover (attempt > 0: also a drain's hand-back, which gives its delivery back) or a
+            # redelivery continues from what was already sent, never from token 0.
+            if deliveries > 1 or attempt > 0:
                 self._resume(active)
                 if attempt > 0:
                     self.counters["taken_over"] += 1
@@ -87,6 +154,8 @@ class Admission:
         elif verdict == "poison":
             reason = f"delivered {deliveries - 1} times without finishing (max {self.settings.max_deliveries})"
             self.dead_letter(request, stream, entry_id, reason, fields)
+        elif verdict == "duplicate":
+            self._malformed(stream, entry_id, fields, f"duplicate request id {request.id}: another entry owns it")
         else:  # already final (finished by an earlier owner, or cancelled while queued): just drop the entry
             self.publisher.ack(stream, entry_id)
         return False
@@ -96,31 +165,41 @@ class Admission:
     ) -> None:
         log.warning("dead-lettering %s: %s", request.id, reason)
         self.counters["dead_lettered"] += 1
-        raw = json.dumps(fields) if fields is not None else request.to_json()
+        raw = raw_json(fields) if fields is not None else request.to_json()
         letter = DeadLetter(
             reason=reason, stream=stream, entry_id=entry_id, request_id=request.id, worker=self.worker_name, raw=raw
         )
         self.publisher.dead_letter(request.model, letter)
         self.publisher.finish_error(request.id, stream, entry_id, "failed", "generation", reason, None)
 
-    def _malformed(self, stream: str, entry_id: str, fields: dict[str, str], error: Exception) -> None:
-        reason = f"malformed entry: {str(error).splitlines()[0]}"
-        log.warning("dead-lettering entry %s of %s: %s", entry_id, stream, reason)
+    def _malformed(self, stream: str, entry_id: str, fields: dict[str, str], reason: str) -> None:
+        request_id, submitted_at = _salvage(fields)
+        log.warning("dead-lettering entry %s of %s: %s", entry_id, stream, reason[:300])
         self.counters["dead_lettered"] += 1
-        request_id = _salvage_id(fields)
         letter = DeadLetter(
             reason=reason,
             stream=stream,
             entry_id=entry_id,
             request_id=request_id,
             worker=self.worker_name,
-            raw=json.dumps(fields),
+            raw=raw_json(fields),
         )
         self.publisher.dead_letter(self.model, letter)
-        if request_id is not None:  # someone may be waiting on it: tell them
+        # Someone may be waiting on it: tell them (only if the hash is this entry's).
+        if request_id is not None and self._owns(request_id, entry_id, submitted_at):
             self.publisher.finish_error(request_id, stream, entry_id, "failed", "generation", reason, None)
         else:
             self.publisher.ack(stream, entry_id)
+
+    def _owns(self, request_id: str, entry_id: str, submitted_at: str | None) -> bool:
+        """Whether this entry may write the request's hash, by START's rule: there is no hash (Redis
+        lost it; whoever follows the id then learns its fate), the hash names this entry, or it
+        names none yet (no START ran: CREATE cannot know the entry) and has this entry's
+        ``submitted_at`` (``repr`` of the entry's float; None when the entry has none)."""
+        owner, created = self.redis.hmget(self.keys.request(request_id), [ENTRY_ID, "submitted_at"])
+        if owner:
+            return bool(owner == entry_id)
+        return created is None or created == submitted_at
 
     def _start_script(self, request: QueuedRequest, entry_id: str) -> tuple[str, int, int, float]:
         now = time.time()
@@ -159,9 +238,29 @@ class Admission:
                     active.prior_finish = event.finish_reason
 
 
-def _salvage_id(fields: dict[str, str]) -> str | None:
+def _salvage(fields: dict[str, str]) -> tuple[str | None, str | None]:
+    """The request id a rejected entry names, if it names a plausible one (its waiter is told), and
+    its submitted_at as the request hash holds it (``repr`` of the float), if it has one."""
+    raw = fields.get(STREAM_FIELD, "")
+    if len(raw) > 1_000_000 or has_undecodable(raw):
+        return None, None
     try:
-        value = json.loads(fields.get(STREAM_FIELD, ""))["id"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    return value if isinstance(value, str) and 0 < len(value) <= 128 else None
+        doc = json.loads(raw)
+        value = doc["id"]
+    except Exception:
+        return None, None
+    plausible = isinstance(value, str) and 0 < len(value) <= 128 and value.isprintable() and not has_undecodable(value)
+    if not plausible:
+        return None, None
+    submitted = doc.get("submitted_at") if isinstance(doc, dict) else None
+    try:
+        return value, repr(float(submitted)) if isinstance(submitted, int | float) and submitted is not True else None
+    except OverflowError:
+        return value, None
+
+
+def _first_problem(error: Exception) -> str:
+    if isinstance(error, ValidationError) and error.errors():
+        first = error.errors()[0]
+        return f"{'.'.join(map(str, first.get('loc', ()))) or 'entry'}: {first.get('msg', '')}"[:200]
+    return type(error).__name__

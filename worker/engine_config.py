@@ -22,6 +22,8 @@ def engine_config(settings: Settings, **overrides: Any) -> EngineConfig:
         "max_num_batched_tokens": settings.max_num_batched_tokens,
         "block_size": settings.block_size,
         "num_kv_blocks": settings.num_kv_blocks,
+        # Workers sharing a host each take their share, so the caches together fit the budget.
+        "kv_memory_fraction": settings.kv_cache_memory_fraction / settings.workers_per_host,
         "cpu_kernels": settings.cpu_kernels,
         "kernel_cache_dir": settings.kernel_cache,
     }

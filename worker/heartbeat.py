@@ -51,6 +51,8 @@ class Heartbeat(ResilientLoop):
         pipe.zadd(self.keys.workers(), {beat.name: now})
         # Forget names dead for a while, so the set does not grow with every restart.
         pipe.zremrangebyscore(self.keys.workers(), "-inf", now - 60 * self.settings.heartbeat_ttl_s)
+        # ... and so the set itself goes once no worker has beaten for that long.
+        pipe.expire(self.keys.workers(), max(1, math.ceil(60 * self.settings.heartbeat_ttl_s)))
         pipe.execute()
 
     def remove(self) -> None:

@@ -265,6 +265,7 @@ class Publisher(ResilientLoop):
     def _final(self, request_id: str, status: str, event: str, field: str, payload: str) -> Write:
         keys = [self.keys.request(request_id), self.keys.replay_log(request_id), self.keys.tokens_channel(request_id)]
         args = [status, event, field, payload, repr(time.time()), self.settings.result_ttl_s, self.maxlen, self.publish]
+        args.append(min(self.settings.replay_log_ttl_s, self.settings.result_ttl_s))
         return lambda pipe: self._evalsha(pipe, FINISH, keys, args)
 
 

@@ -8,6 +8,27 @@ from shared.settings import Settings
 from worker.service import WorkerService
 
 
+def log_kv_cache(settings: Settings, engine: object) -> None:
+    """The KV cache's size, at start: operators add these up across the workers of a host."""
+    from worker.engine.model_runner import ModelRunner
+
+    config = engine.config  # type: ignore[attr-defined]
+    param = next(engine.model.parameters())  # type: ignore[attr-defined]
+    per_block = ModelRunner.kv_bytes_per_block(engine.model, config.block_size, param.dtype)  # type: ignore[attr-defined]
+    how = (
+        "set by num_kv_blocks"
+        if settings.num_kv_blocks
+        else f"{settings.kv_cache_memory_fraction:g} of free memory / {settings.workers_per_host} worker(s) per host"
+    )
+    logging.getLogger("inflightq.worker").info(
+        "KV cache: %d blocks of %d tokens, %.1f MiB (%s)",
+        config.num_kv_blocks,
+        config.block_size,
+        config.num_kv_blocks * per_block / 2**20,
+        how,
+    )
+
+
 def run_worker(settings: Settings, *, name: str | None = None) -> int:
     import torch
 
@@ -23,6 +44,7 @@ def run_worker(settings: Settings, *, name: str | None = None) -> int:
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     engine = LLMEngine.from_config(engine_config(settings, device=device, dtype=dtype))
+    log_kv_cache(settings, engine)
     service = WorkerService(
         settings,
         engine,

@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 
+from shared.client_core import redis_kwargs
 from shared.redis_connect import connect
 from shared.schemas import WorkerHeartbeat
 from shared.settings import Settings
@@ -94,7 +95,10 @@ class WorkerService:
         self._active: dict[str, ActiveRequest] = {}  # engine-loop thread only
         self._early_cancels: dict[str, float] = {}
 
-        self.redis = connect(settings)  # a RedisCluster on a Cluster: every thread below takes either
+        # A RedisCluster on a Cluster: every thread below takes either. surrogateescape: bytes that are not
+        # UTF-8 in a stream entry reach admission as lone surrogates (and are dead-lettered) instead of
+        # raising in the intake's read, which stopped every worker.
+        self.redis = connect(settings, **redis_kwargs(settings, encoding_errors="surrogateescape"))
         self.publisher = Publisher(settings, self.redis, self.name)
         self.admission = Admission(
             settings, self.redis, self.publisher, self.name, self.model, self._hand_over, self.counters
@@ -316,11 +320,15 @@ class WorkerService:
         self.draining.set()
         self.intake.join(timeout=5)
         self._take_inbox(block=False)  # starts that were on their way are handed back
-        for active in list(self._active.values()):
+        left = list(self._active.values())
+        for active in left:
             self.engine.abort(active.id)
-            self._hand_back(active)
+        # Every token sent reaches the replay log before its entry is handed back: the next owner
+        # resumes from the log, and must not find it short (it would generate those tokens again).
         if not self.publisher.flush(timeout=10):
             log.warning("some writes did not reach Redis before exit")
+        for active in left:
+            self._hand_back(active)
         self.stopping.set()
         for thread in (self.recovery, self.cancel_listener, self.heartbeat_thread):
             thread.join(timeout=5)

@@ -24,6 +24,8 @@ MAX_FILE_BYTES = 200 * 1024 * 1024
 MAX_REDIS_FILE_BYTES = 64 * 1024 * 1024
 # With a file directory, files larger than this go to disk instead of Redis.
 INLINE_FILE_BYTES = 1024 * 1024
+# How much longer than result_ttl_s a file may be kept (a batch's input outlives its 24 h window).
+MAX_KEEP_EXTRA_S = 24 * 3600
 
 
 def max_file_bytes(settings: Settings) -> int:
@@ -98,6 +100,8 @@ class FileStore:
             pipe.hset(self.keys.file(file_id), mapping={k: str(v) for k, v in meta.items()})
             pipe.expire(self.keys.file(file_id), self.ttl_s)
             pipe.zadd(self.keys.files(), {file_id: time.time()})
+            # The index outlives its longest-lived entry (a batch keeps its input file a window longer).
+            pipe.expire(self.keys.files(), self.ttl_s + MAX_KEEP_EXTRA_S)
             pipe.execute()
         return self._object(meta)
 
@@ -188,7 +192,7 @@ class FileStore:
             has_more=has_more,
         )
 
-    def keep(self, file_id: str, ttl_s: int) -> None:
+    def keep(self, file_id: str, ttl_s: int) -> None:  # ttl_s <= result_ttl_s + MAX_KEEP_EXTRA_S
         """Make a file live at least ``ttl_s`` more seconds (a batch's input must outlive its window)."""
         until = unix_now() + ttl_s
         if int(self._meta(file_id).get("expires_at") or 0) >= until:

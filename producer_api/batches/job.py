@@ -20,7 +20,7 @@ import pydantic
 from producer_api.batches.runner import BatchRunner, PreparedRequest
 from producer_api.batches.store import BatchStore
 from shared.client import QueueClient
-from shared.errors import ValidationError
+from shared.errors import ModelNotFoundError, ValidationError
 from shared.model_source import load_tokenizer
 from shared.schemas import FinalResult
 from shared.settings import Settings, get_settings
@@ -73,7 +73,7 @@ class ApiLineHandler:
         from producer_api.tokenization import Tokenizers
 
         if model not in self.settings.served_models:
-            raise ValidationError(
+            raise ModelNotFoundError(
                 f"model {model!r} is not served here; served: {', '.join(self.settings.served_models)}",
                 field="model",
             )

@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from producer_api.errors import openai_body, openai_status
 from shared.errors import InflightqError
 
 
@@ -87,12 +88,11 @@ def output_line(custom_id: str, request_id: str, body: dict[str, Any]) -> dict[s
 
 
 def failed_response_line(custom_id: str | None, request_id: str | None, err: InflightqError) -> dict[str, Any]:
-    """A request the API would have refused or that failed: the HTTP answer it would have had."""
-    body = {"error": {"message": err.message, "type": err.error_type, "param": err.field, "code": err.error_type}}
+    """A request the API would have refused or that failed: the HTTP answer its OpenAI route would have given."""
     return {
         "id": _line_id(),
         "custom_id": custom_id,
-        "response": {"status_code": err.http_status, "request_id": request_id, "body": body},
+        "response": {"status_code": openai_status(err), "request_id": request_id, "body": openai_body(err)},
         "error": None,
     }
 

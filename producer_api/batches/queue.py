@@ -7,10 +7,20 @@ RQ only orchestrates, with its JSON serializer (never pickle): the job it runs
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from datetime import UTC, datetime
 
 import redis
+
+from shared.keys import Keys
+from shared.settings import Settings, get_settings
+
+# RQ reads its key prefix once, when it is imported: from here on every key RQ writes (queues, jobs,
+# results, workers, registries, scheduler locks) lives under the deployment's own prefix, {iq}:rq:...,
+# so `inflightq purge` and a shared Redis see them as the deployment's. RQ_KEY_PREFIX, when set, wins.
+os.environ.setdefault("RQ_KEY_PREFIX", Keys.for_prefix(get_settings().key_prefix).rq())
+
 from rq import Queue, Retry, Worker
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
@@ -19,7 +29,6 @@ from rq.serializers import JSONSerializer
 from producer_api.batches.job import run_batch, warm_up
 from producer_api.batches.runner import LEASE_TTL_S
 from producer_api.batches.store import BatchErrorItem, BatchObject, BatchStatus, BatchStore
-from shared.settings import Settings
 
 log = logging.getLogger("inflightq.batch")
 
@@ -135,6 +144,18 @@ class BatchWorker(Worker):
             log.exception("batch recovery failed; retrying at the next maintenance")
 
 
+class _MaintenanceToDebug(logging.Filter):
+    """RQ logs its registry cleaning at INFO every maintenance interval (15 s here): to DEBUG with it."""
+
+    QUIET = ("cleaning registries", "cleaning group registries", "subscribing to channel")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.INFO and any(q in str(record.msg) for q in self.QUIET):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
 def run_batch_worker(
     settings: Settings, *, name: str | None = None, recover_every_s: int = 15, burst: bool = False
 ) -> int:
@@ -151,6 +172,7 @@ def run_batch_worker(
         # The dequeue wait is worker_ttl - 15 s; keeping it short lets maintenance (recovery) run often.
         worker_ttl=recover_every_s + 15,
     )
+    worker.log.addFilter(_MaintenanceToDebug())
     ok = worker.work(with_scheduler=True, burst=burst, logging_level="INFO")
     return 0 if ok else 1
 

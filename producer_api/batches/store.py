@@ -228,6 +228,7 @@ class BatchStore:
             pipe.hset(self.keys.batch(batch.id), mapping=fields)
             pipe.expire(self.keys.batch(batch.id), self._ttl())
             pipe.zadd(self.keys.batches(), {batch.id: time.time()})
+            pipe.expire(self.keys.batches(), self._ttl())  # no entry outlives it; an idle deployment's index goes
             pipe.execute()
         return batch
 

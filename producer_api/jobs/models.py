@@ -93,4 +93,7 @@ class Job(StrictModel):
 class JobCancelled(StrictModel):
     id: str
     object: Literal["job"] = "job"
-    cancelled: bool = Field(description="False when the job had already finished.")
+    cancelled: bool = Field(
+        description="True for the one call that cancelled the job; False when it had already finished or "
+        "another call had already cancelled it."
+    )

@@ -95,7 +95,8 @@ async def relay(
             for chunk in prelude:
                 yield chunk
             streams = [dispatcher.events(request_id, **follow) for request_id in request_ids]
-            async with contextlib.aclosing(merge(streams)) as merged:
+            limit = dispatcher.settings.stream_buffer_events
+            async with contextlib.aclosing(merge(streams, limit)) as merged:
                 async for index, event in merged:
                     if isinstance(event, TokenEvent):
                         yield on_token(index, event)

@@ -173,6 +173,19 @@ def test_openai_errors_reach_the_sdk_as_its_exceptions(oai: openai.OpenAI, api: 
     with pytest.raises(openai.UnprocessableEntityError) as info:
         oai.completions.create(model=api.settings.model, prompt="x", max_tokens=10**6)
     assert "max_tokens" in str(info.value)
+    with pytest.raises(openai.NotFoundError) as not_found:
+        oai.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+    assert not_found.value.code == "model_not_found" and not_found.value.param == "model"
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="gpt-9", prompt="hi")
+    with pytest.raises(openai.BadRequestError) as bad_json:
+        oai.post(
+            "/chat/completions",
+            cast_to=object,
+            content=b'{"model": "x", "messages": [',
+            options={"headers": {"Content-Type": "application/json"}},
+        )
+    assert "JSON" in bad_json.value.message
 
 
 # huggingface_hub -------------------------------------------------------------------------------

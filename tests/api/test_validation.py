@@ -139,13 +139,31 @@ def test_empty_inputs(http: httpx.Client) -> None:
     assert tgi_error(http.post("/", json={"inputs": ""}))["field"] == "inputs"
 
 
-def test_openai_unknown_model(http: httpx.Client) -> None:
-    error = openai_error(
-        http.post("/v1/chat/completions", json={"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]})
-    )
-    assert error["param"] == "model"
-    assert error["type"] == "invalid_request_error"
-    assert error["code"] == "validation"
+def test_openai_unknown_model_is_404_model_not_found(http: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    for path, body in [
+        ("/v1/chat/completions", {"model": "gpt-9", "messages": messages}),
+        ("/v1/completions", {"model": "gpt-9", "prompt": "hi"}),
+    ]:
+        error = openai_error(http.post(path, json=body), status=404)
+        assert error["param"] == "model"
+        assert error["type"] == "invalid_request_error"
+        assert error["code"] == "model_not_found"
+
+
+def test_openai_malformed_json_is_400(http: httpx.Client) -> None:
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        error = openai_error(http.post(path, content=b'{"model": "x",', headers=JSON), status=400)
+        assert error["type"] == "invalid_request_error" and error["code"] == "invalid_json"
+        assert "JSON" in error["message"]
+        openai_error(http.post(path), status=400)  # no body at all
+
+
+def test_tgi_routes_keep_tgis_codes_for_the_same_mistakes(http: httpx.Client) -> None:
+    """TGI answers 422 for an unknown model and for a body it cannot parse; its routes here do too."""
+    assert tgi_error(http.post("/generate", content=b"{", headers=JSON))["error_type"] == "validation"
+    body = {"model": "gpt-9", "prompt": "hi"}
+    assert tgi_error(http.post("/v1/jobs", json=body))["field"] == "model"
 
 
 def test_openai_bad_role(http: httpx.Client, api: ApiServer) -> None:

@@ -19,7 +19,6 @@ import httpx
 import pytest
 import redis
 
-from producer_api.batches.queue import batch_queue, queue_name
 from producer_api.batches.store import BatchObject, BatchStore
 from shared.client import QueueClient
 from shared.settings import Settings
@@ -157,14 +156,7 @@ def batch_worker_factory(
     yield start
     for proc in started:
         proc.stop()
-    # RQ's own keys are not under our prefix: drop this module's queue and registries.
-    conn = redis.Redis.from_url(stack_settings.redis_url)
-    batch_queue(stack_settings, conn).empty()  # runs nobody took: their job hashes have no TTL
-    name = queue_name(stack_settings)
-    for key in conn.scan_iter(match=f"rq:*{name}*"):
-        conn.delete(key)
-    conn.srem("rq:queues", f"rq:queue:{name}")
-    conn.close()
+    # RQ's keys live under the run's prefix (tests/conftest.py sets RQ_KEY_PREFIX): the run's cleanup takes them.
 
 
 @pytest.fixture(scope="module")

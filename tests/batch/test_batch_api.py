@@ -80,7 +80,7 @@ def test_openai_files_and_batches_calls_work_unmodified(
     by_id = {e["custom_id"]: e for e in errors}
     assert set(by_id) == {None, "bad-model"}
     assert by_id[None]["error"]["code"] == "invalid_request" and by_id[None]["error"]["line"] == 4
-    assert by_id["bad-model"]["response"]["status_code"] == 422
+    assert by_id["bad-model"]["response"]["status_code"] == 404  # OpenAI's model_not_found
     assert oai.files.retrieve(done.output_file_id).purpose == "batch_output"
 
     listed = oai.batches.list(limit=100)

@@ -13,7 +13,7 @@ from redis.cluster import RedisCluster
 from shared.async_client import AsyncQueueClient
 from shared.client import QueueClient
 from shared.client_core import IDLE_CHECK_MAX_S, IDLE_CHECK_S, QUEUED_CHECK_MAX_S, IdleBackoff
-from shared.errors import CancelledError, NotFoundError, OverloadedError, ValidationError
+from shared.errors import CancelledError, ConflictError, NotFoundError, OverloadedError, ValidationError
 from shared.event_delivery import LOG_FIELD, EventSequencer
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.request_lifecycle import RequestStatus
@@ -103,6 +103,26 @@ def test_submit_past_the_queue_depth_is_overloaded_but_taken_work_does_not_count
     redis_client.xreadgroup(CONSUMER_GROUP, "w", {keys.stream(MODEL, 1): ">"}, count=1)
     assert client.queue_depth(MODEL)[1] == 2
     client.submit(MODEL, [1], priority=0)
+
+
+def test_a_reused_request_id_is_refused_and_the_original_is_untouched(client, redis_client, keys) -> None:
+    original = client.submit(MODEL, [1, 2], priority=2, request_id="reused-1")
+    before = redis_client.hgetall(keys.request(original))
+    with pytest.raises(ConflictError, match="already in use"):
+        client.submit(MODEL, [3], priority=1, request_id="reused-1")
+    assert redis_client.hgetall(keys.request(original)) == before, "the original's hash is untouched"
+    assert client.queue_depth(MODEL) == {0: 0, 1: 0, 2: 1, 3: 0}, "the refused request has no entry"
+    assert client.cancel(original) is True  # once final, the id stays taken
+    with pytest.raises(ConflictError, match="cancelled"):
+        client.submit(MODEL, [3], request_id="reused-1")
+    # A request refused as overloaded leaves nothing behind: its id is free again.
+    for _ in range(2):
+        client.submit(MODEL, [1], priority=1)
+    with pytest.raises(OverloadedError):
+        client.submit(MODEL, [1], priority=0, request_id="refused-1")
+    assert client.status("refused-1") is None
+    redis_client.xreadgroup(CONSUMER_GROUP, "w", {keys.stream(MODEL, 1): ">"}, count=1)
+    assert client.submit(MODEL, [1], priority=0, request_id="refused-1") == "refused-1"
 
 
 def test_stream_replays_the_log_then_follows_live_without_duplicates(client, redis_client, keys) -> None:

@@ -4,7 +4,8 @@ standalone Redis in their own modules; here ``redis_backend`` points every clien
 process at the Cluster (INFLIGHTQ_REDIS_CLUSTER=true, INFLIGHTQ_REDIS_URL = one node).
 
 Chosen to cover each path whose keys meet in a script or a pipeline: submit and the depth check,
-stream (log replay + sharded pub/sub), cancel, priorities, deadlines, crash takeover with SIGKILL."""
+stream (log replay + sharded pub/sub), cancel, priorities, deadlines, crash takeover with SIGKILL,
+a reused request id (CREATE refuses it in the request's slot, the queue entry lives in the model's)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import pytest
 
 from inflightq_cli.redis_cluster import PrivateRedisCluster
 from tests.conftest import RedisBackend, cluster_backend
+from tests.faults.test_drain_and_ids import (  # noqa: F401
+    test_a_reused_request_id_is_refused_and_the_original_is_untouched,
+)
 from tests.worker.test_priority import test_a_full_worker_takes_an_urgent_request_within_a_few_steps  # noqa: F401
 from tests.worker.test_worker import (  # noqa: F401
     test_a_late_subscriber_gets_the_whole_stream,

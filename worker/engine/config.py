@@ -17,7 +17,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024  # tokens one step computes at most
     block_size: int = 16  # tokens per KV cache block
-    num_kv_blocks: int | None = None  # None: sized from free memory
+    num_kv_blocks: int | None = None  # None: sized from free memory (kv_memory_fraction of it)
+    kv_memory_fraction: float = 0.25  # of the memory free at start; processes sharing it each take a share
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings (and what the KV cache holds)
     aging_steps: int | None = 256  # steps after which a waiting request gains one priority level; None: no aging

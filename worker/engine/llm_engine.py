@@ -47,6 +47,7 @@ class LLMEngine:
                 ModelRunner.kv_bytes_per_block(model, config.block_size, param.dtype),
                 param.device,
                 max_blocks=config.max_num_seqs * -(-max_model_len // config.block_size),
+                fraction=config.kv_memory_fraction,
             )
         max_model_len = min(max_model_len, num_kv_blocks * config.block_size)
         self.config = config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len)

@@ -21,8 +21,10 @@ def available_memory_bytes(device: torch.device) -> int:
     return 4 << 30
 
 
-def auto_num_kv_blocks(bytes_per_block: int, device: torch.device, *, max_blocks: int) -> int:
-    budget = int(available_memory_bytes(device) * KV_MEMORY_FRACTION)
+def auto_num_kv_blocks(
+    bytes_per_block: int, device: torch.device, *, max_blocks: int, fraction: float = KV_MEMORY_FRACTION
+) -> int:
+    budget = int(available_memory_bytes(device) * fraction)
     return max(16, min(budget // bytes_per_block, max_blocks))
 
 

@@ -1,11 +1,19 @@
 """Who runs this step, and how many tokens each: the step's admission logic in one place.
 
-Order of business each step: expire requests past their deadline; give every running sequence
-its next tokens (decodes first, then the rest of ongoing prefills), preempting the least urgent
-sequence when blocks run short; then admit waiting requests in urgency order, chunking prefills
-to the token budget. Urgency is (priority - steps since arrival / aging_steps, arrival): lower
-runs sooner. Aging moves an old request ahead of newer, nominally more urgent ones, so nobody
-starves; between two given requests the order never flips, so preemption cannot ping-pong.
+Order of business each step: expire requests past their deadline; give every running decode its
+next token, preempting the least urgent sequence when blocks run short; then prefill work in
+urgency order, chunked to the token budget: an ongoing prefill runs only after the waiting
+requests more urgent than it were admitted (otherwise background prefills in progress take every
+step's budget and an urgent request waits for all of them). Urgency is (priority - steps since
+arrival / aging_steps, arrival): lower runs sooner. Aging moves an old request ahead of newer,
+nominally more urgent ones, so nobody starves; between two given requests the order never flips,
+so preemption cannot ping-pong.
+
+Urgent prefill alone: when the most urgent waiting request is at least a whole priority level more
+urgent than everything running, the step prefills the waiting requests of that urgency and
+nothing else; the running batch sits that one step out (as TGI's router pauses decoding for a
+prefill). On a CPU a step of a full batch costs several times a lone prefill, so this is what
+keeps an urgent request's first token close to its idle latency while background work saturates.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.step_count = 0
+        self._admission_stopped = False  # this step: a waiting request could not start
 
     def urgency(self, seq: Sequence) -> tuple[float, int]:
         age = (self.step_count - seq.arrival_step) / self.aging_steps if self.aging_steps else 0.0
@@ -72,48 +81,70 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         self.step_count += 1
         batch = ScheduledBatch(expired=self._expire())
-        budget = self.max_num_batched_tokens
         self.running.sort(key=self.urgency)
-        # Decodes first: they are latency-critical and cost one token each.
-        order = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        order += [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in order:
-            if seq.status is SequenceStatus.WAITING or budget == 0:
-                continue  # preempted earlier in this loop, or no budget left: it sits this step out
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.blocks.allocate(seq, n):
-                victim = max((s for s in self.running if s not in batch.seqs), key=self.urgency)
-                self._preempt(victim, batch, "kv_blocks")
-                if victim is seq:
-                    break
-            else:
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
-                budget -= n
-
         self.waiting.sort(key=self.urgency)
-        while self.waiting and budget > 0:
+        self._admission_stopped = False
+        if self._urgent_waiting():
+            threshold = self.urgency(self.waiting[0])[0]
+            self._admit(batch, while_head=lambda head: self.urgency(head)[0] <= threshold)
+            if batch.seqs:
+                return self._done(batch)
+        remaining = {s: s.num_tokens - s.num_computed_tokens for s in self.running}
+        # Decodes first: they are latency-critical and cost one token each.
+        for seq in [s for s in self.running if remaining[s] == 1]:
+            self._continue(seq, batch)
+        for seq in [s for s in self.running if remaining[s] > 1]:
+            self._admit(batch, while_head=lambda head, seq=seq: self.urgency(head) < self.urgency(seq))
+            self._continue(seq, batch)
+        self._admit(batch)
+        return self._done(batch)
+
+    def _urgent_waiting(self) -> bool:
+        if not self.waiting or not self.running:
+            return False
+        return self.urgency(self.waiting[0])[0] <= min(self.urgency(s)[0] for s in self.running) - 1
+
+    def _budget(self, batch: ScheduledBatch) -> int:
+        return self.max_num_batched_tokens - batch.num_tokens
+
+    def _continue(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """A running sequence's next tokens (one for a decode, a chunk of its prompt for a prefill)."""
+        if seq.status is SequenceStatus.WAITING or self._budget(batch) <= 0:
+            return  # preempted earlier this step, or no budget left: it sits this step out
+        n = min(seq.num_tokens - seq.num_computed_tokens, self._budget(batch))
+        while not self.blocks.allocate(seq, n):
+            victim = max((s for s in self.running if s not in batch.seqs), key=self.urgency)
+            self._preempt(victim, batch, "kv_blocks")
+            if victim is seq:
+                return
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+
+    def _admit(self, batch: ScheduledBatch, while_head: Callable[[Sequence], bool] = lambda _: True) -> None:
+        """Waiting requests in urgency order, while ``while_head`` holds for the next one. The first
+        that cannot start stops admission for the rest of the step (strict priority)."""
+        while self.waiting and not self._admission_stopped and self._budget(batch) > 0 and while_head(self.waiting[0]):
             seq = self.waiting[0]
             if len(self.running) >= self.max_num_seqs and not self._preempt_less_urgent(seq, batch):
-                break
+                self._admission_stopped = True
+                return
             if not seq.block_table:  # fresh or preempted: reuse whatever prefix is cached
                 hits = self.blocks.match_prefix(seq)
                 self.stats.prefix_cache_queries += seq.num_tokens
                 self.stats.prefix_cache_hits += hits
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, self._budget(batch))
             while not self.blocks.allocate(seq, n):
                 if not self._preempt_less_urgent(seq, batch):
-                    break
-            else:
-                self.waiting.pop(0)
-                seq.status = SequenceStatus.PREFILLING
-                self.running.append(seq)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(n)
-                budget = self.max_num_batched_tokens - batch.num_tokens
-                continue
-            self.blocks.free(seq)  # give back the prefix blocks it grabbed; strict priority: stop here
-            break
+                    self.blocks.free(seq)  # give back the prefix blocks it grabbed; strict priority: stop here
+                    self._admission_stopped = True
+                    return
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.PREFILLING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+
+    def _done(self, batch: ScheduledBatch) -> ScheduledBatch:
         self.stats.num_running = len(self.running)
         self.stats.num_waiting = len(self.waiting)
         return batch

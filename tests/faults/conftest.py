@@ -1,0 +1,26 @@
+"""The fault suite: real worker processes (tests/worker's fixtures), real API servers
+(tests/api's), and private Redis servers with an append-only file where a test restarts Redis.
+
+Marked ``faults``; ``INFLIGHTQ_FAULTS_HEAVY=1`` runs the heavier variants (more requests, more
+streams) that docs/reliability.md reports."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.api.conftest import start_api, tiny_tokenizer  # noqa: F401 - fixtures
+from tests.worker.conftest import client, reference, spawn_worker, worker_env  # noqa: F401 - fixtures
+
+HEAVY = os.environ.get("INFLIGHTQ_FAULTS_HEAVY") == "1"
+
+
+def scale(light: int, heavy: int) -> int:
+    return heavy if HEAVY else light
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/faults/" in str(item.fspath):
+            item.add_marker(pytest.mark.faults)

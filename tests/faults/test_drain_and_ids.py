@@ -1,0 +1,68 @@
+"""A graceful drain hands its requests over like a takeover (from the replay log, never from
+token 0), and a reused request id is refused without touching the request that owns it."""
+
+from __future__ import annotations
+
+import signal
+from collections import Counter
+from itertools import pairwise
+
+import pytest
+
+from shared.errors import ConflictError
+from shared.event_delivery import parse_log_entry
+from shared.request_lifecycle import RequestStatus
+from shared.schemas import TokenEvent
+from tests.worker.conftest import greedy
+from tests.worker.test_worker import PROMPT, prompt, tokens_sent, wait_for
+
+
+def logged_indices(client, request_id: str) -> tuple[list[int], list[int]]:  # type: ignore[no-untyped-def]
+    """Token indices in the replay log, and the log entries' times (ms)."""
+    indices, times = [], []
+    for entry_id, fields in client.redis.xrange(client.keys.replay_log(request_id)):
+        event = parse_log_entry(fields)
+        if isinstance(event, TokenEvent):
+            indices.append(event.index)
+            times.append(int(entry_id.split("-")[0]))
+    return indices, times
+
+
+def test_a_drain_hands_over_from_the_replay_log_not_from_token_0(spawn_worker, client, reference) -> None:
+    n = 1000  # long enough to outlast the heir's start on a loaded machine
+    model = client.settings.model
+    leaving = spawn_worker("leaving", env={"INFLIGHTQ_DRAIN_TIMEOUT_S": "0.3"})
+    request_ids = [client.submit(model, prompt(i), greedy(n)) for i in range(2)]
+    wait_for(lambda: all(tokens_sent(client, rid) > 20 for rid in request_ids), timeout=60)
+    spawn_worker("staying")
+    assert all(tokens_sent(client, rid) < n for rid in request_ids), "the drain must find them running"
+    leaving.signal(signal.SIGTERM)
+    assert leaving.wait(timeout=30) == 0
+    for i, request_id in enumerate(request_ids):
+        result = client.result(request_id, timeout=300)
+        assert result.token_ids == reference(prompt(i), n)
+        info = client.status(request_id)
+        assert info is not None and info.status is RequestStatus.DONE and info.attempt == 1
+        indices, times = logged_indices(client, request_id)
+        repeated = [index for index, count in Counter(indices).items() if count > 1]
+        assert repeated == [], f"the heir generated {len(repeated)} tokens again"
+        assert sorted(indices) == list(range(n))
+        pause_s = max(b - a for a, b in pairwise(times)) / 1000
+        print(f"FAULTS drain: request {i}: {n} tokens, 0 repeated, longest pause {pause_s:.2f} s")
+
+
+def test_a_reused_request_id_is_refused_and_the_original_is_untouched(spawn_worker, client, reference) -> None:
+    spawn_worker("keeper")
+    model = client.settings.model
+    original = client.submit(model, PROMPT, greedy(60), request_id="mine-1")
+    wait_for(lambda: tokens_sent(client, original) > 2)
+    with pytest.raises(ConflictError, match="already in use"):
+        client.submit(model, PROMPT, greedy(5), request_id="mine-1")  # while it runs
+    assert client.result(original, timeout=60).token_ids == reference(PROMPT, 60)
+    log_before = client.redis.xlen(client.keys.replay_log(original))
+    with pytest.raises(ConflictError):
+        client.submit(model, PROMPT, greedy(5), request_id="mine-1")  # once it is done
+    info = client.status(original)
+    assert info is not None and info.status is RequestStatus.DONE and info.attempt == 0 and info.deliveries == 1
+    assert client.redis.xlen(client.keys.replay_log(original)) == log_before
+    assert client.result(original, timeout=5).token_ids == reference(PROMPT, 60)
