@@ -24,5 +24,7 @@ def engine_config(settings: Settings, **overrides: Any) -> EngineConfig:
         "num_kv_blocks": settings.num_kv_blocks,
         "cpu_kernels": settings.cpu_kernels,
         "kernel_cache_dir": settings.kernel_cache,
+        "compile": settings.compile,
+        "compile_cache_dir": settings.compile_cache,
     }
     return EngineConfig(**(fields | overrides))
