@@ -75,10 +75,11 @@ def workload(tokenizer: Any, num_prompts: int, seed: int) -> tuple[list[list[int
 
 
 class Ours:
-    def __init__(self, model_name: str, dtype: torch.dtype) -> None:
+    def __init__(self, model_name: str, dtype: torch.dtype, device: str = "cpu", compile: bool = False) -> None:
         from worker.engine.model_loader import load_model
 
-        self.model, self.tokenizer = load_model(model_name, dtype, "cpu")
+        self.model, self.tokenizer = load_model(model_name, dtype, device)
+        self.compile = compile
 
     def run(self, prompts: list[list[int]], lengths: list[int]) -> dict:
         from worker.engine import LLM, SamplingParams
@@ -91,6 +92,7 @@ class Ours:
             max_num_batched_tokens=MAX_BATCH_TOKENS,
             num_kv_blocks=KV_TOKENS // 16,
             block_size=16,
+            compile=self.compile,
         )
         llm.generate(prompts[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up: first-call costs
         stats = llm.engine.stats
@@ -113,12 +115,12 @@ class Ours:
 
 
 class TransformersCB:
-    def __init__(self, model_name: str, dtype: torch.dtype) -> None:
+    def __init__(self, model_name: str, dtype: torch.dtype, device: str = "cpu") -> None:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         from worker.engine.model_loader import load_model
 
-        self.model, _ = load_model(model_name, dtype, "cpu")
+        self.model, _ = load_model(model_name, dtype, device)
         # Left to itself it takes 90% of free RAM for its cache; give it the same room and token budget as ours.
         self.cb_config = ContinuousBatchingConfig(num_blocks=KV_TOKENS // 256, max_batch_tokens=MAX_BATCH_TOKENS)
 
@@ -164,6 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=1, help="alternate the two engines this often; best of each")
     parser.add_argument("--skip-transformers", action="store_true", help="run only our engine (for profiling)")
     parser.add_argument("--out", default="bench/results", help="folder for engine-<date>.json/.md; '' to skip")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (results then named engine-<date>-cuda)")
+    parser.add_argument("--compile", action="store_true", help="our engine with its compiled forward")
     args = parser.parse_args(argv)
     from worker.engine.model_loader import load_tokenizer
 
@@ -178,15 +182,16 @@ def main(argv: list[str] | None = None) -> dict:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, "
         f"torch {torch.__version__}",
+        "device": args.device,
         "workload": {"prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "new_tokens": sum(lengths)},
         "runs": {},
     }
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         row: dict[str, Any] = {"load_average_before": os.getloadavg()[0]}
-        engines = {"ours": Ours(args.model, dtype)}
+        engines: dict[str, Any] = {"ours": Ours(args.model, dtype, args.device, args.compile)}
         if not args.skip_transformers:
-            engines["transformers_cb"] = TransformersCB(args.model, dtype)
+            engines["transformers_cb"] = TransformersCB(args.model, dtype, args.device)
         # Alternating runs, best of each: a noisy shared machine slows whichever runs in a bad moment.
         tries: dict[str, list[dict]] = {key: [] for key in engines}
         for _ in range(args.repeats):
@@ -215,7 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def write(results: dict, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    stem = folder / f"engine-{results['date'][:10]}"
+    device = results.get("device", "cpu")
+    stem = folder / f"engine-{results['date'][:10]}{'' if device == 'cpu' else '-' + device}"
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
     lines = [
         f"# Engine benchmark, {results['date']}",

@@ -168,6 +168,14 @@ class Settings(BaseSettings):
     kernel_cache: str | None = Field(
         None, description="Directory the CPU attention kernel is built into; unset = ~/.cache/inflightq/kernels."
     )
+    compile: bool = Field(
+        False,
+        description="Worker runs its model's forward compiled (torch.compile, padded token-count buckets, all "
+        "compiled at start before it takes work; minutes on a small CPU, cached across restarts).",
+    )
+    compile_cache: str | None = Field(
+        None, description="Directory for the compiled forward's caches; unset = ~/.cache/inflightq/inductor."
+    )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Worker Prometheus port; unset = none.")
     batch_file_dir: str | None = Field(
         None, description="Directory for large batch files; unset keeps them in Redis with a TTL."

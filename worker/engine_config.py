@@ -26,5 +26,7 @@ def engine_config(settings: Settings, **overrides: Any) -> EngineConfig:
         "kv_memory_fraction": settings.kv_cache_memory_fraction / settings.workers_per_host,
         "cpu_kernels": settings.cpu_kernels,
         "kernel_cache_dir": settings.kernel_cache,
+        "compile": settings.compile,
+        "compile_cache_dir": settings.compile_cache,
     }
     return EngineConfig(**(fields | overrides))

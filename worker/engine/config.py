@@ -25,6 +25,13 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto, torch, cpu (the compiled CPU kernel), flash
     cpu_kernels: bool = True  # False: never build or use the compiled CPU kernel (plain-torch attention)
     kernel_cache_dir: str | None = None  # where the CPU kernel is built; None: ~/.cache/inflightq/kernels
+    # Compiled forward (torch.compile over padded token-count buckets, all compiled at start). Off by
+    # default: on the 2-core CPU boxes its warm-up takes minutes and its gain is within their noise
+    # (bench/results/compile-2026-12-01.md). "auto": on for CPU bf16/fp32 models.
+    compile: bool | str = False
+    compile_cache_dir: str | None = None  # inductor's caches; None: ~/.cache/inflightq/inductor
+    # Token counts compiled for; a step runs the smallest bucket >= its tokens, bigger steps run eager.
+    compile_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
     converted_model_dir: str | None = None  # a .gguf's de-quantized copy; None: ~/.cache/inflightq/models/<name>
 
     @property

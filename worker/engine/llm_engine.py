@@ -63,6 +63,7 @@ class LLMEngine:
             clock=clock,
         )
         self.runner = ModelRunner(model, config)
+        self.stats.warmup_s = self.runner.warmup_s
         self.sampler = Sampler(text_config.vocab_size, param.device)
         # Rows of the embedding table: an id past them would fail the whole batch's forward.
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)

@@ -3,17 +3,23 @@ over the flattened ragged batch (input_ids and position_ids of shape (1, T))."""
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from worker.engine import attention
+from worker.engine.attention.custom_op import step_metadata
 from worker.engine.attention.metadata import AttentionMetadata, PrefillChunk
+from worker.engine.compiled_forward import CompiledForward, buckets_for, route_linears_through_ops
 from worker.engine.config import EngineConfig
 from worker.engine.fast_linear import prepack_linears, prepack_supported
 from worker.engine.fused_projections import fuse_sibling_projections
 from worker.engine.memory import lazy_zeros
 from worker.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 def kv_geometry(model: Any) -> tuple[int, int, int]:
@@ -52,11 +58,19 @@ class ModelRunner:
             for _ in range(num_layers)
         ]
         attention.register()
-        if fuse_projections:
-            fuse_sibling_projections(model, pack=prepack_weights)
-        if prepack_weights and prepack_supported(self.device, self.dtype):
-            prepack_linears(model)
+        self.compiled: CompiledForward | None = None
+        if compile_wanted(config.compile, model, self.device, self.dtype):
+            if prepack_weights:
+                route_linears_through_ops(model)
+            buckets = buckets_for(config.max_num_batched_tokens, config.compile_buckets)
+            self.compiled = CompiledForward(model, buckets, cache_dir=config.compile_cache_dir)
+        else:
+            if fuse_projections:
+                fuse_sibling_projections(model, pack=prepack_weights)
+            if prepack_weights and prepack_supported(self.device, self.dtype):
+                prepack_linears(model)
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
+        self.warmup_s = self.compiled.warmup(self._warmup_step) if self.compiled is not None else 0.0
 
     @staticmethod
     def kv_bytes_per_block(model: Any, block_size: int, dtype: torch.dtype) -> int:
@@ -73,6 +87,11 @@ class ModelRunner:
         )
         row_of = dict(zip(order, last_rows, strict=True))
         keep = torch.tensor([row_of[i] for i in range(len(seqs)) if sample[i]], dtype=torch.long, device=self.device)
+        if self.compiled is not None:
+            with step_metadata(meta):
+                hidden = self.compiled(input_ids, positions)
+            if hidden is not None:
+                return self.model.get_output_embeddings()(hidden[keep])
         out = self.model(
             input_ids=input_ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
@@ -81,6 +100,16 @@ class ModelRunner:
             inflightq_meta=meta,
         )
         return out.logits[0]
+
+    @torch.inference_mode()
+    def _warmup_step(self, num_tokens: int) -> None:
+        """One compiled step of ``num_tokens`` one-token sequences, all at block 0 slot 0: the slot is
+        written before any real sequence could read it, since a sequence writes each slot it reads."""
+        assert self.compiled is not None
+        dummy = SimpleNamespace(num_computed_tokens=0, token_ids=[0], block_table=[0])
+        meta, input_ids, positions, _ = self._prepare([dummy] * num_tokens, [1] * num_tokens)  # type: ignore[list-item]
+        with step_metadata(meta):
+            self.compiled(input_ids, positions)
 
     def _prepare(
         self, seqs: list[Sequence], num_new_tokens: list[int]
@@ -155,3 +184,11 @@ class ModelRunner:
         meta.cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=self.device)
         meta.max_query_len = max(num_new_tokens)
         meta.max_context_len = max(lens)
+
+
+def compile_wanted(setting: bool | str, model: Any, device: torch.device, dtype: torch.dtype) -> bool:
+    """``auto``: CPU bf16/fp32 models whose logits are the head's plain output (no soft-capping)."""
+    if setting == "auto":
+        plain_head = getattr(model.config.get_text_config(), "final_logit_softcapping", None) is None
+        return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and plain_head
+    return bool(setting)

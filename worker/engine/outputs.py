@@ -54,6 +54,7 @@ class EngineStats:
     batch_seqs: int = 0  # sequences in the last step's forward
     num_running: int = 0
     num_waiting: int = 0
+    warmup_s: float = 0.0  # compiling the forward at start (0 when the forward runs eager)
 
     @property
     def forward_share(self) -> float:

@@ -3,6 +3,8 @@
 The model runner builds one ``AttentionMetadata`` per step and passes it as the forward kwarg
 ``inflightq_meta``; transformers hands every kwarg down to each attention call, where
 ``paged_attention`` writes the step's K/V into the layer's cache and lets the backend attend.
+A compiled forward passes no such kwarg: it goes through the opaque op of ``custom_op``, which
+reads the same metadata from ``step_metadata``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from typing import Any
 
 import torch
 
+from worker.engine.attention.custom_op import paged_attention_op
 from worker.engine.attention.metadata import AttentionBackend, AttentionMetadata
 
 ATTN_IMPLEMENTATION = "inflightq_paged"
@@ -26,10 +29,11 @@ def paged_attention(
     inflightq_meta: AttentionMetadata | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    if inflightq_meta is None:
-        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs the engine's metadata (inflightq_meta kwarg)")
-    meta = inflightq_meta
-    out = meta.backend.forward(meta, module.layer_idx, query, key, value, scaling or query.shape[-1] ** -0.5)
+    scale = scaling or query.shape[-1] ** -0.5
+    if inflightq_meta is None:  # a compiled forward: one opaque op, the metadata set around the step
+        out = paged_attention_op(query, key, value, module.layer_idx, scale)
+    else:
+        out = inflightq_meta.backend.forward(inflightq_meta, module.layer_idx, query, key, value, scale)
     return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
 
 
