@@ -103,7 +103,7 @@ class Admission:
         self.publisher.finish_error(request.id, stream, entry_id, "failed", "generation", reason, None)
 
     def _malformed(self, stream: str, entry_id: str, fields: dict[str, str], error: Exception) -> None:
-        reason = f"malformed entry: {str(error).splitlines()[0]}"
+        reason = f"malformed entry: {_describe(error)}"
         log.warning("dead-lettering entry %s of %s: %s", entry_id, stream, reason)
         self.counters["dead_lettered"] += 1
         request_id = _salvage_id(fields)
@@ -155,6 +155,15 @@ class Admission:
                     active.prior_token_ids.append(event.token_id)
                     active.prior_text += event.text
                     active.prior_finish = event.finish_reason
+
+
+def _describe(error: Exception) -> str:
+    """One line naming what is wrong (pydantic's first line only counts the errors)."""
+    if isinstance(error, ValidationError):
+        first = error.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        return f"{where}: {first['msg']}".splitlines()[0]
+    return str(error).splitlines()[0]
 
 
 def _salvage_id(fields: dict[str, str]) -> str | None:
