@@ -1,7 +1,8 @@
 """Logits in, one token per sequence out, for the whole batch at once.
 
-Order of processing (that of HF and vLLM): penalties -> temperature -> top_k -> top_p -> min_p
--> typical_p -> draw. Greedy rows (temperature 0) take the argmax after penalties, as HF does.
+Order of processing (that of HF and vLLM): grammar mask -> penalties -> temperature -> top_k
+-> top_p -> min_p -> typical_p -> draw. The mask (structured.py) is a hard constraint that no
+penalty can undo. Greedy rows (temperature 0) take the argmax after penalties, as HF does.
 
 Logprobs are ``log_softmax`` of the RAW logits, before penalties, temperature and filters: what
 OpenAI and vLLM (``logprobs_mode="raw_logprobs"``) report, and the only choice under which a
