@@ -133,13 +133,14 @@ def main(argv: list[str] | None = None) -> dict:
         for i in range(len(prompts))
     ]
     tries: dict[str, list[dict[str, Any]]] = {"constrained": [], "unconstrained": []}
-    valid = 0
+    valid = cut = 0
     for _ in range(args.repeats):
         row, outs = runner.run(prompts, mixed)
         tries["constrained"].append(row)
         # The twin run: the same lengths, no constraint (ignore_eos so each makes exactly as many).
         free = [SamplingParams(max_new_tokens=max(1, len(o.token_ids)), ignore_eos=True) for o in outs]
         valid = sum(_is_valid(o.text) for i, o in enumerate(outs) if i % 2 == 0)
+        cut = sum(o.finish_reason == "length" for i, o in enumerate(outs) if i % 2 == 0)
         tries["unconstrained"].append(runner.run(prompts, free)[0])
         print(
             f"constrained {row['tok_per_s']} tok/s, unconstrained {tries['unconstrained'][-1]['tok_per_s']} tok/s; "
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
             "prompt_tokens": sum(map(len, prompts)),
             "new_tokens": best["constrained"]["tokens"],
             "valid_json": f"{valid}/{(len(prompts) + 1) // 2}",
+            "constrained_cut_by_length": cut,  # honest 'length' finishes: a valid prefix, not a whole document
         },
         "best": best,
         "tries": tries,
