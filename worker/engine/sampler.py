@@ -24,7 +24,7 @@ import torch
 from worker.engine.penalties import PenaltyTracker
 from worker.engine.sampling_filters import filter_candidates, filter_full, has_filter
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.structured import unpack_bitmask
+from worker.engine.structured import banned_tokens
 
 _MASK64 = (1 << 64) - 1
 
@@ -97,9 +97,12 @@ class Sampler:
         if constrained:
             # The grammar goes first, as a hard constraint the penalties cannot undo.
             words = torch.stack([rows[i].allowed for i in constrained])  # type: ignore[misc]
-            allowed = unpack_bitmask(words.to(x.device), self.vocab_size)
-            idx = torch.tensor(constrained, device=x.device)
-            x.index_copy_(0, idx, x.index_select(0, idx).masked_fill_(~allowed, float("-inf")))
+            banned = banned_tokens(words.to(x.device), self.vocab_size)
+            if len(constrained) == len(rows):
+                x.masked_fill_(banned, float("-inf"))
+            else:  # in place, row by row: no gathered copy of the constrained rows
+                for j, i in enumerate(constrained):
+                    x[i].masked_fill_(banned[j], float("-inf"))
         if penalized:
             chosen_rows = [rows[i] for i in penalized]
             self._penalties.apply(

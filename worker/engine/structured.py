@@ -152,8 +152,8 @@ class StructuredOutput:
         return self._pool.submit(self.fill, list(matchers))
 
 
-def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, ceil(V/32)] int32 bit words -> [rows, V] bool, True where a token is allowed."""
+def banned_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, ceil(V/32)] int32 bit words -> [rows, V] bool, True where a token is NOT allowed."""
     shifts = torch.arange(32, dtype=torch.int32, device=words.device)
     bits = (words.unsqueeze(-1) >> shifts) & 1
-    return bits.view(words.shape[0], -1)[:, :vocab_size].bool()
+    return bits.view(words.shape[0], -1)[:, :vocab_size] == 0
