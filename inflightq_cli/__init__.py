@@ -385,6 +385,15 @@ def bench_engine(ctx: typer.Context) -> None:
     main(list(ctx.args))
 
 
+@bench_app.command("structured", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_structured(ctx: typer.Context) -> None:
+    """32 requests, half with a JSON schema, vs the same 32 unconstrained, same run; mask time per step and
+    per row beside the forward (args: python -m bench.structured --help)."""
+    from bench.structured import main
+
+    main(list(ctx.args))
+
+
 @bench_app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench_serve(ctx: typer.Context) -> None:
     """Load generator in the manner of `vllm bench serve` through the API and the queue, beside the offline

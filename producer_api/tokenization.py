@@ -12,8 +12,9 @@ from shared.errors import ModelNotFoundError, ValidationError
 from shared.model_source import load_tokenizer
 from shared.settings import Settings
 
-# Roles a chat template understands; "developer" is OpenAI's newer name for "system".
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+# Roles a chat template understands; "developer" is OpenAI's newer name for "system"; "tool"
+# carries a tool call's result.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,12 @@ class Tokenizers:
     def special_ids(self, model: str) -> frozenset[int]:
         return frozenset(self.get(model).all_special_ids)
 
-    def apply_chat_template(self, model: str, messages: list[dict[str, str]]) -> list[int]:
+    def chat_template(self, model: str) -> str:
+        return getattr(self.get(model), "chat_template", None) or ""
+
+    def apply_chat_template(
+        self, model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         tokenizer = self.get(model)
         if not getattr(tokenizer, "chat_template", None):
             raise ValidationError(f"model {model!r} has no chat template; use a completion route", field="messages")
@@ -70,11 +76,9 @@ class Tokenizers:
                 raise ValidationError(
                     f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}", field=f"messages.{i}.role"
                 )
-        templated = [
-            {"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]} for m in messages
-        ]
+        templated = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
         try:
-            text = tokenizer.apply_chat_template(templated, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(templated, tools=tools, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # a template may raise on orders it forbids (e.g. two user turns)
             raise ValidationError(f"the chat template rejected these messages: {exc}", field="messages") from None
         # The template already wrote the special tokens; adding them again would double the BOS.

@@ -11,7 +11,7 @@ import pydantic
 from producer_api.api_keys import ApiKey, clamp_priority
 from producer_api.models_common import RequestOptions
 from shared.errors import ValidationError
-from shared.schemas import SamplingSpec
+from shared.schemas import Constraint, SamplingSpec
 from shared.settings import Settings
 
 _SEED_LIMIT = 2**63
@@ -56,6 +56,15 @@ def check_stops(settings: Settings, stops: list[str], field: str = "stop") -> li
         if stop == "":
             raise ValidationError(f"{field}[{i}] must not be empty", field=f"{field}.{i}")
     return stops
+
+
+def constraint_of(raw: dict[str, object], field: str) -> Constraint:
+    """A wire constraint, compiled by llguidance; its complaint becomes a 422 naming ``field``."""
+    try:
+        return Constraint.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        message = str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
+        raise ValidationError(f"{field}: {message}", field=field) from None
 
 
 def sampling_spec(**fields: object) -> SamplingSpec:

@@ -5,9 +5,11 @@ so the worker can pass them straight through."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Annotated, Literal
+from functools import lru_cache
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, StrictInt, TypeAdapter, model_validator
 
@@ -25,6 +27,56 @@ class WireModel(BaseModel):
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
+
+
+ConstraintType = Literal["json_schema", "json_object", "regex", "lark"]
+# Compact JSON, as the engine compiles it (worker/engine/structured.py); the two must agree so
+# that what the API accepted is what the worker runs.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+class Constraint(WireModel):
+    """What the generated text must match: a JSON schema, any JSON object, a regular expression
+    (the whole output matches) or a Lark grammar in llguidance's dialect. Checked with llguidance
+    wherever it is parsed: the API answers 422 naming the problem, a worker fails that request."""
+
+    type: ConstraintType
+    value: dict[str, Any] | str | None = Field(
+        None, description="json_schema: the schema; regex: the pattern; lark: the grammar; json_object: none."
+    )
+
+    @model_validator(mode="after")
+    def _compiles(self) -> Constraint:
+        error = _constraint_error(self.type, json.dumps(self.value, sort_keys=True))
+        if error:
+            raise ValueError(error)
+        return self
+
+
+@lru_cache(maxsize=1024)
+def _constraint_error(kind: str, value_json: str) -> str:
+    """'' when llguidance compiles the constraint, else why not (cached: every request parses it twice)."""
+    import llguidance  # no torch; only processes that meet a constraint load it
+
+    value = json.loads(value_json)
+    matcher = llguidance.LLMatcher
+    if kind == "json_object":
+        grammar = matcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+    elif kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return "a json_schema constraint's value must be a JSON schema object"
+        if not isinstance(value, dict):
+            return "a json_schema constraint's value must be a JSON schema object"
+        grammar = matcher.grammar_from_json_schema(value, defaults=_JSON_OPTIONS)
+    elif not isinstance(value, str) or not value:
+        return f"a {kind} constraint's value must be a non-empty string"
+    else:
+        grammar = matcher.grammar_from_regex(value) if kind == "regex" else matcher.grammar_from_lark(value)
+    error = matcher.validate_grammar(grammar)
+    return f"invalid {kind.replace('_', ' ')}: {error.strip()}" if error else ""
 
 
 class SamplingFields(WireModel):
@@ -45,6 +97,7 @@ class SamplingFields(WireModel):
     stop_token_ids: list[NonNegativeInt] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=20, description="Top logprobs per token; None = none.")
+    constraint: Constraint | None = Field(None, description="Structured output: what the text must match.")
 
 
 class SamplingSpec(SamplingFields):

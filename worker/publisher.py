@@ -46,7 +46,10 @@ Write = Callable[[Any], None]
 TOKENS_PER_CALL = 1024
 
 # The engine's finish reasons that end a request with an error instead of a result.
-ERROR_FINISHES = {"expired": ("expired", "deadline passed during generation")}
+ERROR_FINISHES = {
+    "expired": ("expired", "deadline passed during generation"),
+    "error": ("generation", "generation failed"),
+}
 
 
 def token_json(request_id: str, index: int, token_id: int, text: str, event: Any, attempt: int) -> str:

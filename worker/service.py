@@ -289,6 +289,8 @@ class WorkerService:
             if event.finish_reason == "expired":
                 self.counters["expired"] += 1
                 self._finish_error(active, "expired", "expired", "deadline passed during generation")
+            elif event.finish_reason == "error":  # this request alone failed (its grammar matcher broke)
+                self._finish_error(active, "failed", "generation", event.error or "generation failed")
             elif event.finish_reason is not None:
                 self._finish_done(active, event.finish_reason)
 

@@ -83,6 +83,7 @@ class ApiLineHandler:
 
     def prepare(self, endpoint: str, body: dict[str, Any], model: str | None) -> PreparedRequest:
         from producer_api.openai.models import ChatCompletionRequest, CompletionRequest
+        from producer_api.openai.structured import response_format_constraint
         from producer_api.tokenization import enforce_limits
         from producer_api.validation import check_stops, sampling_spec
 
@@ -122,6 +123,7 @@ class ApiLineHandler:
             seed=request.seed,
             stop=check_stops(self.settings, request.stop_list),
             ignore_eos=request.ignore_eos,
+            constraint=response_format_constraint(request.response_format),
         )
         return PreparedRequest(model=request.model, prompt_token_ids=ids, sampling=spec)
 
@@ -163,11 +165,8 @@ def _refuse_unsupported(request: Any) -> None:
         raise ValidationError("stream is not available in a batch", field="stream")
     if getattr(request, "logit_bias", None):
         raise ValidationError("logit_bias is not supported", field="logit_bias")
-    if getattr(request, "tools", None):
-        raise ValidationError("tools are not supported", field="tools")
-    response_format = getattr(request, "response_format", None)
-    if response_format and response_format.get("type") != "text":
-        raise ValidationError("only response_format {'type': 'text'} is supported", field="response_format")
+    if getattr(request, "tools", None):  # response_format works; tool calls only on the live routes
+        raise ValidationError("tools are not supported in a batch", field="tools")
     logprobs = getattr(request, "logprobs", None)
     if logprobs:
         raise ValidationError("logprobs are not available in batch results", field="logprobs")

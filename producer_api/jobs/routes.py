@@ -85,6 +85,7 @@ async def create_job(request: Request, body: JobRequest, key: ApiKey | None = De
                 "stop_token_ids",
                 "ignore_eos",
                 "logprobs",
+                "constraint",
             }
         ),
     )

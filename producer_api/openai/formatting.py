@@ -11,6 +11,7 @@ from typing import Any
 from producer_api import sse
 from producer_api.dispatch import Dispatcher, as_error, cancel_unfinished
 from producer_api.errors import sse_error_payload
+from producer_api.openai.structured import ToolCallStream
 from producer_api.streaming import merge
 from shared.schemas import ErrorEvent, FinalResult, TokenEvent
 
@@ -156,9 +157,29 @@ def chat_stream(
     path: str,
     *,
     logprobs: bool,
+    tools: bool = False,
 ) -> AsyncIterator[str]:
     def choice(index: int, delta: dict[str, Any], logprobs_: Any = None, finish: str | None = None) -> str:
         return reply.chunk([{"index": index, "delta": delta, "logprobs": logprobs_, "finish_reason": finish}])
+
+    if not tools:
+        on_token: Callable[[int, TokenEvent], str] = lambda index, event: choice(  # noqa: E731
+            index, {"content": event.text}, chat_logprobs([event]) if logprobs else None
+        )
+        on_finish: Callable[[int, FinalResult], str] = lambda index, result: choice(  # noqa: E731
+            index, {}, None, finish_reason(result)
+        )
+    else:  # text that may be a tool call is held back until it is a whole call (or plainly text)
+        splitters = [ToolCallStream(request_id) for request_id in request_ids]
+
+        def on_token(index: int, event: TokenEvent) -> str:
+            return "".join(choice(index, delta) for delta in splitters[index].feed(event.text))
+
+        def on_finish(index: int, result: FinalResult) -> str:
+            splitter = splitters[index]
+            tail = "".join(choice(index, delta) for delta in splitter.finish())
+            called = splitter.made_calls and result.finish_reason != "length"
+            return tail + choice(index, {}, None, "tool_calls" if called else finish_reason(result))
 
     return relay(
         reply,
@@ -168,8 +189,6 @@ def chat_stream(
         path,
         # OpenAI's first chunk of each choice names the role.
         prelude=[choice(i, {"role": "assistant", "content": ""}) for i in range(len(request_ids))],
-        on_token=lambda index, event: choice(
-            index, {"content": event.text}, chat_logprobs([event]) if logprobs else None
-        ),
-        on_finish=lambda index, result: choice(index, {}, None, finish_reason(result)),
+        on_token=on_token,
+        on_finish=on_finish,
     )

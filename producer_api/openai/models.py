@@ -1,7 +1,7 @@
 """Request and response bodies of OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models).
 
 Requests accept unknown fields (SDKs add new ones often) but reject known features this server
-does not have (tools, response formats, suffix) instead of silently ignoring them."""
+does not have (suffix, logit_bias) instead of silently ignoring them."""
 
 from __future__ import annotations
 
@@ -61,6 +61,9 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = Field(None, description="Not supported; must be null.")
+    response_format: dict[str, Any] | None = Field(
+        None, description="{'type': 'text' | 'json_object'} or {'type': 'json_schema', 'json_schema': {...}}."
+    )
     logit_bias: dict[str, float] | None = Field(None, description="Not supported; must be null or empty.")
 
 
@@ -77,6 +80,8 @@ class ChatMessage(BaseModel):
     role: str = Field(examples=["user"])
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @property
     def text(self) -> str:
@@ -104,9 +109,12 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = Field(None, description="Not supported; must be null or empty.")
-    tool_choice: Any | None = None
-    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'} is supported.")
+    tools: list[Any] | None = Field(None, description="Functions the model may call (type 'function').")
+    tool_choice: Any | None = Field(None, description="none, auto (default with tools), required, or a function.")
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = Field(
+        None, description="{'type': 'text' | 'json_object'} or {'type': 'json_schema', 'json_schema': {...}}."
+    )
     logit_bias: dict[str, float] | None = Field(None, description="Not supported; must be null or empty.")
 
 
@@ -157,16 +165,28 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletion(BaseModel):

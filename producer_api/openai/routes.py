@@ -35,6 +35,12 @@ from producer_api.openai.models import (
     ModelList,
     SamplingFields,
 )
+from producer_api.openai.structured import (
+    parse_tool_calls,
+    response_format_constraint,
+    template_messages,
+    tool_plan,
+)
 from producer_api.state import AppState, arrival, state_of
 from producer_api.streaming import unless_disconnected
 from producer_api.tokenization import enforce_limits
@@ -47,6 +53,7 @@ from producer_api.validation import (
     sampling_spec,
 )
 from shared.errors import ValidationError
+from shared.schemas import Constraint
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
 
@@ -79,6 +86,7 @@ def build_plan(
     max_tokens: int | None,
     max_tokens_field: str,
     logprobs: int | None,
+    constraint: Constraint | None = None,
 ) -> Plan:
     settings = st.settings
     stops = check_stops(settings, body.stop_list)
@@ -104,6 +112,7 @@ def build_plan(
         stop=stops,
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        constraint=constraint,
     )
     tenant = key.key_id if key else None
     subs = [
@@ -157,6 +166,7 @@ async def completions(
     body.model = resolve_model(st.settings, body.model)
     st.tokenizers.get(body.model)  # unknown model -> 422 before any work
     reject_unsupported(suffix=body.suffix, logit_bias=body.logit_bias)
+    constraint = response_format_constraint(body.response_format)
     if body.best_of is not None and body.best_of != body.n:
         raise ValidationError("best_of must equal n (no server-side ranking)", field="best_of")
     prompts = await completion_prompts(st, body)
@@ -169,6 +179,7 @@ async def completions(
         max_tokens=body.max_tokens,
         max_tokens_field="max_tokens",
         logprobs=body.logprobs,
+        constraint=constraint,
     )
     ids = await st.dispatcher.submit_all(plan.submissions)
     echoes = [st.tokenizers.decode(body.model, p) if body.echo else "" for p in plan.prompts]
@@ -225,13 +236,18 @@ async def chat_completions(
     st = state_of(request)
     body.model = resolve_model(st.settings, body.model)
     st.tokenizers.get(body.model)
-    reject_unsupported(tools=body.tools, logit_bias=body.logit_bias)
-    if body.response_format and body.response_format.get("type") not in (None, "text"):
-        raise ValidationError("only response_format {'type': 'text'} is supported", field="response_format")
+    reject_unsupported(logit_bias=body.logit_bias)
     if body.top_logprobs is not None and not body.logprobs:
         raise ValidationError("top_logprobs needs logprobs: true", field="top_logprobs")
-    messages = [{"role": m.role, "content": m.text} for m in body.messages]
-    prompt = await anyio.to_thread.run_sync(st.tokenizers.apply_chat_template, body.model, messages)
+    constraint = response_format_constraint(body.response_format)
+    tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    calling = tools is not None and tools.constraint is not None
+    if calling and constraint is not None:
+        raise ValidationError("response_format cannot be combined with tool calls", field="response_format")
+    template = st.tokenizers.chat_template(body.model)
+    messages = template_messages([chat_message(m) for m in body.messages], tools, template)
+    template_tools = tools.tools if tools is not None and "tools" in template else None
+    prompt = await anyio.to_thread.run_sync(st.tokenizers.apply_chat_template, body.model, messages, template_tools)
     max_tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     plan = build_plan(
         st,
@@ -242,23 +258,31 @@ async def chat_completions(
         max_tokens=body.max_completion_tokens or body.max_tokens,
         max_tokens_field=max_tokens_field,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        constraint=tools.constraint if calling and tools is not None else constraint,
     )
     ids = await st.dispatcher.submit_all(plan.submissions)
     reply = reply_for(body, plan, "chat.completion.chunk", f"chatcmpl-{ids[0]}")
     follow = follow_kwargs(request, plan, "/v1/chat/completions")
     if body.stream:
-        stream = chat_stream(reply, st.dispatcher, ids, follow, request.url.path, logprobs=body.logprobs)
+        stream = chat_stream(reply, st.dispatcher, ids, follow, request.url.path, logprobs=body.logprobs, tools=calling)
         return sse.response(stream, "/v1/chat/completions", headers={"x-request-id": ids[0]})
     gens = await unless_disconnected(request, st.dispatcher.collect_all(ids, **follow))
     choices = []
     for i, gen in enumerate(gens):
         assert gen.result is not None
+        message: dict[str, Any] = {"role": "assistant", "content": gen.result.text}
+        finish = finish_reason(gen.result)
+        if calling:
+            content, calls = parse_tool_calls(gen.result.text, gen.request_id)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = "tool_calls" if finish != "length" else finish
         choices.append(
             {
                 "index": i,
-                "message": {"role": "assistant", "content": gen.result.text},
+                "message": message,
                 "logprobs": chat_logprobs(gen.tokens) if body.logprobs else None,
-                "finish_reason": finish_reason(gen.result),
+                "finish_reason": finish,
             }
         )
     payload = {
@@ -271,6 +295,15 @@ async def chat_completions(
         "system_fingerprint": None,
     }
     return JSONResponse(payload, headers={"x-request-id": ids[0]})
+
+
+def chat_message(message: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": message.role, "content": message.text}
+    if message.tool_calls:
+        out["tool_calls"] = message.tool_calls
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 # Models -----------------------------------------------------------------------------------------

@@ -13,6 +13,11 @@ from producer_api.models_common import RequestOptions, StrictModel
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 
 
+class Grammar(StrictModel):
+    type: Literal["json", "regex", "json_object"]
+    value: Any = None
+
+
 class GenerateParameters(RequestOptions, StrictModel):
     best_of: int | None = Field(None, ge=1, le=1, description="Only 1 is supported.")
     decoder_input_details: bool = Field(False, description="Return the prompt tokens (without logprobs).")
@@ -20,7 +25,9 @@ class GenerateParameters(RequestOptions, StrictModel):
     do_sample: bool = Field(False, description="Sample instead of greedy decoding.")
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    grammar: Any | None = Field(None, description="Not supported; must be null.")
+    grammar: Grammar | None = Field(
+        None, description="Structured output: {'type': 'json', 'value': schema} or {'type': 'regex', 'value': pattern}."
+    )
     adapter_id: str | None = Field(None, description="Not supported; must be null.")
     max_new_tokens: int | None = Field(None, ge=1, examples=[32])
     repetition_penalty: float | None = Field(None, gt=0.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,11 +19,12 @@ from producer_api.models_common import TGI_ERRORS
 from producer_api.state import arrival, state_of
 from producer_api.streaming import unless_disconnected
 from producer_api.tgi import formatting
-from producer_api.tgi.models import GenerateRequest, GenerateResponse, Info, SimpleToken, StreamResponse
+from producer_api.tgi.models import GenerateRequest, GenerateResponse, Grammar, Info, SimpleToken, StreamResponse
 from producer_api.timing import tgi_headers
 from producer_api.tokenization import enforce_limits
-from producer_api.validation import check_stops, resolve_deadline, resolve_priority, sampling_spec
+from producer_api.validation import check_stops, constraint_of, resolve_deadline, resolve_priority, sampling_spec
 from shared.errors import ValidationError
+from shared.schemas import Constraint
 
 router = APIRouter(tags=["TGI"])
 
@@ -48,8 +50,6 @@ async def plan(request: Request, body: GenerateRequest, key: ApiKey | None) -> T
     st = state_of(request)
     settings = st.settings
     p = body.parameters
-    if p.grammar is not None:
-        raise ValidationError("grammar-constrained decoding is not supported", field="parameters.grammar")
     if p.adapter_id is not None:
         raise ValidationError("adapters are not supported", field="parameters.adapter_id")
     if p.watermark:
@@ -84,9 +84,25 @@ async def plan(request: Request, body: GenerateRequest, key: ApiKey | None) -> T
         ignore_eos=p.ignore_eos,
         # TGI always reports each token's logprob, so always ask for it (top-n only when asked).
         logprobs=p.top_n_tokens or 0,
+        constraint=grammar_constraint(p.grammar),
     )
     submission = Submission(model, ids, spec, priority, deadline, key.key_id if key else None)
     return TgiPlan(submission, body, time.perf_counter())
+
+
+def grammar_constraint(grammar: Grammar | None) -> Constraint | None:
+    """TGI's grammar as the wire constraint: json (a schema, as an object or JSON text) or regex."""
+    if grammar is None:
+        return None
+    value = grammar.value
+    if grammar.type == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            message = "parameters.grammar.value must be a JSON schema"
+            raise ValidationError(message, field="parameters.grammar") from None
+    kind = {"json": "json_schema", "regex": "regex", "json_object": "json_object"}[grammar.type]
+    return constraint_of({"type": kind, "value": value}, "parameters.grammar")
 
 
 async def generate(request: Request, body: GenerateRequest, key: ApiKey | None, route: str) -> tuple[dict, dict]:

@@ -130,8 +130,8 @@ def test_empty_stop_sequence(http: httpx.Client) -> None:
     tgi_error(http.post("/generate_stream", json={"inputs": "hi", "parameters": {"stop": [""]}}))
 
 
-@pytest.mark.parametrize("feature", [{"grammar": {"type": "json", "value": {}}}, {"watermark": True}])
-def test_unsupported_tgi_features_are_refused_not_ignored(http: httpx.Client, feature: dict) -> None:
+@pytest.mark.parametrize("feature", [{"grammar": {"type": "regex", "value": "("}}, {"watermark": True}])
+def test_invalid_or_unsupported_tgi_features_are_refused_not_ignored(http: httpx.Client, feature: dict) -> None:
     tgi_error(http.post("/generate", json={"inputs": "hi", "parameters": feature}))
 
 
@@ -206,7 +206,7 @@ def test_openai_too_many_stops(http: httpx.Client, api: ApiServer) -> None:
     assert openai_error(http.post("/v1/completions", json=body))["param"] == "stop"
 
 
-def test_openai_tools_are_refused(http: httpx.Client, api: ApiServer) -> None:
+def test_openai_malformed_tools_are_refused(http: httpx.Client, api: ApiServer) -> None:
     body = {
         "model": api.settings.model,
         "messages": [{"role": "user", "content": "hi"}],

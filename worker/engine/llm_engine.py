@@ -25,6 +25,7 @@ from worker.engine.sampler import Sampler, SamplingRow
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, SequenceStatus
+from worker.engine.structured import StructuredOutput
 
 
 class LLMEngine:
@@ -69,6 +70,7 @@ class LLMEngine:
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.special_token_ids = set(getattr(tokenizer, "all_special_ids", ()))
+        self.structured = StructuredOutput(tokenizer, config.vocab_size, self.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[EngineEvent] = []  # events decided outside a step (e.g. a resume already complete)
         self._arrivals = 0
@@ -146,6 +148,8 @@ class LLMEngine:
             )
         if params.seed is None:  # a fixed seed per request makes a crash-resumed request continue identically
             params = dataclasses.replace(params, seed=secrets.randbits(63))
+        # Built outside the lock (a new constraint compiles in milliseconds); raises on a bad one.
+        matcher = self.structured.matcher(params.constraint, prior) if params.constraint is not None else None
         with self._lock:
             if request_id in self._seqs:
                 raise ValueError(f"request {request_id!r} is already in the engine")
@@ -154,6 +158,7 @@ class LLMEngine:
                 request_id, prompt, params, arrival=self._arrivals, priority=priority, deadline=deadline,
                 tenant=tenant, prior_output_token_ids=prior, detokenizer=detok,
             )  # fmt: skip
+            seq.matcher = matcher
             self._arrivals += 1
             if len(prior) >= params.max_new_tokens:
                 self._pending.append(EngineEvent(request_id, len(prior), -1, "", finish_reason="length"))
@@ -194,9 +199,13 @@ class LLMEngine:
 
     def _run(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[EngineEvent]:
         sample = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, num_new_tokens, strict=True)]
+        constrained = [s for s, f in zip(seqs, sample, strict=True) if f and s.matcher is not None]
+        masks = self.structured.fill_async([s.matcher for s in constrained]) if constrained else None
         started = time.perf_counter()
         logits = self.runner.run(seqs, num_new_tokens, sample)
         self.stats.forward_time_s += time.perf_counter() - started
+        bitmask = self._await_masks(masks, len(constrained)) if masks is not None else None
+        mask_row = {id(s): i for i, s in enumerate(constrained)}
         sampling: list[Sequence] = []
         for seq, n, s in zip(seqs, num_new_tokens, sample, strict=True):
             seq.num_computed_tokens += n
@@ -206,12 +215,19 @@ class LLMEngine:
         if not sampling:
             return []
         rows = [
-            SamplingRow(s.request_id, s.params, s.prompt_token_ids, s.output_token_ids, s.num_output_tokens)
+            SamplingRow(
+                s.request_id, s.params, s.prompt_token_ids, s.output_token_ids, s.num_output_tokens,
+                allowed=bitmask[mask_row[id(s)]] if bitmask is not None and id(s) in mask_row else None,
+            )
             for s in sampling
-        ]
+        ]  # fmt: skip
         out = self.sampler.sample(logits, rows)
         events = []
         for i, seq in enumerate(sampling):
+            if seq.matcher is not None and seq.matcher.is_error():  # its mask could not be computed
+                error = f"structured output failed: {seq.matcher.get_error()}"
+                events.append(self._fail(seq, error, seq.num_output_tokens))
+                continue
             logprob = out.logprobs[i] if out.logprobs is not None else None
             top = out.top_logprobs[i] if out.top_logprobs is not None and seq.params.logprobs else None
             events.append(self._on_token(seq, out.token_ids[i], logprob, top))
@@ -232,6 +248,12 @@ class LLMEngine:
         text, stopped = seq.detokenizer.add(token_id)
         if finish is None and stopped:
             finish = "stop_sequence"
+        if seq.matcher is not None and finish is None:
+            if not seq.matcher.consume_token(token_id):
+                error = f"structured output failed: {seq.matcher.get_error()}"
+                return self._fail(seq, error, seq.num_output_tokens - 1)
+            if seq.matcher.is_stopped():  # the grammar is complete and nothing may follow: EOS was all it allowed
+                finish = "eos_token"
         if finish is None and (seq.num_output_tokens >= params.max_new_tokens or seq.num_tokens >= self.max_model_len):
             finish = "length"
         if finish is not None and not stopped:
@@ -245,6 +267,21 @@ class LLMEngine:
             seq.finish_reason = finish
             self._drop(seq)
         return event
+
+    def _await_masks(self, masks: Any, rows: int) -> Any:
+        waited = time.perf_counter()
+        fill = masks.result()
+        self.stats.mask_wait_s += time.perf_counter() - waited
+        self.stats.mask_time_s += fill.fill_time_s
+        self.stats.masked_rows += rows
+        self.stats.masked_steps += 1
+        return fill.bitmask
+
+    def _fail(self, seq: Sequence, message: str, index: int) -> EngineEvent:
+        """Ends one request with an error (``index``: tokens it had sent); the rest of the batch carries on."""
+        seq.finish_reason = "error"
+        self._drop(seq)
+        return EngineEvent(seq.request_id, index, -1, "", finish_reason="error", error=message)
 
     def _drop(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-FinishReason = Literal["length", "eos_token", "stop_sequence", "expired"]
+# "error": this request failed alone (its grammar matcher broke); ``EngineEvent.error`` says why.
+FinishReason = Literal["length", "eos_token", "stop_sequence", "expired", "error"]
 
 
 @dataclass
@@ -19,6 +20,7 @@ class EngineEvent:
     top_logprobs: list[tuple[int, str, float]] | None = None
     finish_reason: FinishReason | None = None
     special: bool = False
+    error: str | None = None
 
 
 @dataclass
@@ -50,6 +52,10 @@ class EngineStats:
     forward_time_s: float = 0.0  # model forward incl. logits, summed over steps
     step_time_s: float = 0.0  # whole step() wall time, summed
     generated_tokens: int = 0
+    mask_time_s: float = 0.0  # filling constrained rows' token masks (on a helper thread, beside the forward)
+    mask_wait_s: float = 0.0  # of that, time the step waited for the masks after its forward
+    masked_rows: int = 0  # constrained rows masked, summed over steps
+    masked_steps: int = 0  # steps with at least one constrained row
     batch_tokens: int = 0  # tokens in the last step's forward
     batch_seqs: int = 0  # sequences in the last step's forward
     num_running: int = 0

@@ -1,7 +1,8 @@
 """Logits in, one token per sequence out, for the whole batch at once.
 
-Order of processing (that of HF and vLLM): penalties -> temperature -> top_k -> top_p -> min_p
--> typical_p -> draw. Greedy rows (temperature 0) take the argmax after penalties, as HF does.
+Order of processing (that of HF and vLLM): grammar mask -> penalties -> temperature -> top_k
+-> top_p -> min_p -> typical_p -> draw. The mask (structured.py) is a hard constraint that no
+penalty can undo. Greedy rows (temperature 0) take the argmax after penalties, as HF does.
 
 Logprobs are ``log_softmax`` of the RAW logits, before penalties, temperature and filters: what
 OpenAI and vLLM (``logprobs_mode="raw_logprobs"``) report, and the only choice under which a
@@ -20,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.grammar import Grammar
 from worker.engine.penalties import PenaltyTracker
 from worker.engine.sampling_filters import filter_candidates, filter_full, has_filter
 from worker.engine.sampling_params import SamplingParams
+from worker.engine.structured import banned_tokens
 
 _MASK64 = (1 << 64) - 1
 
@@ -42,7 +43,8 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     index: int  # position among generated tokens of the token being drawn == len(output_token_ids)
-    grammar: Grammar | None = None  # constrains the output to a regular language (grammar.py)
+    # A constrained row's allowed tokens as llguidance bit words (structured.py); None: any token.
+    allowed: torch.Tensor | None = None
 
 
 @dataclass
@@ -66,12 +68,9 @@ class Sampler:
         self.device = torch.device(device)
         self.num_candidates = num_candidates
         self._penalties = PenaltyTracker(vocab_size, self.device)
-        # request id -> (grammar, DFA state, output tokens consumed), caught up like the penalties
-        self._grammar_states: dict[str, tuple[Grammar, int, int]] = {}
 
     def release(self, request_id: str) -> None:
         self._penalties.release(request_id)
-        self._grammar_states.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if logits.shape[-1] != self.vocab_size:
@@ -80,7 +79,7 @@ class Sampler:
             logits = logits.float()  # half-precision argmax is 3x slower than convert + argmax on CPU
         for row in rows:
             p = row.params
-            if p.temperature != 0.0 or p.logprobs is not None or p.needs_history or row.grammar is not None:
+            if p.temperature != 0.0 or p.logprobs is not None or p.needs_history or row.allowed is not None:
                 return self._sample_general(logits, rows)
         # The engine step is bound by overhead: all-greedy batches pay one argmax and nothing else.
         return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
@@ -91,15 +90,19 @@ class Sampler:
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
         x = logits
-        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
         penalized = [i for i, r in enumerate(rows) if r.params.needs_history]
         if constrained or penalized:
             x = logits.clone()
         if constrained:
             # The grammar goes first, as a hard constraint the penalties cannot undo.
-            allowed = torch.stack([self._allowed(rows[i]) for i in constrained])
-            idx = torch.tensor(constrained, device=x.device)
-            x.index_copy_(0, idx, x.index_select(0, idx).masked_fill_(~allowed, float("-inf")))
+            words = torch.stack([rows[i].allowed for i in constrained])  # type: ignore[misc]
+            banned = banned_tokens(words.to(x.device), self.vocab_size)
+            if len(constrained) == len(rows):
+                x.masked_fill_(banned, float("-inf"))
+            else:  # in place, row by row: no gathered copy of the constrained rows
+                for j, i in enumerate(constrained):
+                    x[i].masked_fill_(banned[j], float("-inf"))
         if penalized:
             chosen_rows = [rows[i] for i in penalized]
             self._penalties.apply(
@@ -132,23 +135,6 @@ class Sampler:
                 n = r.params.logprobs or 0
                 top[i] = list(zip(all_ids[i][:n], all_values[i][:n], strict=True))
         return SamplerOutput(token_list, chosen, top)
-
-    def _allowed(self, row: SamplingRow) -> torch.Tensor:
-        """The row's allowed-token mask, after folding its new output tokens into its DFA state."""
-        grammar = row.grammar
-        assert grammar is not None
-        cached = self._grammar_states.get(row.request_id)
-        out = row.output_token_ids
-        if cached is None or cached[0] is not grammar or cached[2] > len(out):
-            cached = (grammar, grammar.initial_state, 0)
-        _, state, consumed = cached
-        for token_id in out[consumed:]:
-            state = grammar.advance(state, token_id)
-        self._grammar_states[row.request_id] = (grammar, state, len(out))
-        mask = grammar.allowed(state, self.device)
-        if mask.shape[0] != self.vocab_size:  # a vocabulary built without the model's padding
-            mask = torch.cat([mask, mask.new_zeros(max(0, self.vocab_size - mask.shape[0]))])[: self.vocab_size]
-        return mask
 
     def _draw(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """One token per row of ``x`` (logits after penalties, rows with temperature > 0)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from worker.engine.structured import Constraint
+
 MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
 
@@ -29,6 +31,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top logprobs per token; 0 = only the sampled token's; None = none
+    constraint: Constraint | None = None  # the output must match it (structured.py); the wire's dict works too
 
     def __post_init__(self) -> None:
         # Accept the shapes callers naturally write (a single stop string, tuples), store lists.
@@ -36,6 +39,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.constraint = Constraint.coerce(self.constraint)
         self._validate()
 
     def _validate(self) -> None:

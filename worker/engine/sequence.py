@@ -54,6 +54,7 @@ class Sequence:
         self.arrival_step = 0  # scheduler step at arrival, for aging
         self.detokenizer = detokenizer
         self.finish_reason: str | None = None
+        self.matcher: Any = None  # llguidance matcher of a constrained sequence, in step with its output
 
     @property
     def prompt_token_ids(self) -> list[int]:

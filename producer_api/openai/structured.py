@@ -1,0 +1,248 @@
+"""OpenAI's structured outputs and tool calls -> one wire constraint, and the model's text back
+into ``tool_calls``.
+
+Tool calls use the Hermes format that SmolLM2, Qwen and most open chat models are trained on:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+``required`` and a named function constrain the output to such calls (their JSON to the
+functions' parameter schemas); ``auto`` lets the model choose free text or calls, through a Lark
+grammar whose text branch cannot begin a call, so a call, once begun, is always well formed.
+Templates that know ``tools`` get them (``apply_chat_template(tools=...)``); for the others the
+tools go into the system message in the same format."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from producer_api.validation import constraint_of
+from shared.errors import ValidationError
+from shared.schemas import Constraint
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+# Compact JSON inside %json (the engine's default for plain schemas, repeated for Lark's).
+_COMPACT = {"whitespace_flexible": False}
+
+TOOLS_SYSTEM_PROMPT = (
+    "You are a function calling AI model. You are provided with function signatures within <tools></tools> "
+    "XML tags. You may call one or more functions to assist with the user query. Don't make assumptions "
+    "about what values to plug into functions. Here are the available tools: <tools>\n{tools}\n</tools>\n"
+    "For each function call return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags as follows:\n<tool_call>\n{{"name": <function-name>, '
+    '"arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def response_format_constraint(response_format: dict[str, Any] | None) -> Constraint | None:
+    kind = (response_format or {}).get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return constraint_of({"type": "json_object"}, "response_format")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema") if response_format else None
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise ValidationError(
+                "response_format.json_schema must be {'name': ..., 'schema': {...}}", field="response_format"
+            )
+        return constraint_of({"type": "json_schema", "value": spec.get("schema") or {}}, "response_format")
+    raise ValidationError("response_format.type must be text, json_object or json_schema", field="response_format")
+
+
+@dataclass
+class ToolPlan:
+    """What a chat request's tools do: the template's tools, the constraint, whether to parse calls."""
+
+    tools: list[dict[str, Any]]
+    constraint: Constraint | None
+    names: list[str] = field(default_factory=list)
+
+
+def function_of(tool: Any, i: int) -> dict[str, Any]:
+    if (
+        not isinstance(tool, dict)
+        or tool.get("type", "function") != "function"
+        or not isinstance(tool.get("function"), dict)
+    ):
+        raise ValidationError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", field="tools")
+    fn = tool["function"]
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ValidationError(f"tools[{i}].function.name is required", field="tools")
+    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    if not isinstance(params, dict):
+        raise ValidationError(f"tools[{i}].function.parameters must be a JSON schema object", field="tools")
+    return {"name": fn["name"], "description": fn.get("description", ""), "parameters": params}
+
+
+def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolPlan | None:
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise ValidationError("tool_choice needs tools", field="tool_choice")
+        return None
+    functions = [function_of(t, i) for i, t in enumerate(tools)]
+    names = [f["name"] for f in functions]
+    template_tools = [{"type": "function", "function": f} for f in functions]
+    choice = tool_choice if tool_choice is not None else "auto"
+    if choice == "none":
+        return ToolPlan(template_tools, None, [])
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if name not in names:
+            raise ValidationError(
+                f"tool_choice must name one of the tools ({', '.join(names)}), as {{'type': 'function', "
+                "'function': {'name': ...}}",
+                field="tool_choice",
+            )
+        chosen = [f for f in functions if f["name"] == name]
+        grammar = calls_grammar(chosen, parallel=False, free_text=False)
+    elif choice in ("required", "auto"):
+        grammar = calls_grammar(functions, parallel=parallel_tool_calls is not False, free_text=choice == "auto")
+    else:
+        raise ValidationError("tool_choice must be none, auto, required or a named function", field="tool_choice")
+    return ToolPlan(template_tools, constraint_of({"type": "lark", "value": grammar}, "tools"), names)
+
+
+def calls_grammar(functions: list[dict[str, Any]], *, parallel: bool, free_text: bool) -> str:
+    """Lark (llguidance's dialect): one call, or several, each JSON valid for one function; with
+    ``free_text`` the model may instead answer in text that does not begin a call."""
+    variants = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    schema = {**(variants[0] if len(variants) == 1 else {"anyOf": variants}), "x-guidance": _COMPACT}
+    lines = [
+        "start: " + ("TEXT | calls" if free_text else "calls"),
+        "calls: call" + (' ("\\n" call)*' if parallel else ""),
+        f'call: "{CALL_OPEN}\\n" %json {json.dumps(schema)} "\\n{CALL_CLOSE}"',
+    ]
+    if free_text:
+        lines.append(r"TEXT: /(.|\n)*/ & ~/[ \t\n]*<tool_call>(.|\n)*/")
+    return "\n".join(lines)
+
+
+# The prompt -------------------------------------------------------------------------------------
+
+
+def template_messages(messages: list[dict[str, Any]], plan: ToolPlan | None, template: str) -> list[dict[str, Any]]:
+    """Messages as this chat template can take them: ones that know tools get OpenAI's shapes (tool
+    calls with parsed arguments); for the others, calls and results are written out as text and the
+    tools described in the system message."""
+    knows_tools = "tools" in template
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        calls = m.get("tool_calls") or []
+        if m["role"] == "assistant" and calls:
+            if knows_tools:
+                out.append({**m, "tool_calls": [_template_call(c) for c in calls]})
+            else:
+                text = "\n".join(format_call(_template_call(c)["function"]) for c in calls)
+                out.append({"role": "assistant", "content": ((m.get("content") or "") + "\n" + text).strip()})
+        elif m["role"] == "tool" and not knows_tools:
+            out.append({"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
+        else:
+            out.append({k: v for k, v in m.items() if k != "tool_calls"})
+    if plan is not None and plan.tools and not knows_tools:
+        described = "\n".join(json.dumps(t) for t in plan.tools)
+        system = TOOLS_SYSTEM_PROMPT.format(tools=described)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{system}"}
+        else:
+            out.insert(0, {"role": "system", "content": system})
+    return out
+
+
+def _template_call(call: Any) -> dict[str, Any]:
+    fn = call.get("function", {}) if isinstance(call, dict) else {}
+    arguments = fn.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments else {}
+        except ValueError:
+            raise ValidationError("tool_calls[].function.arguments must be a JSON object", field="messages") from None
+    return {"type": "function", "function": {"name": fn.get("name", ""), "arguments": arguments}}
+
+
+def format_call(fn: dict[str, Any]) -> str:
+    return f"{CALL_OPEN}\n{json.dumps({'name': fn['name'], 'arguments': fn['arguments']})}\n{CALL_CLOSE}"
+
+
+# The reply --------------------------------------------------------------------------------------
+
+
+def call_id(request_id: str, i: int) -> str:
+    return "call_" + uuid.uuid5(uuid.NAMESPACE_URL, f"{request_id}/{i}").hex[:24]
+
+
+def parse_tool_calls(text: str, request_id: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool_calls) of an assistant's text: complete calls become OpenAI tool calls; text
+    before the first call is the content (None when empty). A cut-off call is dropped."""
+    calls = []
+    for match in _CALL.finditer(text):
+        try:
+            doc = json.loads(match.group(1))
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("name"), str):
+            arguments = json.dumps(doc.get("arguments", {}), ensure_ascii=False)
+            calls.append({"name": doc["name"], "arguments": arguments})
+    head = text.split(CALL_OPEN, 1)[0].strip() if calls else text
+    tool_calls = [{"id": call_id(request_id, i), "type": "function", "function": c} for i, c in enumerate(calls)]
+    return (head or None) if calls else text, tool_calls
+
+
+class ToolCallStream:
+    """One streamed choice's text, cut into ``delta.content`` and ``delta.tool_calls`` chunks. Text
+    that may still become a call is held back until it is clearly content, or a whole call."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.buffer = ""
+        self.mode: str | None = None  # None: undecided; "content"; "calls"
+        self.calls_sent = 0
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        """Deltas to send for this piece of text."""
+        if self.mode == "content":
+            return [{"content": text}] if text else []
+        self.buffer += text
+        if self.mode is None:
+            head = self.buffer.lstrip()
+            if head.startswith(CALL_OPEN):
+                self.mode = "calls"
+            elif head and not CALL_OPEN.startswith(head):
+                self.mode, out, self.buffer = "content", self.buffer, ""
+                return [{"content": out}]
+            else:
+                return []
+        return self._complete_calls()
+
+    def finish(self) -> list[dict[str, Any]]:
+        if self.mode == "calls":
+            return self._complete_calls()
+        out, self.buffer = self.buffer, ""
+        return [{"content": out}] if out else []
+
+    @property
+    def made_calls(self) -> bool:
+        return self.calls_sent > 0
+
+    def _complete_calls(self) -> list[dict[str, Any]]:
+        _, calls = parse_tool_calls(self.buffer, self.request_id)
+        deltas = []
+        for i in range(self.calls_sent, len(calls)):
+            call = calls[i]
+            deltas.append({"tool_calls": [{"index": i, **call}]})
+        self.calls_sent = len(calls)
+        return deltas
