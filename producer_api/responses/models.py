@@ -56,9 +56,12 @@ class ResponsesRequest(BaseModel):
     user: str | None = Field(None, max_length=256)
     safety_identifier: str | None = Field(None, max_length=256)
     prompt_cache_key: str | None = Field(None, max_length=256)
-    # Extensions: the queue's own priority (overrides service_tier), seed.
+    # Extensions (extra_body), as on the other routes: the queue's own priority (overrides service_tier),
+    # seed, stop strings, ignore_eos.
     priority: int | None = Field(None, ge=0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
 
 
 def parse(raw: Any) -> ResponsesRequest:

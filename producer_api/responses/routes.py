@@ -36,7 +36,7 @@ from producer_api.responses.models import (
 from producer_api.responses.store import ResponseStore
 from producer_api.state import AppState, arrival, state_of
 from producer_api.tokenization import enforce_limits
-from producer_api.validation import resolve_model, resolve_priority, sampling_spec
+from producer_api.validation import check_stops, resolve_model, resolve_priority, sampling_spec
 from shared.errors import NotFoundError
 from shared.event_delivery import parse_log_entry
 from shared.schemas import DoneEvent, ErrorEvent, TokenEvent
@@ -162,6 +162,8 @@ async def create_response(request: Request, key: ApiKey | None = Depends(authent
         temperature=1.0 if body.temperature is None else body.temperature,  # OpenAI's default is 1
         top_p=body.top_p,
         seed=body.seed,
+        stop=check_stops(settings, [body.stop] if isinstance(body.stop, str) else list(body.stop or [])),
+        ignore_eos=body.ignore_eos,
     )
     response_id = "resp_" + uuid.uuid4().hex
     record: dict[str, Any] = {
