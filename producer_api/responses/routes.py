@@ -8,6 +8,7 @@ API restart loses nothing and a worker crash is taken over like any queued reque
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -35,6 +36,7 @@ from producer_api.responses.models import (
 )
 from producer_api.responses.store import ResponseStore
 from producer_api.state import AppState, arrival, state_of
+from producer_api.streaming import unless_disconnected
 from producer_api.tokenization import enforce_limits
 from producer_api.validation import check_stops, resolve_model, resolve_priority, sampling_spec
 from shared.errors import NotFoundError
@@ -215,11 +217,16 @@ async def create_response(request: Request, key: ApiKey | None = Depends(authent
         return sse.response(events, "/v1/responses", headers=headers)
     if body.background:
         return JSONResponse(objects.response_object(record, "queued"), headers=headers)
-    follow = st.dispatcher.events(
-        response_id, route="/v1/responses", model=model, started=arrival(request), cancel_if_unfinished=True
-    )
-    async for _event in follow:
-        pass
+
+    async def until_final() -> None:
+        follow = st.dispatcher.events(
+            response_id, route="/v1/responses", model=model, started=arrival(request), cancel_if_unfinished=True
+        )
+        async with contextlib.aclosing(follow):
+            async for _event in follow:
+                pass
+
+    await unless_disconnected(request, until_final())  # a client that leaves cancels its response
     return JSONResponse(await current(st, record), headers=headers)
 
 
