@@ -258,16 +258,19 @@ async def event_stream(
             from_index=max(0, after - objects.FIRST_TOKEN_SEQ + 1),
             cancel_if_unfinished=cancel_if_unfinished,
         )
-        n_tokens = 0
+        n_tokens: int | None = None
         async for event in events:
             if isinstance(event, TokenEvent):
                 delta = objects.delta_event(record, event.index, event.text)
                 last = delta["sequence_number"]
                 yield frame(delta)
                 continue
-            n_tokens = len(event.result.token_ids) if isinstance(event, DoneEvent) else (event.index or 0)
+            if isinstance(event, DoneEvent):
+                n_tokens = len(event.result.token_ids)
             break
         final = await current(st, record)
+        if n_tokens is None:  # cancelled or failed: as many deltas as the replay log holds tokens
+            n_tokens = (final.get("usage") or {}).get("output_tokens", 0)
         for closing in objects.closing_events(record, n_tokens, final):
             if closing["sequence_number"] > after:
                 yield frame(closing)
