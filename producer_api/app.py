@@ -22,6 +22,7 @@ from producer_api.dispatch import Dispatcher
 from producer_api.jobs import routes as jobs
 from producer_api.middleware import BodyLimitMiddleware, MetricsMiddleware
 from producer_api.openai import routes as openai
+from producer_api.responses import routes as responses
 from producer_api.state import AppState
 from producer_api.tgi import routes as tgi
 from producer_api.tokenization import Tokenizers
@@ -135,6 +136,7 @@ def create_app(settings: Settings | None = None, *, tokenizers: Tokenizers | Non
     app.include_router(tgi.router)
     app.include_router(openai.router)
     app.include_router(jobs.router)
+    app.include_router(responses.router)
     app.include_router(batches.router)
     app.include_router(routes_ops.router)
     install_offline_docs(app)

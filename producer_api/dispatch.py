@@ -39,6 +39,7 @@ class Submission:
     priority: int
     deadline: float | None = None
     tenant: str | None = None
+    request_id: str | None = None  # chosen by the caller (a response id); a fresh one when None
 
 
 @dataclass
@@ -117,6 +118,7 @@ class Dispatcher:
             priority=sub.priority,
             deadline=sub.deadline,
             tenant=sub.tenant,
+            request_id=sub.request_id,
         )
         metrics.SUBMITTED.labels(sub.model, str(sub.priority)).inc()
         metrics.PROMPT_TOKENS.labels(sub.model).inc(len(sub.prompt_token_ids))

@@ -103,6 +103,12 @@ class Keys:
         """Maps a client-chosen key (a batch line's custom_id) to the request id it created."""
         return self._k("idem", scope, key)
 
+    # Responses API -------------------------------------------------------------------
+    def response(self, response_id: str) -> str:
+        """String (JSON): a stored /v1/responses response: its input, parameters, conversation context and,
+        once final, its output; lives response_ttl_s. Its events are its request's replay log (same id)."""
+        return self._k("resp", response_id)
+
     # Batch API (files and batches) ------------------------------------------------------
     def file(self, file_id: str) -> str:
         """Hash: an uploaded or generated file's metadata (and where its bytes are)."""

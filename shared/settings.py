@@ -71,6 +71,13 @@ class Settings(BaseSettings):
         description="How long a finished request's replay log (every token event: SSE Last-Event-ID resume) "
         "outlives it; its result and status stay result_ttl_s.",
     )
+    response_ttl_s: int = Field(
+        86_400,
+        ge=1,
+        description="How long a stored /v1/responses response (input, parameters, output) lives in Redis; its "
+        "event stream (retrieve with stream=true, starting_after) is its request's replay log, which outlives "
+        "the end of generation by replay_log_ttl_s.",
+    )
     heartbeat_ttl_s: float = Field(10.0, gt=0, description="A worker's heartbeat document expires after this long.")
     heartbeat_stale_s: float = Field(
         3.0,
