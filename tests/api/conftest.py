@@ -108,7 +108,13 @@ def fake_heartbeat(redis_url: str, settings: Settings, name: str = "fake-worker"
 
 class WorkerProcess:
     def __init__(
-        self, model_dir: Path, redis_url: str, prefix: str, log: Path, extra_env: dict[str, str] | None = None
+        self,
+        model_dir: Path,
+        redis_url: str,
+        prefix: str,
+        log: Path,
+        extra_env: dict[str, str] | None = None,
+        script: Path | None = None,  # a script wrapping the CLI (tests/worker/paced_worker.py)
     ) -> None:
         env = {
             **os.environ,
@@ -120,8 +126,9 @@ class WorkerProcess:
         }
         self.log = log
         self._log_file = log.open("wb")
+        entry = [str(script)] if script else ["-m", "inflightq_cli"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "inflightq_cli", "worker", "--model", str(model_dir), "--dtype", "float64"],
+            [sys.executable, *entry, "worker", "--model", str(model_dir), "--dtype", "float64"],
             cwd=REPO,
             env=env,
             stdout=self._log_file,
