@@ -14,6 +14,7 @@ import redis
 from inflightq_cli.redis_server import ensure_redis
 from shared.keys import Keys
 from shared.settings import Settings
+from tests.ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 - hooks
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from inflightq_cli.redis_server import free_port
+from tests.ci_skips import missing
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "grafana" / "dashboards" / "inflightq.json"
@@ -66,7 +67,9 @@ def test_every_panel_has_a_query_with_only_known_variables() -> None:
         _substitute(expr)
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason=missing("promtool", "apt-get install prometheus (.ci/run does)")
+)
 def test_every_panel_query_is_valid_promql(tmp_path: Path) -> None:
     # promtool parses a rule file's expressions: each query becomes one recording rule.
     rules = [{"record": f"panel:{i}", "expr": _substitute(expr)} for i, (_, expr) in enumerate(_dashboard_queries())]
@@ -175,7 +178,7 @@ def stack(
     redis_url: str, run_prefix: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
     if PROMETHEUS is None:
-        pytest.skip("no prometheus binary: apt-get install -y prometheus (.ci/run does)")
+        pytest.skip(missing("prometheus", "apt-get install prometheus (.ci/run does)"))
     tmp = tmp_path_factory.mktemp("dashboard")
     api_port, worker_port, prometheus_port = free_port(), free_port(), free_port()
     env = {

