@@ -24,7 +24,10 @@ from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTEST = f"{sys.executable} -m pytest -x -q -p no:cacheprovider -o addopts= --timeout 120"
-WORKER_TESTS = "tests/worker/test_capacity.py tests/worker/test_publisher.py tests/worker/test_intake_in_process.py"
+WORKER_TESTS = (
+    "tests/worker/test_capacity.py tests/worker/test_capacity_edges.py tests/worker/test_publisher.py "
+    "tests/worker/test_intake_in_process.py"
+)
 TARGETS = {
     "worker/capacity.py": WORKER_TESTS,
     "worker/intake.py": WORKER_TESTS,
@@ -64,19 +67,23 @@ def run(module: str, tests: str, workdir: Path, share: float, seed: int) -> dict
     cfg = workdir / (module.replace("/", "_") + ".toml")
     session = cfg.with_suffix(".sqlite")
     cfg.write_text(config(module, tests))
-    subprocess.run(["cosmic-ray", "init", str(cfg), str(session)], cwd=ROOT, check=True)
-    with use_db(str(session)) as db:
-        total, sampled = sample(db, share, seed)
+    if not session.exists():  # else resume it: exec runs only what is still pending
+        subprocess.run(["cosmic-ray", "init", str(cfg), str(session)], cwd=ROOT, check=True)
+        with use_db(str(session)) as db:
+            sample(db, share, seed)
     subprocess.run(["cosmic-ray", "exec", str(cfg), str(session)], cwd=ROOT, check=True)
-    outcome: dict = {"module": module, "tests": tests, "mutants": total, "run": sampled, "killed": 0}
-    outcome |= {"survived": [], "incompetent": 0, "timeout": 0}
     with use_db(str(session)) as db:
-        for item, result in db.results:
+        total = db.num_work_items
+        sampled = sum(1 for _, r in db.completed_work_items if r.worker_outcome != WorkerOutcome.SKIPPED)
+    outcome: dict = {"module": module, "tests": tests, "mutants": total, "run": sampled, "killed": 0}
+    outcome |= {"survived": [], "incompetent": 0, "error": 0}
+    with use_db(str(session)) as db:
+        for item, result in db.completed_work_items:
             if result.worker_outcome == WorkerOutcome.SKIPPED:
                 continue
-            if result.worker_outcome == WorkerOutcome.TIMEOUT:
-                outcome["timeout"] += 1  # a mutant that hangs the tests is caught too
-            elif result.test_outcome == TestOutcome.KILLED:
+            if result.worker_outcome != WorkerOutcome.NORMAL:
+                outcome["error"] += 1  # the mutant could not be run (cosmic-ray's own failure)
+            elif result.test_outcome == TestOutcome.KILLED:  # a failing or a timed-out test run
                 outcome["killed"] += 1
             elif result.test_outcome == TestOutcome.INCOMPETENT:
                 outcome["incompetent"] += 1
@@ -94,20 +101,23 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", action="append", help="a module of TARGETS (repeatable)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--workdir", type=Path, help="where the sessions live (an earlier run's: resumed)")
     args = parser.parse_args()
     targets = {m: t for m, t in TARGETS.items() if not args.only or m in args.only}
     started = dt.datetime.now(dt.UTC)
-    with tempfile.TemporaryDirectory() as tmp:
-        outcomes = [run(m, t, Path(tmp), args.sample, args.seed) for m, t in targets.items()]
-    stamp = started.date().isoformat()
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"mutation-{stamp}.json"
-    doc = {"started": started.isoformat(timespec="seconds"), "argv": sys.argv[1:], "outcomes": outcomes}
-    path.write_text(json.dumps(doc, indent=1))
+    path = args.out / f"mutation-{started.date().isoformat()}.json"
+    doc = {"started": started.isoformat(timespec="seconds"), "argv": sys.argv[1:], "outcomes": []}
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="mutation-"))  # kept: cr-report can read them
+    workdir.mkdir(parents=True, exist_ok=True)
+    for module, tests in targets.items():
+        doc["outcomes"].append(run(module, tests, workdir, args.sample, args.seed))
+        path.write_text(json.dumps(doc, indent=1))  # after each module: a crash keeps what was done
+    outcomes = doc["outcomes"]
     for o in outcomes:
         run_ = o["run"]
         print(f"{o['module']}: {o['mutants']} mutants, {run_} run, {o['killed']} killed, "
-              f"{o['timeout']} timeouts, {o['incompetent']} incompetent, {len(o['survived'])} survived")  # fmt: skip
+              f"{o['error']} not run, {o['incompetent']} incompetent, {len(o['survived'])} survived")  # fmt: skip
     print(f"written {path}")
 
 
