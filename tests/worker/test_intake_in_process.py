@@ -21,6 +21,7 @@ from shared.request_lifecycle import RequestStatus
 from shared.schemas import DeadLetter, DoneEvent, ErrorEvent, FinalResult, SamplingSpec, TokenEvent, WorkerHeartbeat
 from shared.settings import Settings
 from shared.work_queue import STREAM_FIELD
+from worker import intake as intake_module
 from worker import publisher as publisher_module
 from worker.active import ActiveRequest
 from worker.admission import Admission
@@ -373,3 +374,104 @@ def test_done_event_matches_the_result(h: Harness) -> None:
     flushed(h)
     (event,) = list(h.client.stream(request_id, timeout=5))
     assert isinstance(event, DoneEvent) and event.result == result
+
+
+# What the intake waits on between looks ---------------------------------------------------------
+
+
+class Waits:
+    """Records the intake's waits instead of waiting."""
+
+    def __init__(self, h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.blpop: list[float] = []
+        self.capacity: list[float] = []
+        monkeypatch.setattr(h.intake.redis, "blpop", lambda keys, timeout: self.blpop.append(timeout))
+        monkeypatch.setattr(h.intake.state.capacity_changed, "wait", lambda timeout: self.capacity.append(timeout))
+
+
+def test_an_idle_worker_with_room_blocks_on_the_wakeup_list(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    waits = Waits(h, monkeypatch)
+    h.intake.turn()  # nothing queued, room for two
+    assert waits.blpop == [intake_module.IDLE_BLOCK_S] and waits.capacity == []
+
+
+def test_a_worker_that_took_work_looks_again_at_once(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    waits = Waits(h, monkeypatch)
+    h.submit(1)
+    h.intake.turn()
+    assert len(h.handed) == 1 and waits.blpop == [] and waits.capacity == []
+
+
+@pytest.mark.parametrize(("seqs", "running", "wait"), [(2, 1.0, "urgent"), (2, 0.0, "idle"), (3, 2.0, "urgent")])
+def test_a_full_worker_never_takes_wakeups_meant_for_idle_ones(
+    h: Harness, monkeypatch: pytest.MonkeyPatch, seqs: int, running: float, wait: str
+) -> None:
+    # Full (room 0) or over-full (room < 0): it waits for a freed slot, looking for urgent work every
+    # urgent_poll_s while something it runs could be preempted (else every IDLE_BLOCK_S).
+    waits = Waits(h, monkeypatch)
+    h.load = EngineLoad(max_num_seqs=2, block_size=4, num_seqs=seqs, running=(RunningLoad(running, 4),) * seqs)
+    h.intake.turn()
+    expected = h.settings.urgent_poll_s if wait == "urgent" else intake_module.IDLE_BLOCK_S
+    assert waits.blpop == [] and waits.capacity == [expected]
+
+
+def test_a_full_worker_running_low_priority_work_takes_any_more_urgent_entry(h: Harness) -> None:
+    # Running priority-3 work: entries of priorities 0, 1 and 2 are all worth preempting it for.
+    second = h.submit(1)
+    h.load = full_with(3.0)
+    assert h.intake.read_once() == "took" and h.taken() == [second]
+
+
+def test_one_victim_takes_one_urgent_entry_even_when_the_handoff_time_is_over(redis_url: str, key_prefix: str) -> None:
+    h = make_harness(redis_url, key_prefix, urgent_handoff_s=0)
+    try:
+        other_worker(h, "free", running=0)
+        first, second = h.submit(0), h.submit(0)
+        h.load = full_with(2.0)  # one p2 sequence to preempt
+        assert h.intake.read_once() == "took"
+        assert h.taken() == [first] and h.status(second) is RequestStatus.QUEUED
+    finally:
+        h.publisher.stop()
+        h.client.close()
+
+
+def test_every_other_worker_is_asked_for_a_free_slot(redis_url: str, key_prefix: str) -> None:
+    h = make_harness(redis_url, key_prefix, urgent_handoff_s=600)
+    try:
+        for i, name in enumerate(("busy-1", "busy-2", "busy-3")):
+            other_worker(h, name, running=2, score=time.time() - 10 + i)
+        other_worker(h, "free", running=0, score=time.time())  # listed last
+        h.submit(0)
+        h.load = full_with(2.0)
+        assert h.intake.read_once() == "blocked" and h.taken() == []  # left for "free"
+    finally:
+        h.publisher.stop()
+        h.client.close()
+
+
+def other_worker(h: Harness, name: str, *, running: int, score: float | None = None) -> None:
+    beat = WorkerHeartbeat(
+        name=name, model=MODEL, device="cpu", dtype="float32", max_num_seqs=2, num_kv_blocks=10,
+        running=running, waiting=0, free_kv_blocks=10, started_at=time.time(),
+    )  # fmt: skip
+    h.redis.set(h.intake.keys.worker(name), beat.model_dump_json())
+    h.redis.zadd(h.intake.keys.workers(), {name: score or time.time()})
+
+
+def test_a_lost_consumer_group_is_recreated_and_other_redis_errors_are_raised(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def nogroup() -> str:
+        raise redis.ResponseError("NOGROUP No such key or consumer group")
+
+    monkeypatch.setattr(h.intake, "read_once", nogroup)
+    h.redis.delete(*h.intake.streams)
+    h.intake.turn()  # recreates the groups, no error
+    assert all(h.redis.xinfo_groups(s)[0]["name"] == CONSUMER_GROUP for s in h.intake.streams)
+
+    def wrongtype() -> str:
+        raise redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
+
+    monkeypatch.setattr(h.intake, "read_once", wrongtype)
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        h.intake.turn()
