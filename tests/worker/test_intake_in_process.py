@@ -205,6 +205,7 @@ def test_malformed_entries_are_dead_lettered_with_their_id_when_one_can_be_salva
     letters = [DeadLetter.model_validate_json(f["letter"]) for f in h.client.dead_letters(MODEL)]
     assert [letter.request_id for letter in letters] == [None, "salvaged", None]
     assert all(letter.reason.startswith("malformed entry") and letter.worker == "w" for letter in letters)
+    assert all("validation error for QueuedRequest" in letter.reason for letter in letters)  # the error's first line
     assert json.loads(letters[1].raw) == {STREAM_FIELD: json.dumps({"id": "salvaged", "model": MODEL})}
     assert h.counters["dead_lettered"] == 3 and h.handed == []
     (event,) = [e for e in h.client.stream("salvaged", timeout=10)]
@@ -275,6 +276,7 @@ def test_a_request_delivered_too_often_is_dead_lettered(redis_url: str, key_pref
         flushed(h)
         (letter,) = [DeadLetter.model_validate_json(f["letter"]) for f in h.client.dead_letters(MODEL)]
         assert letter.request_id == request_id and "delivered 1 times" in letter.reason
+        assert json.loads(letter.raw) == fields  # the entry as it was in the stream
         assert h.status(request_id) is RequestStatus.FAILED and h.counters["dead_lettered"] == 1
     finally:
         h.publisher.stop()
@@ -475,3 +477,13 @@ def test_a_lost_consumer_group_is_recreated_and_other_redis_errors_are_raised(
     monkeypatch.setattr(h.intake, "read_once", wrongtype)
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
         h.intake.turn()
+
+
+def test_a_salvaged_id_is_at_most_128_characters(h: Harness) -> None:
+    for request_id in ("a" * 128, "b" * 129, ""):
+        stream_entry(h, 0, {STREAM_FIELD: json.dumps({"id": request_id, "model": MODEL})})
+    h.load = EngineLoad(max_num_seqs=4, block_size=4, spare_blocks=1000)
+    h.intake.read_once()
+    flushed(h)
+    letters = [DeadLetter.model_validate_json(f["letter"]) for f in h.client.dead_letters(MODEL)]
+    assert [letter.request_id for letter in letters] == ["a" * 128, None, None]
