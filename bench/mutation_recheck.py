@@ -30,7 +30,11 @@ def main() -> None:
             original = (copy / module).read_text()
             for mutant in outcome["survived"]:
                 patch = "\n".join(mutant["diff"].splitlines()[1:]) + "\n"  # drop "--- mutation diff ---"
-                subprocess.run(["patch", "-p1", "-s"], input=patch, text=True, cwd=copy, check=True)
+                applied = subprocess.run(["patch", "-p1", "-s", "-r", "-"], input=patch, text=True, cwd=copy)
+                if applied.returncode:
+                    (copy / module).write_text(original)
+                    print(f"not applied (recheck by hand): {module}:{mutant['line']} {mutant['operator']}")
+                    continue
                 try:
                     run = subprocess.run(f"{PYTEST} {tests}", shell=True, cwd=copy, env=env, capture_output=True)
                 finally:
