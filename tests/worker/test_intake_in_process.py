@@ -16,7 +16,7 @@ import redis
 
 from shared.client import QueueClient
 from shared.event_delivery import LOG_FIELD
-from shared.keys import CONSUMER_GROUP
+from shared.keys import CONSUMER_GROUP, Keys
 from shared.request_lifecycle import RequestStatus
 from shared.schemas import DeadLetter, DoneEvent, ErrorEvent, FinalResult, SamplingSpec, TokenEvent, WorkerHeartbeat
 from shared.settings import Settings
@@ -487,3 +487,31 @@ def test_a_salvaged_id_is_at_most_128_characters(h: Harness) -> None:
     flushed(h)
     letters = [DeadLetter.model_validate_json(f["letter"]) for f in h.client.dead_letters(MODEL)]
     assert [letter.request_id for letter in letters] == ["a" * 128, None, None]
+
+
+def test_the_publisher_sends_again_what_a_redis_outage_interrupted(key_prefix: str) -> None:
+    """A round trip that fails with the connection (Redis restarting) is rebuilt and sent once Redis
+    is back; nothing handed over is lost (the restarted server here keeps nothing else)."""
+    from inflightq_cli.redis_server import PrivateRedis, free_port
+
+    port = free_port()
+    server = PrivateRedis(port=port).start()
+    settings = Settings(redis_url=server.url, key_prefix=key_prefix, model=MODEL)
+    connection = redis.Redis.from_url(server.url, decode_responses=True)
+    publisher = Publisher(settings, connection, "w")
+    publisher.start()
+    try:
+        publisher.publish_tokens([(EngineEvent("r", 0, 7, "a"), 0)])
+        assert publisher.flush(10)
+        server.stop()
+        publisher.publish_tokens([(EngineEvent("r", 1, 8, "b"), 0)])
+        assert not publisher.flush(0.5), "nothing can reach a Redis that is down"
+        server = PrivateRedis(port=port).start()
+        assert publisher.flush(60), "sent again once Redis is back"
+        log = connection.xrange(Keys.for_prefix(key_prefix).replay_log("r"))
+        assert [json.loads(f[LOG_FIELD])["index"] for _, f in log] == [1]
+        assert publisher.is_alive()
+    finally:
+        publisher.stop(timeout=2)
+        connection.close()
+        server.stop()
