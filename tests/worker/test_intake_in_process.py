@@ -515,3 +515,28 @@ def test_the_publisher_sends_again_what_a_redis_outage_interrupted(key_prefix: s
         publisher.stop(timeout=2)
         connection.close()
         server.stop()
+
+
+def test_flush_after_hundreds_of_writes_says_everything_was_sent(h: Harness) -> None:
+    request_id = h.submit(1)
+    for i in range(300):  # more handed-over writes than CPython caches small ints for
+        h.publisher.publish_tokens([(EngineEvent(request_id, i, i, "x"), 0)])
+    assert h.publisher.flush(60)
+    assert h.redis.xlen(h.client.keys.replay_log(request_id)) == 300
+
+
+def test_a_publisher_stopped_while_redis_is_down_ends(key_prefix: str) -> None:
+    from inflightq_cli.redis_server import PrivateRedis, free_port
+
+    server = PrivateRedis(port=free_port()).start()
+    connection = redis.Redis.from_url(server.url, decode_responses=True)
+    publisher = Publisher(Settings(redis_url=server.url, key_prefix=key_prefix, model=MODEL), connection, "w")
+    publisher.start()
+    try:
+        server.stop()
+        publisher.publish_tokens([(EngineEvent("r", 0, 7, "a"), 0)])
+        publisher.stop(timeout=0.5)
+        publisher.join(timeout=60)  # it gives up on what Redis cannot take, instead of retrying forever
+        assert not publisher.is_alive()
+    finally:
+        connection.close()
