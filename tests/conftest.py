@@ -18,6 +18,7 @@ from inflightq_cli.redis_server import ensure_redis
 from shared.keys import Keys
 from shared.redis_connect import connect
 from shared.settings import Settings
+from tests.ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 - hooks
 
 # Every key a test run writes lives under this prefix; the run deletes only those.
 RUN_PREFIX = f"iqtest-{uuid.uuid4().hex[:10]}"

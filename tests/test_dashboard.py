@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -25,6 +26,7 @@ import pytest
 import yaml
 
 from inflightq_cli.redis_server import free_port
+from tests.ci_skips import missing
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "grafana" / "dashboards" / "inflightq.json"
@@ -66,7 +68,9 @@ def test_every_panel_has_a_query_with_only_known_variables() -> None:
         _substitute(expr)
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason=missing("promtool", "apt-get install prometheus (.ci/run does)")
+)
 def test_every_panel_query_is_valid_promql(tmp_path: Path) -> None:
     # promtool parses a rule file's expressions: each query becomes one recording rule.
     rules = [{"record": f"panel:{i}", "expr": _substitute(expr)} for i, (_, expr) in enumerate(_dashboard_queries())]
@@ -100,6 +104,7 @@ class Stack:
     api: str
     prometheus: str
     started: float
+    traffic_done: float
 
 
 def _wait_until(check, what: str, timeout: float, processes: list[subprocess.Popen]) -> None:
@@ -115,6 +120,24 @@ def _wait_until(check, what: str, timeout: float, processes: list[subprocess.Pop
             pass
         time.sleep(0.3)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def _scrapes(prometheus: str) -> dict[str, int]:
+    """Samples of ``up`` per job so far: how many times Prometheus has scraped each target."""
+    reply = httpx.get(f"{prometheus}/api/v1/query", params={"query": "count_over_time(up[1h])"}, timeout=10).json()
+    return {r["metric"]["job"]: int(float(r["value"][1])) for r in reply["data"]["result"]}
+
+
+def _wait_for_scrapes(prometheus: str, count: int, processes: list[subprocess.Popen]) -> None:
+    """Until Prometheus has scraped every target ``count`` more times (instead of sleeping that long)."""
+    before = _scrapes(prometheus)
+    jobs = ("inflightq-api", "inflightq-worker")
+
+    def scraped() -> bool:
+        now = _scrapes(prometheus)
+        return all(now.get(job, 0) >= before.get(job, 0) + count for job in jobs)
+
+    _wait_until(scraped, f"{count} more scrapes of {jobs}", 120, processes)
 
 
 def _ok(url: str) -> bool:
@@ -175,7 +198,7 @@ def stack(
     redis_url: str, run_prefix: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
     if PROMETHEUS is None:
-        pytest.skip("no prometheus binary: apt-get install -y prometheus (.ci/run does)")
+        pytest.skip(missing("prometheus", "apt-get install prometheus (.ci/run does)"))
     tmp = tmp_path_factory.mktemp("dashboard")
     api_port, worker_port, prometheus_port = free_port(), free_port(), free_port()
     env = {
@@ -214,11 +237,11 @@ def stack(
         # Two waves a few scrapes apart: a series born with its whole count in one scrape has a
         # rate of 0 (histogram_quantile then gives NaN); the second wave makes every rate move.
         _send_traffic(api)
-        time.sleep(3)
+        _wait_for_scrapes(prometheus, 2, processes)
         _send_traffic(api)
-        # Let Prometheus scrape the final counts (1 s interval) and a rate window past the traffic.
-        time.sleep(4)
-        yield Stack(api=api, prometheus=prometheus, started=started)
+        # Prometheus has the final counts, and a sample past them for every rate.
+        _wait_for_scrapes(prometheus, 2, processes)
+        yield Stack(api=api, prometheus=prometheus, started=started, traffic_done=time.time())
     except AssertionError:
         for log in sorted(tmp.glob("*.log")):
             sys.stderr.write(f"--- {log.name}\n{log.read_text(errors='replace')[-4000:]}\n")
@@ -255,10 +278,17 @@ def test_every_series_a_panel_or_an_alert_names_is_exported(stack: Stack) -> Non
 
 
 def test_every_alert_rule_evaluates_cleanly(stack: Stack) -> None:
-    # Rules are evaluated every second here; wait for one evaluation after the traffic.
-    time.sleep(2)
-    groups = httpx.get(f"{stack.prometheus}/api/v1/rules", timeout=30).json()["data"]["groups"]
-    rules = {rule["name"]: rule for group in groups for rule in group["rules"]}
+    # Rules are evaluated every second here: wait until each was evaluated after the traffic.
+    def rules_now() -> dict[str, dict]:
+        groups = httpx.get(f"{stack.prometheus}/api/v1/rules", timeout=30).json()["data"]["groups"]
+        return {rule["name"]: rule for group in groups for rule in group["rules"]}
+
+    def evaluated_after_traffic(rule: dict) -> bool:
+        stamp = rule.get("lastEvaluation", "")[:26].rstrip("Z")  # RFC 3339 with ns; keep microseconds
+        return bool(stamp) and datetime.fromisoformat(stamp + "+00:00").timestamp() > stack.traffic_done
+
+    _wait_until(lambda: all(map(evaluated_after_traffic, rules_now().values())), "a rule evaluation", 60, [])
+    rules = rules_now()
     assert set(rules) == {name for name, _ in _alert_queries()}
     broken = {name: rule.get("lastError") for name, rule in rules.items() if rule["health"] != "ok"}
     assert not broken, broken

@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 from inflightq_cli import app
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.settings import Settings
+from tests.ci_skips import missing
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -294,7 +295,9 @@ def test_compose_cpu_workers_are_opt_in_and_scraped() -> None:
     assert {"worker", "worker-cpu"} <= names
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason=missing("promtool", "apt-get install prometheus (.ci/run does)")
+)
 def test_promtool_accepts_the_prometheus_config() -> None:
     result = subprocess.run(["promtool", "check", "config", str(PROMETHEUS)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -377,7 +380,9 @@ def test_kustomization_lists_every_manifest() -> None:
     assert set(kustomization["resources"]) == manifests
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+@pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason=missing("kubectl", "apt-get install kubernetes-client (.ci/run does)")
+)
 def test_kustomize_builds_the_manifests() -> None:
     result = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

@@ -45,7 +45,7 @@ def test_up_serves_a_first_request_and_stops_cleanly(tiny_model_dir: Path, run_p
             try:
                 response = httpx.post(
                     base + "/generate",
-                    json={"inputs": "Hello", "parameters": {"max_new_tokens": 4, "ignore_eos": True}},
+                    json={"inputs": "Hello", "parameters": {"max_new_tokens": 4, "ignore_eos": True, "details": True}},
                     timeout=30,
                 )
                 if response.status_code == 200:
@@ -55,7 +55,12 @@ def test_up_serves_a_first_request_and_stops_cleanly(tiny_model_dir: Path, run_p
                 pass
             time.sleep(0.5)
         assert answer is not None, "no answer from the stack started by inflightq up"
-        assert isinstance(answer["generated_text"], str)
+        # A real generation: its four tokens, and the text is theirs (an empty string is not an answer).
+        details = answer["details"]
+        assert (details["generated_tokens"], details["finish_reason"]) == (4, "length")
+        tokens = details["tokens"]
+        assert len(tokens) == 4
+        assert answer["generated_text"] == "".join(t["text"] for t in tokens if not t["special"])
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -115,6 +115,7 @@ class WorkerProcess:
         prefix: str,
         log: Path,
         extra_env: dict[str, str] | None = None,
+        script: Path | None = None,  # a script wrapping the CLI (tests/worker/paced_worker.py)
         *,
         cluster: bool = False,
     ) -> None:
@@ -129,8 +130,9 @@ class WorkerProcess:
         }
         self.log = log
         self._log_file = log.open("wb")
+        entry = [str(script)] if script else ["-m", "inflightq_cli"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "inflightq_cli", "worker", "--model", str(model_dir), "--dtype", "float64"],
+            [sys.executable, *entry, "worker", "--model", str(model_dir), "--dtype", "float64"],
             cwd=REPO,
             env=env,
             stdout=self._log_file,

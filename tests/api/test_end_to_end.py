@@ -14,6 +14,7 @@ import openai
 import pytest
 import redis
 from huggingface_hub import InferenceClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from shared.keys import Keys
 from tests.api.conftest import ApiServer
@@ -194,9 +195,9 @@ def test_openai_errors_reach_the_sdk_as_its_exceptions(oai: openai.OpenAI, api: 
 def test_inference_client_text_generation(api: ApiServer) -> None:
     client = InferenceClient(base_url=api.url)
     text = client.text_generation("Hello", max_new_tokens=5)
-    assert isinstance(text, str)
     out = client.text_generation("Hello", max_new_tokens=5, details=True, decoder_input_details=True)
-    assert out.generated_text == text
+    assert out.generated_text == text  # greedy: the same text twice
+    assert text == "".join(t.text for t in out.details.tokens if not t.special)  # its tokens, nothing else
     assert out.details.generated_tokens == len(out.details.tokens) <= 5
     assert out.details.finish_reason in ("length", "eos_token", "stop_sequence")
     assert [t.id for t in out.details.prefill] == [
@@ -262,10 +263,15 @@ def test_generate_stream_event_shape(http: httpx.Client) -> None:
 
 
 def test_compat_route_answers_a_list_or_a_stream(http: httpx.Client) -> None:
-    response = http.post("/", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}})
-    assert isinstance(response.json(), list) and "generated_text" in response.json()[0]
-    with http.stream("POST", "/", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}, "stream": True}) as r:
+    parameters = {"max_new_tokens": 2, "ignore_eos": True}
+    response = http.post("/", json={"inputs": "Hi", "parameters": parameters})
+    (answer,) = response.json()  # TGI's compat route answers a list
+    with http.stream("POST", "/", json={"inputs": "Hi", "parameters": parameters, "stream": True}) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(data) for _, data in sse_events(r)]
+    # The stream is /generate_stream's: one event per token, the last with the same text (greedy).
+    assert [e["index"] for e in events] == [0, 1]
+    assert events[-1]["generated_text"] == answer["generated_text"]
 
 
 # Jobs ------------------------------------------------------------------------------------------
@@ -346,12 +352,31 @@ def test_a_non_stream_client_that_leaves_cancels_its_request(api: ApiServer, htt
     r.close()
 
 
-def test_metrics_count_tokens_and_latencies(http: httpx.Client) -> None:
-    http.post("/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}})
-    text = http.get("/metrics").text
-    assert 'inflightq_api_requests_total{error_type="",route="/generate",status="200"}' in text
-    assert 'inflightq_api_time_to_first_token_seconds_count{route="/generate"}' in text
-    assert "inflightq_api_generated_tokens_total" in text
+def metric_samples(http: httpx.Client) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of /metrics by (name, labels)."""
+    families = text_string_to_metric_families(http.get("/metrics").text)
+    return {(s.name, frozenset(s.labels.items())): s.value for f in families for s in f.samples}
+
+
+def test_metrics_count_tokens_and_latencies(http: httpx.Client, api: ApiServer) -> None:
+    """Counted, not merely registered: one more request, exactly its tokens, one more TTFT and
+    two inter-token gaps observed for its route (a metric name alone is there from the start)."""
+    before = metric_samples(http)
+    body = {"inputs": "Hi", "parameters": {"max_new_tokens": 3, "ignore_eos": True}}
+    assert http.post("/generate", json=body).status_code == 200
+    after = metric_samples(http)
+    route = frozenset({("route", "/generate")})
+    model = frozenset({("model", api.settings.model)})
+
+    def delta(name: str, labels: frozenset[tuple[str, str]]) -> float:
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    ok = frozenset({("error_type", ""), ("route", "/generate"), ("status", "200")})
+    assert delta("inflightq_api_requests_total", ok) == 1
+    assert delta("inflightq_api_generated_tokens_total", model) == 3
+    assert delta("inflightq_api_time_to_first_token_seconds_count", route) == 1
+    assert delta("inflightq_api_inter_token_latency_seconds_count", route) == 2
+    assert delta("inflightq_api_time_to_first_token_seconds_sum", route) > 0
 
 
 def test_a_request_past_its_timeout_is_504_expired(http: httpx.Client, oai: openai.OpenAI, api: ApiServer) -> None:

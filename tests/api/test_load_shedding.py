@@ -72,7 +72,9 @@ def test_no_live_worker_is_503_after_the_wait(
         waited = time.monotonic() - started
         assert response.status_code == 503
         assert response.json()["error_type"] == "unavailable"
-        assert 0.4 < waited < 5
+        # It waited for a worker to appear (no_worker_wait_s) before giving up; a hang instead shows as
+        # the client's timeout, not as a bound on seconds that a busy machine could break.
+        assert waited >= api.settings.no_worker_wait_s
         chat = {"model": api.settings.model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
         assert http.post("/v1/chat/completions", json=chat).json()["error"]["type"] == "service_unavailable"
         assert http.get("/v1/models").json() == {"object": "list", "data": []}
@@ -84,12 +86,10 @@ def test_a_request_whose_workers_all_die_gets_503_not_a_hang(
     settings = make_settings(heartbeat_ttl_s=1, no_worker_wait_s=0.5)
     fake_heartbeat(redis_url, settings, fresh_for_s=0)  # alive at admission, dead a second later
     api = start_api(settings)
-    with api.client() as http:
-        started = time.monotonic()
+    with api.client() as http:  # a hang would be the client's timeout
         response = http.post("/generate", json={"inputs": "hi"})
         assert response.status_code == 503, response.text
         assert "any more" in response.json()["error"]
-        assert time.monotonic() - started < 10
 
 
 def test_leaving_a_stream_while_still_queued_cancels_the_request(
@@ -133,8 +133,9 @@ def test_jobs_are_accepted_without_a_worker(
 def test_redis_unreachable_is_503_at_once(
     make_settings: Callable[..., Settings], start_api: Callable[[Settings], ApiServer]
 ) -> None:
-    api = start_api(make_settings(redis_url=f"redis://127.0.0.1:{free_port()}/0"))
-    with api.client() as http:
+    # "At once": not after waiting for a worker (no_worker_wait_s is longer than the client's patience).
+    api = start_api(make_settings(redis_url=f"redis://127.0.0.1:{free_port()}/0", no_worker_wait_s=600))
+    with api.client() as http:  # timeout=60
         for method, path, body in (
             ("POST", "/generate", {"inputs": "hi"}),
             ("POST", "/generate_stream", {"inputs": "hi"}),
@@ -142,10 +143,8 @@ def test_redis_unreachable_is_503_at_once(
             ("GET", "/v1/jobs/abc", None),
             ("POST", "/v1/completions", {"model": api.settings.model, "prompt": "hi"}),
         ):
-            started = time.monotonic()
             response = http.request(method, path, json=body)
             assert response.status_code == 503, (path, response.text)
-            assert time.monotonic() - started < 5, path
         assert http.get("/health").status_code == 503
         # Validation still answers without Redis.
         assert http.post("/generate", json={"inputs": ""}).status_code == 422

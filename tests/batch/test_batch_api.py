@@ -214,7 +214,6 @@ def test_interactive_requests_keep_priority_over_a_running_batch(
     # Long enough lines that the batch is still mostly queued when the interactive request comes.
     lines = [chat_line(f"bulk-{i}", model, f"Item {i}", max_tokens=40, ignore_eos=True) for i in range(n)]
     uploaded = store.files.put("\n".join(lines).encode(), filename="bulk.jsonl", purpose="batch")
-    began = time.monotonic()
     batch = create_batch(stack_settings, store, input_file_id=uploaded.id, endpoint="/v1/chat/completions")
     client = QueueClient(stack_settings)
 
@@ -228,14 +227,14 @@ def test_interactive_requests_keep_priority_over_a_running_batch(
         while len(statuses := batch_statuses()) < n or not {"running", "done"} & set(statuses.values()):
             assert time.monotonic() < deadline, "the batch never started"
             time.sleep(0.01)
-        sent = time.monotonic()
         request_id = client.submit(model, [1, 2, 3, 4, 5], SamplingSpec(max_new_tokens=4, ignore_eos=True))
         behind = [r for r, status in batch_statuses().items() if status == "queued"]  # queued before it
         first = next(ev for ev in client.stream(request_id, timeout=60) if isinstance(ev, TokenEvent))
-        ttft = time.monotonic() - sent
         assert first.index == 0
+        # Progress counted in the batch's own lines: how many of those queued before it are still
+        # queued when its first token is out (instead of comparing its TTFT with the batch's span).
+        still_queued = [r for r, status in batch_statuses().items() if r in behind and status == "queued"]
         wait_for(store, batch.id, lambda b: b.status == "completed", timeout=180)
-        batch_span = time.monotonic() - began
         mine = client.status(request_id).started_at  # type: ignore[union-attr]
         overtook = [r for r in behind if client.status(r).started_at < mine]  # type: ignore[union-attr,operator]
     finally:
@@ -245,4 +244,5 @@ def test_interactive_requests_keep_priority_over_a_running_batch(
     # read from the queue (at most its free slots) may start first; their status says "queued" until then.
     assert len(behind) >= n // 4, f"premise: much of the batch still queued ({len(behind)} of {n})"
     assert len(overtook) <= stack_settings.max_num_seqs, (len(overtook), len(behind))
-    assert ttft < batch_span / 2, (ttft, batch_span)
+    # It did not wait for the batch: all but the lines the worker already held still waited for it.
+    assert len(still_queued) >= len(behind) - stack_settings.max_num_seqs, (len(still_queued), len(behind))

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from tests.ci_skips import missing
 from worker.engine import attention
 from worker.engine.attention.cpu_backend import CpuKernelAttentionBackend
 from worker.engine.attention.cpu_kernel import paged_decode_available
@@ -21,7 +22,7 @@ BLOCK = 16
 @pytest.fixture(scope="module", autouse=True)
 def kernel() -> None:
     if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("no C++ compiler: the engine runs the plain-torch path here")
+        pytest.skip(missing("a C++ compiler (the engine falls back to plain torch without one)", "apt-get install g++"))
     assert paged_decode_available(), "the kernel failed to build although a compiler is present"
 
 

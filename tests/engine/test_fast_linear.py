@@ -11,7 +11,9 @@ from worker.engine.fast_linear import prepack_linears, prepack_supported
 from worker.engine.model_loader import load_model
 
 
-@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 on this CPU")
+@pytest.mark.skipif(
+    not prepack_supported(torch.device("cpu"), torch.bfloat16), reason="hardware: no oneDNN bf16 on this CPU"
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_prepacked_model_gives_the_same_logits(tiny_model_dir: Path, dtype: torch.dtype) -> None:
     plain, _ = load_model(str(tiny_model_dir), dtype, "cpu")
@@ -37,13 +39,13 @@ def onednn_bf16_matmul_available() -> bool:
     return True
 
 
-@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.float32), reason="no oneDNN on this CPU")
+@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.float32), reason="hardware: no oneDNN on this CPU")
 @pytest.mark.parametrize("upcast", [True, False])
 def test_bf16_linear_keeps_bf16_in_and_out_whichever_matmul_runs(upcast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     from worker.engine import fast_linear
 
     if not upcast and not onednn_bf16_matmul_available():
-        pytest.skip("this CPU has no oneDNN bf16 matmul (the engine upcasts here, the upcast=True case)")
+        pytest.skip("hardware: this CPU has no oneDNN bf16 matmul (the engine upcasts here, the upcast=True case)")
 
     # upcast=False on a CPU without bf16 units runs oneDNN's emulated bf16 matmul: slow, still right.
     monkeypatch.setattr(fast_linear, "upcast_bf16_matmuls", lambda: upcast)

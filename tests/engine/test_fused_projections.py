@@ -53,7 +53,7 @@ def test_a_sibling_fed_another_input_still_gets_its_own_projection(tiny_model_di
     assert torch.allclose(v_again, F.linear(x, weights[2]))
 
 
-@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.float32), reason="no oneDNN on this CPU")
+@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.float32), reason="hardware: no oneDNN on this CPU")
 def test_packed_fusion_matches_the_plain_model_in_float32(tiny_model_dir: Path) -> None:
     plain, _ = load_model(str(tiny_model_dir), torch.float32, "cpu")
     fused, _ = load_model(str(tiny_model_dir), torch.float32, "cpu")

@@ -105,10 +105,35 @@ def test_field_names_and_defaults_match_the_wire_spec() -> None:
         assert getattr(params, name) == getattr(spec, name), name
 
 
-def test_a_wire_spec_passes_straight_through() -> None:
-    spec = SamplingSpec(temperature=0.7, top_k=40, stop=["\n\n"], seed=7, logprobs=2)
+# A valid value other than the default for every wire field.
+NON_DEFAULT = {
+    "max_new_tokens": 7,
+    "temperature": 0.7,
+    "top_k": 40,
+    "top_p": 0.9,
+    "min_p": 0.05,
+    "typical_p": 0.8,
+    "repetition_penalty": 1.2,
+    "frequency_penalty": 0.5,
+    "presence_penalty": -0.5,
+    "seed": 7,
+    "stop": ["\n\n", "###"],
+    "stop_token_ids": [2, 5],
+    "ignore_eos": True,
+    "logprobs": 2,
+}
+
+
+def test_every_wire_field_reaches_the_engine_unchanged() -> None:
+    """The worker builds the engine's params as ``SamplingParams(**spec.model_dump())``: a field dropped,
+    renamed or re-defaulted on the way would change what the engine samples without any error."""
+    assert set(NON_DEFAULT) <= set(SamplingSpec.model_fields)
+    spec = SamplingSpec(**NON_DEFAULT)
+    assert all(getattr(spec, name) != getattr(SamplingSpec(), name) for name in NON_DEFAULT), "premise: not defaults"
     params = SamplingParams(**spec.model_dump())
-    assert (params.temperature, params.top_k, params.stop, params.seed, params.logprobs) == (0.7, 40, ["\n\n"], 7, 2)
+    assert {name: getattr(params, name) for name in NON_DEFAULT} == NON_DEFAULT
+    assert dataclasses.asdict(params) == spec.model_dump()
+    assert not params.is_greedy and params.needs_history
 
 
 def test_a_single_stop_string_becomes_a_list() -> None:

