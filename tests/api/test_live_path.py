@@ -4,7 +4,7 @@ while the worker still waits to compute the next one.
 The worker here is paced by the test (tests/worker/paced_worker.py: each forward of a request waits
 for a permit the test pushes), and the followers' safety net (re-reading the replay log after a
 silent wait) is turned off, so the only way a token can arrive is the one the design rests on:
-published by the worker on ``{prefix}:tokens:<id>`` in the step that made it, relayed by whoever
+published by the worker on ``Keys.tokens_channel(<id>)`` in the step that made it, relayed by whoever
 follows it. Without the pacing, a broken subscription or a publisher that holds tokens back still
 passes every other test: the safety net delivers everything, a second late, in bursts.
 
@@ -29,6 +29,7 @@ import redis
 from shared.async_client import AsyncQueueClient
 from shared.client import QueueClient
 from shared.client_core import IdleBackoff, remaining
+from shared.keys import Keys
 from shared.schemas import DoneEvent, SamplingSpec
 from shared.settings import Settings
 from tests.api.conftest import ApiServer, WorkerProcess, wait_for_workers
@@ -88,8 +89,11 @@ def r(redis_url: str) -> Iterator[redis.Redis]:
 
 
 def documented_channel(prefix: str, request_id: str) -> str:
-    """README: consumers may subscribe to ``{iq}:tokens:<id>`` directly (iq: the key prefix)."""
-    return "{" + prefix + "}:tokens:" + request_id
+    """README: consumers may subscribe to ``Keys.for_prefix(prefix).tokens_channel(id)`` directly
+    (``{<prefix>/r<shard>.<n>}:tokens:<id>``: a per-request hash tag, so requests spread over a Cluster)."""
+    channel = Keys.for_prefix(prefix).tokens_channel(request_id)
+    assert channel.endswith(":tokens:" + request_id) and channel.startswith("{" + prefix + "/r")
+    return channel
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout: float = ARRIVAL_DEADLINE_S) -> None:
