@@ -70,7 +70,7 @@ class LLMEngine:
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.special_token_ids = set(getattr(tokenizer, "all_special_ids", ()))
-        self.structured = StructuredOutput(tokenizer, config.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutput(tokenizer, text_config.vocab_size, self.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[EngineEvent] = []  # events decided outside a step (e.g. a resume already complete)
         self._arrivals = 0
