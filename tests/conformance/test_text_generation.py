@@ -50,9 +50,7 @@ def test_async_client(live_api) -> None:
 
 
 def test_details_decoder_input_details_top_n_tokens(client: Client) -> None:
-    response = client.generate(
-        "What is Deep Learning?", max_new_tokens=4, decoder_input_details=True, top_n_tokens=3
-    )
+    response = client.generate("What is Deep Learning?", max_new_tokens=4, decoder_input_details=True, top_n_tokens=3)
     details = response.details
     assert details.prefill and details.prefill[0].logprob is None
     assert len(details.tokens) == details.generated_tokens
