@@ -32,6 +32,12 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 step "installing inflightq and its dependencies (pyproject.toml, with the dev extra)"
 pip_q -e ".[dev]"
+# TGI's client for the conformance suite: it declares huggingface-hub<1, which transformers 5 cannot use, and
+# needs nothing the dev extra does not bring (pyproject's conformance-nodeps extra pins it).
+if ! python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('text_generation') is None)"; then
+  step "installing text-generation (TGI's client, without its dependencies)"
+  pip_q --no-deps text-generation==0.7.0
+fi
 if [ "${INFLIGHTQ_TORCH:-cpu}" = "cuda" ]; then
   step "installing the gpu extra (flash-attn)"
   pip_q -e ".[gpu]" --no-build-isolation

@@ -98,6 +98,7 @@ class SamplingFields(WireModel):
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=20, description="Top logprobs per token; None = none.")
     constraint: Constraint | None = Field(None, description="Structured output: what the text must match.")
+    watermark: bool = Field(False, description="TGI's green-list watermark (Kirchenbauer et al.; gamma 0.5, delta 2).")
 
 
 class SamplingSpec(SamplingFields):

@@ -4,6 +4,8 @@ of /v1/completions and /v1/chat/completions (n choices interleaved as their toke
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.metadata
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +33,17 @@ class Reply:
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None, last: bool = False) -> str:
         data: dict[str, Any] = {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
         if self.object == "chat.completion.chunk":
-            data["system_fingerprint"] = None
+            data["system_fingerprint"] = system_fingerprint(self.model)
         data["choices"] = choices
         if self.include_usage:
             data["usage"] = usage if last else None  # OpenAI: null on every chunk but the usage one
         return sse.event(data)
+
+
+@functools.lru_cache(maxsize=64)
+def system_fingerprint(model: str) -> str:
+    """A string, as OpenAI and TGI send (TGI's own client requires one): the package version and the model."""
+    return f"inflightq-{importlib.metadata.version('inflightq')}-{model}"
 
 
 def finish_reason(result: FinalResult) -> str:
@@ -160,6 +168,9 @@ def chat_stream(
     tools: bool = False,
 ) -> AsyncIterator[str]:
     def choice(index: int, delta: dict[str, Any], logprobs_: Any = None, finish: str | None = None) -> str:
+        # As TGI: every delta names its role and carries tool_calls (null without calls); TGI's own
+        # client requires both, OpenAI's accepts them.
+        delta = {"role": "assistant", **delta, "tool_calls": delta.get("tool_calls")}
         return reply.chunk([{"index": index, "delta": delta, "logprobs": logprobs_, "finish_reason": finish}])
 
     if not tools:

@@ -148,7 +148,7 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-    system_fingerprint: str | None = None
+    system_fingerprint: str | None = Field(None, description="The package version and the model.")
 
 
 class TopLogprob(BaseModel):
@@ -196,7 +196,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    system_fingerprint: str | None = None
+    system_fingerprint: str | None = Field(None, description="The package version and the model.")
 
 
 class ModelCard(BaseModel):

@@ -24,6 +24,7 @@ from producer_api.openai.formatting import (
     completion_logprobs,
     completion_stream,
     finish_reason,
+    system_fingerprint,
     usage,
 )
 from producer_api.openai.models import (
@@ -206,7 +207,7 @@ async def completions(
         "model": body.model,
         "choices": choices,
         "usage": usage(plan.prompts, [g.result for g in gens if g.result is not None]),
-        "system_fingerprint": None,
+        "system_fingerprint": system_fingerprint(body.model),
     }
     return JSONResponse(payload, headers={"x-request-id": ids[0]})
 
@@ -292,7 +293,7 @@ async def chat_completions(
         "model": body.model,
         "choices": choices,
         "usage": usage(plan.prompts, [g.result for g in gens if g.result is not None]),
-        "system_fingerprint": None,
+        "system_fingerprint": system_fingerprint(body.model),
     }
     return JSONResponse(payload, headers={"x-request-id": ids[0]})
 

@@ -45,6 +45,9 @@ def response_format_constraint(response_format: dict[str, Any] | None) -> Constr
     if kind in (None, "text"):
         return None
     if kind == "json_object":
+        if response_format and response_format.get("value") is not None:
+            # TGI's convention (huggingface_hub turns a json_schema response_format into it): the value is a schema.
+            return constraint_of({"type": "json_schema", "value": response_format["value"]}, "response_format")
         return constraint_of({"type": "json_object"}, "response_format")
     if kind == "json_schema":
         spec = response_format.get("json_schema") if response_format else None
@@ -53,7 +56,18 @@ def response_format_constraint(response_format: dict[str, Any] | None) -> Constr
                 "response_format.json_schema must be {'name': ..., 'schema': {...}}", field="response_format"
             )
         return constraint_of({"type": "json_schema", "value": spec.get("schema") or {}}, "response_format")
-    raise ValidationError("response_format.type must be text, json_object or json_schema", field="response_format")
+    # TGI's chat grammar (huggingface_hub's InferenceClient sends it): {"type": "json" | "regex", "value": ...}
+    if kind in ("json", "regex") and response_format and "value" in response_format:
+        value = response_format["value"]
+        if kind == "json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValidationError("response_format.value must be a JSON schema", field="response_format") from None
+        wire = "json_schema" if kind == "json" else "regex"
+        return constraint_of({"type": wire, "value": value}, "response_format")
+    message = "response_format.type must be text, json_object, json_schema (OpenAI) or json, regex (TGI)"
+    raise ValidationError(message, field="response_format")
 
 
 @dataclass

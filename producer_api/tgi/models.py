@@ -10,6 +10,8 @@ from pydantic import ConfigDict, Field, model_validator
 
 from producer_api.models_common import RequestOptions, StrictModel
 
+MAX_BEST_OF = 4
+
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 
 
@@ -19,7 +21,13 @@ class Grammar(StrictModel):
 
 
 class GenerateParameters(RequestOptions, StrictModel):
-    best_of: int | None = Field(None, ge=1, le=1, description="Only 1 is supported.")
+    best_of: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_BEST_OF,
+        description="Sample this many sequences, return the one of highest cumulative logprob; the others "
+        "in details.best_of_sequences. Needs sampling, no seed, no stream (as TGI).",
+    )
     decoder_input_details: bool = Field(False, description="Return the prompt tokens (without logprobs).")
     details: bool = Field(False, description="Return tokens, logprobs, finish reason and seed.")
     do_sample: bool = Field(False, description="Sample instead of greedy decoding.")
@@ -41,7 +49,9 @@ class GenerateParameters(RequestOptions, StrictModel):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     truncate: int | None = Field(None, ge=1, description="Keep only the last `truncate` prompt tokens.")
     typical_p: float | None = Field(None, gt=0.0, le=1.0)
-    watermark: bool = Field(False, description="Not supported; must be false.")
+    watermark: bool = Field(
+        False, description="TGI's green-list watermark (Kirchenbauer et al.; gamma 0.5, delta 2.0, hash key 15485863)."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -80,6 +90,16 @@ class PrefillToken(StrictModel):
     logprob: float | None = None
 
 
+class BestOfSequence(StrictModel):
+    generated_text: str
+    finish_reason: FinishReason
+    generated_tokens: int
+    seed: int | None
+    prefill: list[PrefillToken]
+    tokens: list[Token]
+    top_tokens: list[list[Token]] | None = None
+
+
 class Details(StrictModel):
     finish_reason: FinishReason
     generated_tokens: int
@@ -87,7 +107,7 @@ class Details(StrictModel):
     prefill: list[PrefillToken]
     tokens: list[Token]
     top_tokens: list[list[Token]] | None = None
-    best_of_sequences: None = None
+    best_of_sequences: list[BestOfSequence] | None = None
 
 
 class GenerateResponse(StrictModel):
@@ -124,7 +144,7 @@ class Info(StrictModel):
     model_sha: str | None = None
     model_pipeline_tag: str = "text-generation"
     models: list[str]
-    max_best_of: int = 1
+    max_best_of: int = MAX_BEST_OF
     max_stop_sequences: int
     max_input_tokens: int
     max_total_tokens: int

@@ -22,7 +22,14 @@ from producer_api.tgi import formatting
 from producer_api.tgi.models import GenerateRequest, GenerateResponse, Grammar, Info, SimpleToken, StreamResponse
 from producer_api.timing import tgi_headers
 from producer_api.tokenization import enforce_limits
-from producer_api.validation import check_stops, constraint_of, resolve_deadline, resolve_priority, sampling_spec
+from producer_api.validation import (
+    check_stops,
+    constraint_of,
+    derived,
+    resolve_deadline,
+    resolve_priority,
+    sampling_spec,
+)
 from shared.errors import ValidationError
 from shared.schemas import Constraint
 
@@ -44,16 +51,16 @@ class TgiPlan:
     submission: Submission
     body: GenerateRequest
     validated: float
+    submissions: list[Submission]  # best_of of them (derived seeds); submission is the first
 
 
-async def plan(request: Request, body: GenerateRequest, key: ApiKey | None) -> TgiPlan:
+async def plan(request: Request, body: GenerateRequest, key: ApiKey | None, *, stream: bool = False) -> TgiPlan:
     st = state_of(request)
     settings = st.settings
     p = body.parameters
     if p.adapter_id is not None:
         raise ValidationError("adapters are not supported", field="parameters.adapter_id")
-    if p.watermark:
-        raise ValidationError("watermarking is not supported", field="parameters.watermark")
+    best_of = p.best_of or 1
     check_stops(settings, p.stop, "parameters.stop")
     priority = resolve_priority(settings, p.priority, key)
     deadline = resolve_deadline(p)
@@ -69,6 +76,14 @@ async def plan(request: Request, body: GenerateRequest, key: ApiKey | None) -> T
     )
     # As TGI: any warper (temperature, top-k/p, typical-p) turns sampling on, not only do_sample.
     sample = p.do_sample or any(v is not None for v in (p.temperature, p.top_k, p.top_p, p.typical_p, p.min_p))
+    if best_of > 1:  # TGI's rules, in TGI's words
+        if not sample:
+            raise ValidationError("you must use sampling when `best_of` is > 1", field="parameters.best_of")
+        if p.seed is not None:
+            raise ValidationError("`seed` must not be set when `best_of` > 1", field="parameters.seed")
+        if stream:
+            message = "`best_of` != 1 is not supported when streaming tokens"
+            raise ValidationError(message, field="parameters.best_of")
     spec = sampling_spec(
         max_new_tokens=max_new_tokens,
         temperature=(p.temperature or 1.0) if sample else 0.0,
@@ -85,9 +100,11 @@ async def plan(request: Request, body: GenerateRequest, key: ApiKey | None) -> T
         # TGI always reports each token's logprob, so always ask for it (top-n only when asked).
         logprobs=p.top_n_tokens or 0,
         constraint=grammar_constraint(p.grammar),
+        watermark=p.watermark or None,
     )
-    submission = Submission(model, ids, spec, priority, deadline, key.key_id if key else None)
-    return TgiPlan(submission, body, time.perf_counter())
+    tenant = key.key_id if key else None
+    submissions = [Submission(model, ids, derived(spec, i), priority, deadline, tenant) for i in range(best_of)]
+    return TgiPlan(submissions[0], body, time.perf_counter(), submissions)
 
 
 def grammar_constraint(grammar: Grammar | None) -> Constraint | None:
@@ -110,11 +127,13 @@ async def generate(request: Request, body: GenerateRequest, key: ApiKey | None, 
     tgi = await plan(request, body, key)
     dispatcher: Dispatcher = st.dispatcher
     sub = tgi.submission
-    request_id = await dispatcher.submit(sub)
-    generation = await unless_disconnected(
-        request,
-        dispatcher.collect(request_id, route=route, model=sub.model, started=arrival(request), deadline=sub.deadline),
-    )
+    request_ids = await dispatcher.submit_all(tgi.submissions)
+    follow = {"route": route, "model": sub.model, "started": arrival(request), "deadline": sub.deadline}
+    generations = await unless_disconnected(request, dispatcher.collect_all(request_ids, **follow))
+    # best_of: the sequence of highest cumulative logprob wins (TGI's choice); the rest follow it.
+    order = sorted(range(len(generations)), key=lambda i: -sum(t.logprob or 0.0 for t in generations[i].tokens))
+    best = order[0]
+    generation = generations[best]
     result = generation.result
     assert result is not None  # collect() raises unless the request finished with a result
     p = body.parameters
@@ -122,17 +141,22 @@ async def generate(request: Request, body: GenerateRequest, key: ApiKey | None, 
     payload: dict[str, Any] = {"generated_text": prefix + result.text}
     if p.details:
         special = st.tokenizers.special_ids(sub.model)
-        payload["details"] = {
-            "finish_reason": result.finish_reason,
-            "generated_tokens": result.usage.completion_tokens,
-            "seed": sub.sampling.seed,
-            "prefill": prefill(request, sub) if p.decoder_input_details else [],
-            "tokens": [formatting.token(t) for t in generation.tokens],
-            "top_tokens": [formatting.top_tokens(t, special) or [] for t in generation.tokens]
-            if p.top_n_tokens
-            else None,
-            "best_of_sequences": None,
-        }
+        prompt = prefill(request, sub) if p.decoder_input_details else []
+
+        def details(i: int) -> dict[str, Any]:
+            gen = generations[i]
+            assert gen.result is not None
+            return {
+                "finish_reason": gen.result.finish_reason,
+                "generated_tokens": gen.result.usage.completion_tokens,
+                "seed": tgi.submissions[i].sampling.seed,
+                "prefill": prompt,
+                "tokens": [formatting.token(t) for t in gen.tokens],
+                "top_tokens": [formatting.top_tokens(t, special) or [] for t in gen.tokens] if p.top_n_tokens else None,
+            }
+
+        others = [{"generated_text": prefix + generations[i].result.text, **details(i)} for i in order[1:]]  # type: ignore[union-attr]
+        payload["details"] = {**details(best), "best_of_sequences": others or None}
     headers = tgi_headers(
         arrived=arrival(request),
         validated=tgi.validated,
@@ -153,7 +177,7 @@ def prefill(request: Request, sub: Submission) -> list[dict[str, Any]]:
 
 async def generate_stream(request: Request, body: GenerateRequest, key: ApiKey | None, route: str) -> Response:
     st = state_of(request)
-    tgi = await plan(request, body, key)
+    tgi = await plan(request, body, key, stream=True)
     sub = tgi.submission
     request_id = await st.dispatcher.submit(sub)
     events = st.dispatcher.events(

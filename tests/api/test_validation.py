@@ -107,7 +107,8 @@ def test_max_new_tokens_not_positive_or_over_the_cap(http: httpx.Client, value: 
         ("priority", -1),
         ("priority", 9),
         ("timeout", 0),
-        ("best_of", 2),
+        ("best_of", 2),  # without sampling, as TGI
+        ("best_of", 5),  # past max_best_of
         ("top_n_tokens", 100),
     ],
 )
@@ -130,9 +131,20 @@ def test_empty_stop_sequence(http: httpx.Client) -> None:
     tgi_error(http.post("/generate_stream", json={"inputs": "hi", "parameters": {"stop": [""]}}))
 
 
-@pytest.mark.parametrize("feature", [{"grammar": {"type": "regex", "value": "("}}, {"watermark": True}])
+@pytest.mark.parametrize("feature", [{"grammar": {"type": "regex", "value": "("}}, {"adapter_id": "lora"}])
 def test_invalid_or_unsupported_tgi_features_are_refused_not_ignored(http: httpx.Client, feature: dict) -> None:
     tgi_error(http.post("/generate", json={"inputs": "hi", "parameters": feature}))
+
+
+@pytest.mark.parametrize(
+    ("path", "parameters", "field"),
+    [
+        ("/generate", {"best_of": 2, "do_sample": True, "seed": 1}, "parameters.seed"),
+        ("/generate_stream", {"best_of": 2, "do_sample": True}, "parameters.best_of"),
+    ],
+)
+def test_best_of_follows_tgis_rules(http: httpx.Client, path: str, parameters: dict, field: str) -> None:
+    assert tgi_error(http.post(path, json={"inputs": "hi", "parameters": parameters}))["field"] == field
 
 
 def test_empty_inputs(http: httpx.Client) -> None:

@@ -1,6 +1,6 @@
 """Logits in, one token per sequence out, for the whole batch at once.
 
-Order of processing (that of HF and vLLM): grammar mask -> penalties -> temperature -> top_k
+Order of processing (that of HF and vLLM): grammar mask -> watermark (TGI's) -> penalties -> temperature -> top_k
 -> top_p -> min_p -> typical_p -> draw. The mask (structured.py) is a hard constraint that no
 penalty can undo. Greedy rows (temperature 0) take the argmax after penalties, as HF does.
 
@@ -25,6 +25,7 @@ from worker.engine.penalties import PenaltyTracker
 from worker.engine.sampling_filters import filter_candidates, filter_full, has_filter
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.structured import banned_tokens
+from worker.engine.watermark import apply_watermark
 
 _MASK64 = (1 << 64) - 1
 
@@ -79,7 +80,8 @@ class Sampler:
             logits = logits.float()  # half-precision argmax is 3x slower than convert + argmax on CPU
         for row in rows:
             p = row.params
-            if p.temperature != 0.0 or p.logprobs is not None or p.needs_history or row.allowed is not None:
+            special = p.needs_history or p.watermark or row.allowed is not None
+            if p.temperature != 0.0 or p.logprobs is not None or special:
                 return self._sample_general(logits, rows)
         # The engine step is bound by overhead: all-greedy batches pay one argmax and nothing else.
         return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
@@ -92,7 +94,8 @@ class Sampler:
         x = logits
         constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
         penalized = [i for i, r in enumerate(rows) if r.params.needs_history]
-        if constrained or penalized:
+        marked = [i for i, r in enumerate(rows) if r.params.watermark]
+        if constrained or penalized or marked:
             x = logits.clone()
         if constrained:
             # The grammar goes first, as a hard constraint the penalties cannot undo.
@@ -103,6 +106,14 @@ class Sampler:
             else:  # in place, row by row: no gathered copy of the constrained rows
                 for j, i in enumerate(constrained):
                     x[i].masked_fill_(banned[j], float("-inf"))
+        if marked:
+            # TGI's order: the watermark before the penalties; it follows the token before the draw.
+            previous = [_previous_token(rows[i]) for i in marked]
+            if len(marked) == len(rows):
+                apply_watermark(x, previous)
+            else:
+                for i, token in zip(marked, previous, strict=True):
+                    apply_watermark(x[i : i + 1], [token])
         if penalized:
             chosen_rows = [rows[i] for i in penalized]
             self._penalties.apply(
@@ -182,6 +193,10 @@ class Sampler:
         if bool(bad.any()):
             picked = torch.where(bad, probs.argmax(dim=-1, keepdim=True), picked)
         return picked[:, 0]
+
+
+def _previous_token(row: SamplingRow) -> int:
+    return int(row.output_token_ids[-1] if len(row.output_token_ids) else row.prompt_token_ids[-1])
 
 
 def _uniform(seed: int, index: int) -> float:

@@ -32,6 +32,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top logprobs per token; 0 = only the sampled token's; None = none
     constraint: Constraint | None = None  # the output must match it (structured.py); the wire's dict works too
+    watermark: bool = False  # TGI's green-list watermark (watermark.py)
 
     def __post_init__(self) -> None:
         # Accept the shapes callers naturally write (a single stop string, tuples), store lists.
@@ -62,6 +63,8 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not isinstance(self.watermark, bool):
+            raise ValueError(f"watermark must be a bool, got {self.watermark!r}")
         if self.logprobs is not None:
             _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
 
