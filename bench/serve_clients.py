@@ -82,6 +82,7 @@ def chat_sender(http: httpx.AsyncClient, headers: dict[str, str], model: str, pr
         if priority is not None:
             body["priority"] = priority
         started = last = time.perf_counter()
+        opened: set[int] = set()  # choices whose opening chunk has come
         try:
             async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
                 if response.status_code != 200:
@@ -96,9 +97,11 @@ def chat_sender(http: httpx.AsyncClient, headers: dict[str, str], model: str, pr
                         result.reported_prompt_tokens = data["usage"]["prompt_tokens"]
                     for choice in data.get("choices", []):
                         delta = choice.get("delta", {})
-                        # The server sends one chunk per token; the opening chunk carries only the role.
-                        if "content" in delta and "role" not in delta:
+                        # The server sends one chunk per token after an opening chunk per choice (role, empty
+                        # content); every chunk names the role, as TGI's do, so the opening one is told by order.
+                        if "content" in delta and choice.get("index", 0) in opened:
                             last = result.record_token(started, time.perf_counter(), last)
+                        opened.add(choice.get("index", 0))
         except httpx.HTTPError as exc:
             result.error = f"{type(exc).__name__}: {exc}"
             return result
