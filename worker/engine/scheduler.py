@@ -33,10 +33,18 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)  # tokens to compute this step, per sequence
     expired: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    num_tokens: int = 0  # sum of num_new_tokens, kept as they change: the budget is read per sequence
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(n)
+        self.num_tokens += n
+
+    def drop(self, seq: Sequence) -> None:
+        if seq in self.seqs:
+            i = self.seqs.index(seq)
+            self.num_tokens -= self.num_new_tokens[i]
+            del self.seqs[i], self.num_new_tokens[i]
 
 
 class Scheduler:
@@ -102,7 +110,8 @@ class Scheduler:
     def _urgent_waiting(self) -> bool:
         if not self.waiting or not self.running:
             return False
-        return self.urgency(self.waiting[0])[0] <= min(self.urgency(s)[0] for s in self.running) - 1
+        # Both queues are sorted by urgency (schedule() sorts them first): their heads are the most urgent.
+        return self.urgency(self.waiting[0])[0] <= self.urgency(self.running[0])[0] - 1
 
     def _budget(self, batch: ScheduledBatch) -> int:
         return self.max_num_batched_tokens - batch.num_tokens
@@ -117,8 +126,7 @@ class Scheduler:
             self._preempt(victim, batch, "kv_blocks")
             if victim is seq:
                 return
-        batch.seqs.append(seq)
-        batch.num_new_tokens.append(n)
+        batch.add(seq, n)
 
     def _admit(self, batch: ScheduledBatch, while_head: Callable[[Sequence], bool] = lambda _: True) -> None:
         """Waiting requests in urgency order, while ``while_head`` holds for the next one. The first
@@ -141,8 +149,7 @@ class Scheduler:
             self.waiting.pop(0)
             seq.status = SequenceStatus.PREFILLING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
+            batch.add(seq, n)
 
     def _done(self, batch: ScheduledBatch) -> ScheduledBatch:
         self.stats.num_running = len(self.running)
@@ -167,9 +174,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch, reason: str) -> None:
-        if seq in batch.seqs:
-            i = batch.seqs.index(seq)
-            del batch.seqs[i], batch.num_new_tokens[i]
+        batch.drop(seq)
         self.running.remove(seq)
         self.stats.recomputed_tokens += seq.num_computed_tokens  # an upper bound: the prefix cache may keep some
         self.blocks.free(seq)  # tokens are kept; their KV is recomputed (or found in the prefix cache)
