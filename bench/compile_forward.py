@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from bench.results_files import pyplot, save
+
 
 def runner(model_name: str, dtype: torch.dtype, compiled: bool, buckets: tuple[int, ...]) -> tuple[Any, float]:
     from worker.engine.config import EngineConfig
@@ -103,9 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def write(results: dict, folder: Path, tag: str) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
     stem = folder / f"compile-{results['date'][:10]}{'-' + tag if tag else ''}-{results['dtype']}"
-    stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
     lines = [
         f"# Compiled vs eager forward, one decode step, {results['date']}",
         "",
@@ -125,13 +125,11 @@ def write(results: dict, folder: Path, tag: str) -> None:
             f"{r['compiled_ms_median']} | {r['speedup_min']} | {r['speedup_median_pair']} "
             f"| {r['compiled_tok_s_bound']} |"
         )
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib
+    save(stem, results, lines, plot)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+
+def plot(results: dict, path: Path) -> None:
+    if (plt := pyplot()) is None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     xs = range(len(results["rows"]))
@@ -142,7 +140,7 @@ def write(results: dict, folder: Path, tag: str) -> None:
     ax.set_title(f"{results['dtype']}, same process, interleaved")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"), dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from bench.results_files import pyplot, save
+
 QUESTIONS = [
     "What is the capital of France?",
     "Explain photosynthesis to a ten-year-old.",
@@ -219,10 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def write(results: dict, folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
     device = results.get("device", "cpu")
     stem = folder / f"engine-{results['date'][:10]}{'' if device == 'cpu' else '-' + device}"
-    stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
     lines = [
         f"# Engine benchmark, {results['date']}",
         "",
@@ -244,18 +244,11 @@ def write(results: dict, folder: Path) -> None:
         lines.append(
             f"| {name} | {row['ours']['tok_per_s']} | {cb} | {ratio} | {pairs} | {share:.0%} | {tries} | {load} |"
         )
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    plot(results, stem.with_suffix(".png"))
-    print(f"wrote {stem}.json, .md and .png")
+    save(stem, results, lines, plot)
 
 
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if (plt := pyplot()) is None:
         return
     names = list(results["runs"])
     ours = [results["runs"][n]["ours"]["tok_per_s"] for n in names]

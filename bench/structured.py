@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from bench.engine import KV_TOKENS, MAX_BATCH_TOKENS, QUESTIONS
+from bench.results_files import pyplot, save
 
 LLGUIDANCE_MASK_US = 50.0  # llguidance README: ~50 us of CPU per token mask (128k-token vocabulary)
 
@@ -190,9 +191,7 @@ def _is_valid(text: str) -> bool:
 
 
 def write(results: dict, folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
     stem = folder / f"structured-{results['date'][:10]}"
-    stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
     c, u = results["best"]["constrained"], results["best"]["unconstrained"]
     lines = [
         f"# Structured output benchmark, {results['date']}",
@@ -221,18 +220,11 @@ def write(results: dict, folder: Path) -> None:
         f"{c['mask_wait_ms_per_step']} ms for masks after its forward (they are filled while it runs).",
         f"- Load average at the end: {results['load_average']:.1f} (a shared machine).",
     ]
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    plot(results, stem.with_suffix(".png"))
-    print(f"wrote {stem}.json, .md and .png")
+    save(stem, results, lines, plot)
 
 
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if (plt := pyplot()) is None:
         return
     c, u = results["best"]["constrained"], results["best"]["unconstrained"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))

@@ -4,20 +4,10 @@ and several victims. Each case here killed a mutant that the broader tests let s
 
 from __future__ import annotations
 
+from tests.worker.test_capacity import load
 from worker.capacity import Capacity, Take
-from worker.engine.outputs import EngineLoad, RunningLoad
 
 NONE = Capacity(prefetch=0)
-
-
-def load(*, seqs: int = 0, spare: int = 100, running: tuple[tuple[float, int], ...] = ()) -> EngineLoad:
-    return EngineLoad(
-        max_num_seqs=4,
-        block_size=4,
-        num_seqs=seqs,
-        spare_blocks=spare,
-        running=tuple(RunningLoad(p, b) for p, b in running),
-    )
 
 
 def fit(spare: int, lengths: list[int]) -> int:

@@ -1,0 +1,29 @@
+"""One benchmark run's files: ``<stem>.json`` (the figures), ``<stem>.md`` (the command and a table) and
+``<stem>.png`` (a plot; skipped where matplotlib is missing)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def pyplot() -> Any | None:
+    """matplotlib's pyplot on the Agg backend (no display), or None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save(stem: Path, results: dict, markdown: list[str], plot: Callable[[dict, Path], None]) -> None:
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    stem.with_suffix(".md").write_text("\n".join(markdown) + "\n")
+    plot(results, stem.with_suffix(".png"))
+    print(f"wrote {stem}.json, .md and .png")
