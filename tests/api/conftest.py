@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import redis
 import uvicorn
@@ -199,3 +200,17 @@ def live_api(
         yield server
     finally:
         worker.stop()
+
+
+@pytest.fixture(scope="module")
+def api(live_api: ApiServer) -> ApiServer:
+    """The module's API with a worker; a module that needs another kind of API defines its own ``api``."""
+    return live_api
+
+
+@pytest.fixture(scope="module")
+def oai(api: ApiServer) -> Iterator[openai.OpenAI]:
+    """The real ``openai`` SDK pointed at ``api``."""
+    client = openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0)
+    yield client
+    client.close()

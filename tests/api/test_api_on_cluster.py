@@ -11,9 +11,7 @@ import pytest
 
 from inflightq_cli.redis_cluster import PrivateRedisCluster
 from tests.api.test_end_to_end import (  # noqa: F401 - collected here again, on the Cluster
-    api,
     http,
-    oai,
     test_delete_cancels_a_running_job,
     test_job_lifecycle_and_resumable_stream,
     test_leaving_a_stream_cancels_its_request,

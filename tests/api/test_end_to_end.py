@@ -24,18 +24,6 @@ pytestmark = pytest.mark.timeout(300)
 LONG = {"max_new_tokens": 1500, "ignore_eos": True}  # long enough to still be running when we leave
 
 
-@pytest.fixture(scope="module")
-def api(live_api: ApiServer) -> ApiServer:
-    return live_api
-
-
-@pytest.fixture(scope="module")
-def oai(api: ApiServer) -> Iterator[openai.OpenAI]:
-    client = openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0)
-    yield client
-    client.close()
-
-
 @pytest.fixture
 def http(api: ApiServer) -> Iterator[httpx.Client]:
     with api.client() as client:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import httpx
@@ -56,18 +55,6 @@ class Pet(BaseModel):
     name: str = Field(max_length=10)
     kind: Literal["cat", "dog", "fish"]
     age: int = Field(ge=0, le=30)
-
-
-@pytest.fixture(scope="module")
-def api(live_api: ApiServer) -> ApiServer:
-    return live_api
-
-
-@pytest.fixture(scope="module")
-def oai(api: ApiServer) -> Iterator[openai.OpenAI]:
-    client = openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0)
-    yield client
-    client.close()
 
 
 def model_of(oai: openai.OpenAI) -> str:
