@@ -19,6 +19,9 @@ from tests.conftest import RedisBackend
 pytestmark = pytest.mark.timeout(300)
 
 
+JOB_TOKENS = 1500
+
+
 def test_job_stream_survives_a_worker_crash(
     redis_backend: RedisBackend,
     module_prefix: str,
@@ -47,9 +50,9 @@ def test_job_stream_survives_a_worker_crash(
         api = start_api(settings)
         with api.client() as http:
             wait_for_workers(http, settings.model, 1, [first])
-            job_id = http.post("/v1/jobs", json={"prompt": "Go", "max_new_tokens": 400, "ignore_eos": True}).json()[
-                "id"
-            ]
+            # Long enough to still be running when the crash lands: an idle box runs the tiny model at ~1 ms a token.
+            body = {"prompt": "Go", "max_new_tokens": JOB_TOKENS, "ignore_eos": True}
+            job_id = http.post("/v1/jobs", json=body).json()["id"]
             seen: list[tuple[int, int]] = []  # (index, token id)
             final: dict | None = None
             with http.stream("GET", f"/v1/jobs/{job_id}/stream") as response:
@@ -70,7 +73,7 @@ def test_job_stream_survives_a_worker_crash(
             second.stop()
     assert final is not None and job["status"] == "done"
     assert job["attempt"] >= 1, "the request was not taken over (it finished before the crash?)"
-    assert [index for index, _ in seen] == list(range(400))
+    assert [index for index, _ in seen] == list(range(JOB_TOKENS))
     assert [token for _, token in seen] == job["result"]["token_ids"]
     assert final["generated_text"] == job["result"]["generated_text"]
     r = connect(settings, decode_responses=True)
