@@ -14,7 +14,11 @@ from the engine's last report (``EngineLoad``) and the starts still on their way
    greater): the engine preempts that sequence (its tokens kept, recomputed later) and runs the
    urgent one at once. Without this a full worker never sees urgent work and it waits for a
    slot like everyone else (measured: 56 s instead of 55 ms). Each displaced sequence serves one
-   entry, and waiting sequences at least as urgent claim victims first.
+   entry, and sequences at least as urgent that wait in the engine, or are on their way to it,
+   claim victims first. Less urgent starts on their way claim none: the scheduler admits the
+   urgent entry before them. (Waiting for them to land, as a first version did, left urgent
+   entries in Redis for most of every step at saturation, when background refills are always
+   on their way: measured 3.1 s p99 instead of 0.5 s.)
 
 What is not taken stays in Redis, where any other worker can take it; the intake stops at the
 first entry not taken (strict priority). Whether another worker has a free slot for an urgent
@@ -23,6 +27,7 @@ entry is the intake's to ask (it needs Redis); this module only reads the engine
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from worker.engine.outputs import EngineLoad
@@ -42,17 +47,18 @@ class Take:
 class Capacity:
     prefetch: int  # requests beyond max_num_seqs that may wait inside the engine
 
-    def room(self, load: EngineLoad, in_transit: int) -> int:
+    def room(self, load: EngineLoad, in_transit: Sequence[int]) -> int:
         """Free slots, prefetch included, less the starts not yet in the engine."""
-        return load.max_num_seqs + self.prefetch - load.num_seqs - in_transit
+        return load.max_num_seqs + self.prefetch - load.num_seqs - len(in_transit)
 
-    def displaceable(self, load: EngineLoad, priority: int) -> list[int]:
+    def displaceable(self, load: EngineLoad, priority: int, in_transit: Sequence[int] = ()) -> list[int]:
         """Blocks of each running sequence an entry of ``priority`` would preempt, least urgent
-        first, less those the engine's own waiting sequences of equal or higher urgency claim."""
+        first, less those claimed by sequences of equal or higher urgency that wait in the engine
+        or are on their way to it (``in_transit``: their priorities)."""
         victims = sorted(
             (r for r in load.running if r.effective_priority > priority), key=lambda r: -r.effective_priority
         )
-        claimed = sum(1 for w in load.waiting if w <= priority)
+        claimed = sum(1 for w in load.waiting if w <= priority) + sum(1 for q in in_transit if q <= priority)
         return [r.num_blocks for r in victims[claimed:]]
 
     def least_urgent_running(self, load: EngineLoad) -> float:
@@ -60,7 +66,7 @@ class Capacity:
         return max((r.effective_priority for r in load.running), default=float("-inf"))
 
     def how_many_to_take(
-        self, load: EngineLoad, in_transit: int, priority: int, prompt_lengths: list[int], *, idle: bool
+        self, load: EngineLoad, in_transit: Sequence[int], priority: int, prompt_lengths: list[int], *, idle: bool
     ) -> Take:
         slots = self.room(load, in_transit)
         spare_blocks = load.spare_blocks
@@ -73,12 +79,10 @@ class Capacity:
             slots -= 1
             tokens = need + load.block_size
             fit += 1
-        if fit == len(prompt_lengths) or in_transit:
-            # Starts on their way are not in the report yet: displacing more now could pick a
-            # victim they will already take. The next look, a step later, sees them.
+        if fit == len(prompt_lengths):
             return Take(fit=fit)
         displace = 0
-        for victim_blocks in self.displaceable(load, priority):
+        for victim_blocks in self.displaceable(load, priority, in_transit):
             if fit + displace == len(prompt_lengths):
                 break
             spare_blocks += victim_blocks

@@ -2,7 +2,8 @@
 
 ``Inbox``: starts, cancels and "lost" notices, drained by the loop between steps. A start
 counts as in transit from hand-over until the loop has added it, so the intake never promises
-the same free slot twice.
+the same free slot twice; its priority is kept so that an urgent start on its way claims a
+victim, and background starts on their way do not hold up the next urgent entry.
 
 ``OwnedEntries``: the stream entries this worker is running, by request, read by the refresher
 that keeps them from being taken over."""
@@ -10,7 +11,7 @@ that keeps them from being taken over."""
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,17 +29,19 @@ class Inbox:
     def __init__(self) -> None:
         self._items: deque[InboxItem] = deque()
         self._cond = threading.Condition()
-        self._in_transit = 0
+        self._in_transit: Counter[int] = Counter()  # starts handed over, not yet dealt with, by priority
 
     @property
-    def in_transit(self) -> int:
+    def in_transit(self) -> tuple[int, ...]:
+        """The priorities of the starts on their way, most urgent first."""
         with self._cond:
-            return self._in_transit
+            return tuple(sorted(self._in_transit.elements()))
 
     def put(self, item: InboxItem) -> None:
         with self._cond:
             if item.kind == "start":
-                self._in_transit += 1
+                assert item.active is not None
+                self._in_transit[item.active.request.priority] += 1
             self._items.append(item)
             self._cond.notify()
 
@@ -51,10 +54,12 @@ class Inbox:
             self._items.clear()
             return items
 
-    def started(self) -> None:
-        """The loop has dealt with one start (added, refused or handed back)."""
+    def started(self, priority: int) -> None:
+        """The loop has dealt with one start of ``priority`` (added, refused or handed back)."""
         with self._cond:
-            self._in_transit -= 1
+            self._in_transit[priority] -= 1
+            if self._in_transit[priority] <= 0:
+                del self._in_transit[priority]
 
     def wake(self) -> None:
         with self._cond:

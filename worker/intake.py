@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -51,7 +51,7 @@ class WorkerLoad:
     """What the intake reads of its own worker, each call fresh."""
 
     engine_load: Callable[[], EngineLoad]
-    in_transit: Callable[[], int]  # starts handed to the engine loop, not yet in the engine
+    in_transit: Callable[[], Sequence[int]]  # priorities of the starts handed to the engine loop, not yet in it
     is_idle: Callable[[], bool]
 
 
@@ -116,6 +116,8 @@ class Intake(ResilientLoop):
             if not waiting:
                 continue
             lengths = [self.admission.prompt_length(fields) for _, fields in waiting]
+            # Fresh: what a more urgent stream just handed over claims its victims.
+            in_transit = self.load.in_transit()
             take = self.capacity.how_many_to_take(load, in_transit, priority, lengths, idle=self.load.is_idle())
             count = take.fit + self._urgent_share(waiting[take.fit : take.total])
             if count:

@@ -123,7 +123,7 @@ class WorkerService:
         return self.capacity.room(self.engine.load, self.inbox.in_transit)
 
     def is_idle(self) -> bool:
-        return self.inbox.in_transit == 0 and not self.engine.has_unfinished()
+        return not self.inbox.in_transit and not self.engine.has_unfinished()
 
     def heartbeat(self) -> WorkerHeartbeat:
         stats = self.engine.stats
@@ -205,7 +205,7 @@ class WorkerService:
             if item.kind == "start":
                 assert item.active is not None
                 self._start(item.active)
-                self.inbox.started()
+                self.inbox.started(item.active.request.priority)
             elif item.kind == "cancel":
                 self._cancel(item.request_id)
             else:

@@ -302,7 +302,11 @@ def test_openai_chat_stream_sends_each_token_before_the_next_step(paced: ApiServ
     _, frames = stream_route(paced, r, "POST", "/v1/chat/completions", body, before_steps=1)
     role, tokens, rest = frames[0], frames[1 : TOKENS + 1], frames[TOKENS + 1 :]
     assert role["choices"][0]["delta"]["role"] == "assistant"
-    assert all(set(c["choices"][0]["delta"]) == {"content"} for c in tokens), tokens
+    # Each step's chunk carries that step's text; like TGI's, every delta also names its role and
+    # carries ``tool_calls`` (null without calls): text-generation's client requires both.
+    deltas = [c["choices"][0]["delta"] for c in tokens]
+    assert all(isinstance(d["content"], str) and d.get("tool_calls") is None for d in deltas), tokens
+    assert all(d.get("role", "assistant") == "assistant" for d in deltas), tokens
     assert [c["choices"][0]["finish_reason"] for c in rest[:-1]] == ["length"]
     assert rest[-1] == "[DONE]"
 

@@ -70,7 +70,7 @@ def make_harness(redis_url: str, key_prefix: str, **overrides: Any) -> Harness:
     handed: list[ActiveRequest] = []
     admission = Admission(settings, connection, publisher, "w", MODEL, handed.append, counters)
     h = Harness(settings, connection, QueueClient(settings), publisher, admission, None, handed, counters)  # type: ignore[arg-type]
-    load = WorkerLoad(engine_load=lambda: h.load, in_transit=lambda: 0, is_idle=lambda: h.idle)
+    load = WorkerLoad(engine_load=lambda: h.load, in_transit=lambda: (), is_idle=lambda: h.idle)
     h.intake = Intake(settings, connection, admission, Capacity(prefetch=0), load, RunState(), name="w", model=MODEL)
     h.client.ensure_groups(MODEL)
     return h
