@@ -52,8 +52,8 @@ TGI_ERRORS: dict[int | str, dict[str, object]] = {
         (422, "validation failed; the body names the field"),
         (424, "generation failed"),
         (429, "overloaded (queue too deep) or rate_limited (API key budget)"),
+        (408, "expired: the request's deadline or timeout passed before it finished"),
         (503, "Redis unreachable or no live worker for the model"),
-        (504, "expired: the request's deadline or timeout passed before it finished"),
     )
 }
 OPENAI_ERRORS: dict[int | str, dict[str, object]] = {

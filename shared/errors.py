@@ -109,10 +109,14 @@ class CancelledError(InflightqError):
 
 
 class ExpiredError(InflightqError):
-    """The request's deadline passed before it finished."""
+    """The request's deadline passed before it finished.
+
+    408, a client error: the deadline is the client's own choice, and a 5xx (504 at first) paged
+    operators (the 5xx alert in deploy/prometheus/alerts.yml) for every client that set a tight one.
+    OpenAI's and huggingface_hub's clients treat 408 as a timeout."""
 
     error_type = "expired"
-    http_status = 504
+    http_status = 408
 
 
 ERROR_TYPES: dict[str, type[InflightqError]] = {

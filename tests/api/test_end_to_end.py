@@ -367,15 +367,16 @@ def test_metrics_count_tokens_and_latencies(http: httpx.Client, api: ApiServer) 
     assert delta("inflightq_api_time_to_first_token_seconds_sum", route) > 0
 
 
-def test_a_request_past_its_timeout_is_504_expired(http: httpx.Client, oai: openai.OpenAI, api: ApiServer) -> None:
+def test_a_request_past_its_timeout_is_408_expired(http: httpx.Client, oai: openai.OpenAI, api: ApiServer) -> None:
+    # A client error: its own deadline passed. Not a 5xx, which would page operators.
     response = http.post("/generate", json={"inputs": "Go", "parameters": {**LONG, "timeout": 0.5}})
-    assert response.status_code == 504, response.text
+    assert response.status_code == 408, response.text
     assert response.json()["error_type"] == "expired"
     with pytest.raises(openai.APIStatusError) as info:
         oai.completions.create(
             model=api.settings.model, prompt="Go", max_tokens=1500, extra_body={"ignore_eos": True, "timeout": 0.5}
         )
-    assert info.value.status_code == 504
+    assert info.value.status_code == 408
 
 
 def test_inference_client_chat_completion(api: ApiServer) -> None:
