@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -59,3 +61,23 @@ TGI_ERRORS: dict[int | str, dict[str, object]] = {
 OPENAI_ERRORS: dict[int | str, dict[str, object]] = {
     status: {"model": OpenAIErrorBody, "description": spec["description"]} for status, spec in TGI_ERRORS.items()
 }
+
+
+def inline_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """``model``'s JSON schema with its ``$defs`` written in place: for a schema embedded in a
+    route's OpenAPI by hand (an SSE event's), where ``#/$defs/...`` would point at nothing
+    (schemathesis reported the references unresolvable)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return resolve(defs[ref.removeprefix("#/$defs/")])
+            return {key: resolve(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [resolve(item) for item in node]
+        return node
+
+    return resolve(schema)

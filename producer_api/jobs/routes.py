@@ -16,7 +16,7 @@ from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
 from producer_api.dispatch import Submission
 from producer_api.jobs.models import Job, JobCancelled, JobCreated, JobError, JobRequest, JobResult, JobUsage
-from producer_api.models_common import TGI_ERRORS, ErrorBody
+from producer_api.models_common import TGI_ERRORS, ErrorBody, inline_schema
 from producer_api.state import AppState, arrival, state_of
 from producer_api.tgi.formatting import stream_events
 from producer_api.tgi.models import StreamResponse
@@ -155,7 +155,7 @@ async def get_job(request: Request, job_id: str = JobId, key: ApiKey | None = De
             "`Last-Event-ID` (or `?last_event_id=`) to resume after that token. Ends after the job's last event, "
             "or with an `unavailable` error event when no worker has served the model for no_worker_wait_s (the "
             "job itself stays queued: reconnect later). Leaving the stream does not cancel the job.",
-            "content": {"text/event-stream": {"schema": StreamResponse.model_json_schema()}},
+            "content": {"text/event-stream": {"schema": inline_schema(StreamResponse)}},
         },
         **TGI_ERRORS,
         **_NOT_FOUND,

@@ -15,7 +15,7 @@ from producer_api import sse
 from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
 from producer_api.dispatch import Dispatcher, Submission
-from producer_api.models_common import TGI_ERRORS
+from producer_api.models_common import TGI_ERRORS, inline_schema
 from producer_api.state import arrival, state_of
 from producer_api.streaming import unless_disconnected
 from producer_api.tgi import formatting
@@ -40,7 +40,7 @@ _STREAM_DOC: dict[int | str, dict[str, Any]] = {
         "description": "Server-sent events, one `data:` line per token (a StreamResponse); the last event "
         "carries `generated_text` and `details`. Errors after the stream began arrive as "
         '`data: {"error": ..., "error_type": ...}`.',
-        "content": {"text/event-stream": {"schema": StreamResponse.model_json_schema()}},
+        "content": {"text/event-stream": {"schema": inline_schema(StreamResponse)}},
     },
     **TGI_ERRORS,
 }
