@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Literal
 
@@ -145,7 +146,11 @@ def test_langchain_openai(live_api, model: str) -> None:
     langchain_openai = pytest.importorskip("langchain_openai")
     llm = langchain_openai.ChatOpenAI(model=model, base_url=f"{live_api.url}/v1", api_key="unused", max_tokens=60)
     assert isinstance(llm.invoke("Hello").content, str)
+    assert isinstance(asyncio.run(llm.ainvoke("Hello")).content, str)
+    assert [type(m.content) for m in llm.batch(["Hello", "Hi"])] == [str, str]
     assert list(llm.stream("Hello"))
+    completions = langchain_openai.OpenAI(model=model, base_url=f"{live_api.url}/v1", api_key="unused", max_tokens=5)
+    assert isinstance(completions.invoke("Once upon"), str)
     pet = llm.with_structured_output(Pet, method="json_schema").invoke("Describe a pet.")
     assert isinstance(pet, Pet)
     tool_choice = {"type": "function", "function": {"name": "get_weather"}}
