@@ -39,6 +39,16 @@ class MalformedBodyError(ValidationError):
     openai_code = "invalid_json"
 
 
+class UnsupportedParameterError(ValidationError):
+    """A parameter this server deliberately does not implement (logit_bias, adapter_id, ...): a 400
+    naming it on every route, as OpenAI answers a parameter it does not take. Silently ignoring it
+    would change what the client asked for; a 422 would read as a malformed value."""
+
+    http_status = 400
+    openai_status = 400
+    openai_code = "unsupported_parameter"
+
+
 class PayloadTooLargeError(InflightqError):
     error_type = "payload_too_large"
     http_status = 413

@@ -20,7 +20,7 @@ import pydantic
 from producer_api.batches.runner import BatchRunner, PreparedRequest
 from producer_api.batches.store import BatchStore
 from shared.client import QueueClient
-from shared.errors import ModelNotFoundError, ValidationError
+from shared.errors import ModelNotFoundError, UnsupportedParameterError, ValidationError
 from shared.model_source import load_tokenizer
 from shared.schemas import FinalResult
 from shared.settings import Settings, get_settings
@@ -128,6 +128,7 @@ class ApiLineHandler:
         return PreparedRequest(model=request.model, prompt_token_ids=ids, sampling=spec)
 
     def response_body(self, endpoint: str, request_id: str, result: FinalResult) -> dict[str, Any]:
+        from producer_api.openai.formatting import system_fingerprint
         from producer_api.openai.models import (
             AssistantMessage,
             ChatChoice,
@@ -147,6 +148,8 @@ class ApiLineHandler:
                 model=result.model,
                 choices=[ChatChoice(index=0, message=AssistantMessage(content=result.text), finish_reason=finish)],
                 usage=usage,
+                # As the live route answers: a batch's body is what the same request over HTTP returns.
+                system_fingerprint=system_fingerprint(result.model),
             ).model_dump(mode="json")
         return Completion(
             id=f"cmpl-{request_id}",
@@ -158,24 +161,25 @@ class ApiLineHandler:
 
 
 def _refuse_unsupported(request: Any) -> None:
-    """What a batch line cannot ask for: one choice, no streaming, no logprobs (not in results)."""
+    """What a batch line cannot ask for: one choice, no streaming, no logprobs (not in results).
+    A 400 naming the parameter in the line's response, as the live routes answer what they do not take."""
     if request.n != 1:
-        raise ValidationError("n must be 1 in a batch line", field="n")
+        raise UnsupportedParameterError("n must be 1 in a batch line", field="n")
     if request.stream:
-        raise ValidationError("stream is not available in a batch", field="stream")
+        raise UnsupportedParameterError("stream is not available in a batch", field="stream")
     if getattr(request, "logit_bias", None):
-        raise ValidationError("logit_bias is not supported", field="logit_bias")
+        raise UnsupportedParameterError("logit_bias is not supported", field="logit_bias")
     if getattr(request, "tools", None):  # response_format works; tool calls only on the live routes
-        raise ValidationError("tools are not supported in a batch", field="tools")
+        raise UnsupportedParameterError("tools are not supported in a batch", field="tools")
     logprobs = getattr(request, "logprobs", None)
     if logprobs:
-        raise ValidationError("logprobs are not available in batch results", field="logprobs")
+        raise UnsupportedParameterError("logprobs are not available in batch results", field="logprobs")
     if getattr(request, "echo", False):
-        raise ValidationError("echo is not supported in a batch", field="echo")
+        raise UnsupportedParameterError("echo is not supported in a batch", field="echo")
     if getattr(request, "suffix", None):
-        raise ValidationError("suffix is not supported", field="suffix")
+        raise UnsupportedParameterError("suffix is not supported", field="suffix")
     if (getattr(request, "best_of", None) or 1) > 1:
-        raise ValidationError("best_of must be 1", field="best_of")
+        raise UnsupportedParameterError("best_of must be 1", field="best_of")
 
 
 def _completion_prompt(tokenizers: Any, request: Any) -> list[int]:

@@ -53,7 +53,7 @@ from producer_api.validation import (
     resolve_priority,
     sampling_spec,
 )
-from shared.errors import ValidationError
+from shared.errors import UnsupportedParameterError, ValidationError
 from shared.schemas import Constraint
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
@@ -127,7 +127,7 @@ def build_plan(
 def reject_unsupported(**fields: Any) -> None:
     for name, value in fields.items():
         if value:
-            raise ValidationError(f"{name} is not supported by this server", field=name)
+            raise UnsupportedParameterError(f"{name} is not supported by this server", field=name)
 
 
 # Completions ------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ async def completions(
     reject_unsupported(suffix=body.suffix, logit_bias=body.logit_bias)
     constraint = response_format_constraint(body.response_format)
     if body.best_of is not None and body.best_of != body.n:
-        raise ValidationError("best_of must equal n (no server-side ranking)", field="best_of")
+        raise UnsupportedParameterError("best_of must equal n (no server-side ranking)", field="best_of")
     prompts = await completion_prompts(st, body)
     plan = build_plan(
         st,

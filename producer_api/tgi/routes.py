@@ -30,7 +30,7 @@ from producer_api.validation import (
     resolve_priority,
     sampling_spec,
 )
-from shared.errors import ValidationError
+from shared.errors import UnsupportedParameterError, ValidationError
 from shared.schemas import Constraint
 
 router = APIRouter(tags=["TGI"])
@@ -59,7 +59,7 @@ async def plan(request: Request, body: GenerateRequest, key: ApiKey | None, *, s
     settings = st.settings
     p = body.parameters
     if p.adapter_id is not None:
-        raise ValidationError("adapters are not supported", field="parameters.adapter_id")
+        raise UnsupportedParameterError("adapters are not supported", field="parameters.adapter_id")
     best_of = p.best_of or 1
     check_stops(settings, p.stop, "parameters.stop")
     priority = resolve_priority(settings, p.priority, key)

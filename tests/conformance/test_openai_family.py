@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Literal
 
+import openai
 import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
@@ -33,21 +36,31 @@ def test_chat_n_logprobs_seed(client: OpenAI, model: str) -> None:
     assert isinstance(a.system_fingerprint, str)
 
 
-def test_chat_stop_and_stream_usage(client: OpenAI, model: str) -> None:
-    free = client.completions.create(model=model, prompt="Once upon", max_tokens=10, temperature=0).choices[0].text
-    words = [w for w in free.split() if w.isascii() and w.isalpha()]
-    if len(words) > 1:  # a whole word the greedy text holds
-        stopped = client.completions.create(
-            model=model, prompt="Once upon", max_tokens=10, temperature=0, stop=[words[1]]
-        )
-        assert stopped.choices[0].finish_reason == "stop" and words[1] not in stopped.choices[0].text
+def test_stop(client: OpenAI, model: str) -> None:
+    greedy = {"model": model, "max_tokens": 12, "temperature": 0}
+    free = client.chat.completions.create(messages=MESSAGES, **greedy).choices[0].message.content or ""
+    assert len(free) >= 8, free  # premise: the greedy answer is long enough to stop inside it
+    stop = free[4:7]
+    stopped = client.chat.completions.create(messages=MESSAGES, stop=[stop], **greedy).choices[0]
+    # The answer ends where the stop sequence first appears, which it does not include.
+    assert stopped.finish_reason == "stop" and stopped.message.content == free[: free.index(stop)]
+
+    text = client.completions.create(prompt="Once upon", **greedy).choices[0].text
+    assert len(text) >= 8, text
+    cut = client.completions.create(prompt="Once upon", stop=text[4:7], **greedy).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == text[: text.index(text[4:7])]
+
+
+def test_chat_stream_usage(client: OpenAI, model: str) -> None:
     stream = client.chat.completions.create(
         model=model, messages=MESSAGES, max_tokens=5, stream=True, stream_options={"include_usage": True}
     )
     chunks = list(stream)
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 5
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert isinstance(text, str)
+    usage = chunks[-1].usage
+    assert usage is not None and not chunks[-1].choices  # OpenAI's usage chunk has no choices
+    assert 1 <= usage.completion_tokens <= 5 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-2].choices[0].finish_reason in ("length", "stop")
 
 
 def test_completions(client: OpenAI, model: str) -> None:
@@ -75,6 +88,49 @@ def test_tools(client: OpenAI, model: str) -> None:
     assert json.loads(call.function.arguments)["city"] in ("Paris", "London")
 
 
+class GetWeather(BaseModel):
+    """Weather in a city."""
+
+    city: Literal["Paris", "London"]
+
+
+def test_tools_streamed_and_parsed(client: OpenAI, model: str) -> None:
+    """The SDK's stream helper assembles the streamed call and parses it into the pydantic tool."""
+    named = {"type": "function", "function": {"name": "GetWeather"}}
+    with client.chat.completions.stream(
+        model=model,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice=named,
+        max_tokens=60,
+    ) as stream:
+        events = [event.type for event in stream]
+        final = stream.get_final_completion()
+    assert "tool_calls.function.arguments.done" in events
+    calls = final.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    assert isinstance(calls[0].function.parsed_arguments, GetWeather)
+
+
+@pytest.mark.parametrize(
+    ("call", "param"),
+    [
+        ("chat", "logit_bias"),
+        ("completions", "logit_bias"),
+        ("completions", "suffix"),
+        ("completions", "best_of"),
+    ],
+)
+def test_unsupported_parameters_are_400s_naming_them(client: OpenAI, model: str, call: str, param: str) -> None:
+    value = {"logit_bias": {"1": 5.0}, "suffix": " the end", "best_of": 3}[param]
+    with pytest.raises(openai.BadRequestError) as refused:
+        if call == "chat":
+            client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, **{param: value})
+        else:
+            client.completions.create(model=model, prompt="Hi", max_tokens=2, **{param: value})
+    assert refused.value.param == param and param in refused.value.message
+
+
 def test_litellm(live_api, model: str) -> None:
     litellm = pytest.importorskip("litellm")
     kwargs = {"model": f"hosted_vllm/{model}", "api_base": f"{live_api.url}/v1", "api_key": "unused"}
@@ -90,7 +146,11 @@ def test_langchain_openai(live_api, model: str) -> None:
     langchain_openai = pytest.importorskip("langchain_openai")
     llm = langchain_openai.ChatOpenAI(model=model, base_url=f"{live_api.url}/v1", api_key="unused", max_tokens=60)
     assert isinstance(llm.invoke("Hello").content, str)
+    assert isinstance(asyncio.run(llm.ainvoke("Hello")).content, str)
+    assert [type(m.content) for m in llm.batch(["Hello", "Hi"])] == [str, str]
     assert list(llm.stream("Hello"))
+    completions = langchain_openai.OpenAI(model=model, base_url=f"{live_api.url}/v1", api_key="unused", max_tokens=5)
+    assert isinstance(completions.invoke("Once upon"), str)
     pet = llm.with_structured_output(Pet, method="json_schema").invoke("Describe a pet.")
     assert isinstance(pet, Pet)
     tool_choice = {"type": "function", "function": {"name": "get_weather"}}
