@@ -137,9 +137,10 @@ def text_format(body: ResponsesRequest) -> tuple[dict[str, Any], Constraint | No
     return echo, constraint
 
 
-def tools_of(body: ResponsesRequest) -> ToolPlan | None:
+def tools_of(body: ResponsesRequest, answer: Constraint | None) -> ToolPlan | None:
     """The chat route's tool plan for Responses' flat function tools ({"type", "name", "parameters",
-    ...}) and tool_choice ({"type": "function", "name"}): the same grammar, template and parsing."""
+    ...}) and tool_choice ({"type": "function", "name"}): the same grammar, template and parsing.
+    ``answer``: text.format's constraint, the answer when the model calls nothing."""
     chat_tools = []
     for i, tool in enumerate(body.tools or []):
         unknown = set(tool) - {"type", "name", "description", "parameters", "strict"}
@@ -154,7 +155,7 @@ def tools_of(body: ResponsesRequest) -> ToolPlan | None:
     choice: Any = body.tool_choice
     if isinstance(choice, dict):
         choice = {"type": "function", "function": {"name": choice.get("name")}}
-    return _as_bad_request(tool_plan, chat_tools or None, choice, body.parallel_tool_calls)
+    return _as_bad_request(tool_plan, chat_tools or None, choice, body.parallel_tool_calls, answer)
 
 
 def _as_bad_request(build: Any, *args: Any) -> Any:

@@ -185,10 +185,8 @@ async def create_response(request: Request, key: ApiKey | None = Depends(authent
     st.tokenizers.get(model)
     messages = input_messages(body)
     fmt, constraint = text_format(body)
-    tools = tools_of(body)
+    tools = tools_of(body, constraint)
     calling = tools is not None and tools.constraint is not None
-    if calling and constraint is not None:
-        raise BadRequest("text.format other than text cannot be combined with function calls", field="text.format")
     context = await conversation(st, body)
     chat = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + context + messages
     # As the chat route: templates that know tools get them, the others get them in the system message.

@@ -141,6 +141,25 @@ def test_auto_tool_choice_gives_text_or_well_formed_calls(live_api: ApiServer) -
             assert not r.output_text.lstrip().startswith("<tool_call>")
 
 
+def test_auto_tool_choice_with_a_json_schema_answers_in_calls_or_that_json(live_api: ApiServer) -> None:
+    client = sdk(live_api)
+    fmt = {"type": "json_schema", "name": "pet", "schema": PET}
+    for seed in range(4):
+        r = client.responses.create(
+            input="A pet, or the weather?",
+            tools=[WEATHER],
+            text={"format": fmt},
+            max_output_tokens=200,
+            extra_body={"seed": seed},
+        )
+        assert r.status == "completed", r.incomplete_details
+        if r.output[0].type == "function_call":
+            check_calls(r.output, {"get_weather"})
+        else:
+            assert [item.type for item in r.output] == ["message"]
+            validate(r.output_text, PET)
+
+
 def test_streamed_function_call_events(live_api: ApiServer) -> None:
     client = sdk(live_api)
     kwargs: dict[str, Any] = {"input": "Weather in Paris?", **CALL_BOTH}
@@ -233,10 +252,6 @@ def test_bad_formats_and_tools_are_400s_naming_the_parameter(live_api: ApiServer
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
         ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "wat"}}]}, "tools"),
-        (
-            {"tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
-            "text.format",
-        ),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
         ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0].call_id"),
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": 1}]}, "input[0].output"),
