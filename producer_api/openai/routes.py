@@ -241,10 +241,9 @@ async def chat_completions(
     if body.top_logprobs is not None and not body.logprobs:
         raise ValidationError("top_logprobs needs logprobs: true", field="top_logprobs")
     constraint = response_format_constraint(body.response_format)
-    tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+    # With tools a response_format is the answer the model gives when it calls none (tool_choice auto).
+    tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, constraint)
     calling = tools is not None and tools.constraint is not None
-    if calling and constraint is not None:
-        raise ValidationError("response_format cannot be combined with tool calls", field="response_format")
     template = st.tokenizers.chat_template(body.model)
     messages = template_messages([chat_message(m) for m in body.messages], tools, template)
     template_tools = tools.tools if tools is not None and "tools" in template else None

@@ -95,7 +95,11 @@ def function_of(tool: Any, i: int) -> dict[str, Any]:
     return {"name": fn["name"], "description": fn.get("description", ""), "parameters": params}
 
 
-def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None) -> ToolPlan | None:
+def tool_plan(
+    tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None, answer: Constraint | None = None
+) -> ToolPlan | None:
+    """``answer``: the structured output asked for besides the tools (a JSON constraint): under
+    ``auto`` the model answers either with calls or with JSON valid for it, never free text."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
             raise ValidationError("tool_choice needs tools", field="tool_choice")
@@ -117,15 +121,34 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bo
         chosen = [f for f in functions if f["name"] == name]
         grammar = calls_grammar(chosen, parallel=False, free_text=False)
     elif choice in ("required", "auto"):
-        grammar = calls_grammar(functions, parallel=parallel_tool_calls is not False, free_text=choice == "auto")
+        grammar = calls_grammar(
+            functions,
+            parallel=parallel_tool_calls is not False,
+            free_text=choice == "auto",
+            answer=answer_schema(answer) if choice == "auto" else None,
+        )
     else:
         raise ValidationError("tool_choice must be none, auto, required or a named function", field="tool_choice")
     return ToolPlan(template_tools, constraint_of({"type": "lark", "value": grammar}, "tools"), names)
 
 
-def calls_grammar(functions: list[dict[str, Any]], *, parallel: bool, free_text: bool) -> str:
+def answer_schema(answer: Constraint | None) -> dict[str, Any] | None:
+    """The JSON schema of a structured-output constraint that may stand beside tool calls."""
+    if answer is None:
+        return None
+    if answer.type == "json_object":
+        return {"type": "object"}
+    if answer.type == "json_schema" and isinstance(answer.value, dict):
+        return answer.value
+    raise ValidationError("only a JSON response_format can be combined with tool calls", field="response_format")
+
+
+def calls_grammar(
+    functions: list[dict[str, Any]], *, parallel: bool, free_text: bool, answer: dict[str, Any] | None = None
+) -> str:
     """Lark (llguidance's dialect): one call, or several, each JSON valid for one function; with
-    ``free_text`` the model may instead answer in text that does not begin a call."""
+    ``free_text`` the model may instead answer in text that does not begin a call, or, given an
+    ``answer`` schema, in JSON valid for it (JSON cannot begin a call either)."""
     variants = [
         {
             "type": "object",
@@ -136,12 +159,15 @@ def calls_grammar(functions: list[dict[str, Any]], *, parallel: bool, free_text:
         for f in functions
     ]
     schema = {**(variants[0] if len(variants) == 1 else {"anyOf": variants}), "x-guidance": _COMPACT}
+    alternative = "answer" if answer is not None else "TEXT"
     lines = [
-        "start: " + ("TEXT | calls" if free_text else "calls"),
+        "start: " + (f"{alternative} | calls" if free_text else "calls"),
         "calls: call" + (' ("\\n" call)*' if parallel else ""),
         f'call: "{CALL_OPEN}\\n" %json {json.dumps(schema)} "\\n{CALL_CLOSE}"',
     ]
-    if free_text:
+    if free_text and answer is not None:
+        lines.append(f"answer: %json {json.dumps({**answer, 'x-guidance': _COMPACT})}")
+    elif free_text:
         lines.append(r"TEXT: /(.|\n)*/ & ~/[ \t\n]*<tool_call>(.|\n)*/")
     return "\n".join(lines)
 

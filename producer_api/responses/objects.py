@@ -1,15 +1,23 @@
 """Response objects and stream events in the shapes the openai SDK's types expect.
 
 Stream events are numbered so that any API replica can rebuild the same stream from the request's
-replay log: 0 response.created, 1 response.in_progress, 2 output_item.added, 3 content_part.added,
-4 + i the delta of generated token i, then (N tokens) 4+N output_text.done, 5+N content_part.done,
-6+N output_item.done, 7+N the terminal event. ``starting_after=n`` therefore resumes at token n - 3:
-no gap, no duplicate, whoever serves the stream and whichever worker generated it (takeover)."""
+replay log (``EventLog``), whoever serves the stream and whichever worker generated it (takeover).
+A plain text response: 0 response.created, 1 response.in_progress, 2 output_item.added, 3
+content_part.added, 4 + i the delta of generated token i, then (N tokens) 4+N output_text.done, 5+N
+content_part.done, 6+N output_item.done, 7+N the terminal event; ``starting_after=n`` resumes at
+token n - 3. A response that may call functions decides its items only as its text reveals them
+(text held back until it is clearly text, a call emitted once it is whole, as the chat route's
+``ToolCallStream``), so its numbers depend on the text so far: a resumed stream replays its tokens
+from the first and skips the events already seen. Either way: no gap, no duplicate.
+
+The response's output is computed from its text by the same ``EventLog``, so the items in the final
+object are exactly the ones the stream announced."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from producer_api.openai.structured import ToolCallStream
 from shared.request_lifecycle import RequestStatus
 from shared.schemas import ErrorEvent, FinalResult
 
@@ -50,12 +58,10 @@ def response_object(
     output_tokens: int | None = None,
     error: ErrorEvent | None = None,
 ) -> dict[str, Any]:
+    """The response object; ``text`` (None while queued): the text generated so far, or all of it."""
     p = record["params"]
     final = status in ("completed", "incomplete", "failed", "cancelled")
-    output = []
-    if text is not None:
-        item_status = {"completed": "completed", "in_progress": "in_progress"}.get(status, "incomplete")
-        output = [output_message(record["id"], text, item_status)]
+    output = [] if text is None else output_items(record, text, status)
     usage = None
     if output_tokens is not None and final:
         usage = {
@@ -90,7 +96,7 @@ def response_object(
         "top_p": p["top_p"],
         "text": p["text"],
         "tool_choice": p["tool_choice"],
-        "tools": [],
+        "tools": p.get("tools", []),
         "truncation": p["truncation"],
         "usage": usage,
         "user": p["user"],
@@ -102,69 +108,169 @@ def response_object(
     }
 
 
-def opening_events(record: dict[str, Any], first_status: str) -> list[dict[str, Any]]:
-    """Events 0..3 (status: the response's when its stream began)."""
-    rid, mid = record["id"], message_id(record["id"])
-    return [
-        {"type": "response.created", "sequence_number": 0, "response": response_object(record, first_status)},
-        {"type": "response.in_progress", "sequence_number": 1, "response": response_object(record, "in_progress")},
-        {
-            "type": "response.output_item.added",
-            "sequence_number": 2,
-            "output_index": 0,
-            "item": {**output_message(rid, "", "in_progress"), "content": []},
-        },
-        {
-            "type": "response.content_part.added",
-            "sequence_number": 3,
-            "item_id": mid,
-            "output_index": 0,
-            "content_index": 0,
-            "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
-        },
-    ]
+def item_status_of(status: str) -> str:
+    return {"completed": "completed", "in_progress": "in_progress"}.get(status, "incomplete")
 
 
-def delta_event(record: dict[str, Any], index: int, text: str) -> dict[str, Any]:
+def output_items(record: dict[str, Any], text: str, status: str) -> list[dict[str, Any]]:
+    """The output items of ``text`` when the response is ``status`` (in_progress: text may still
+    become a call, so it is held back as the stream holds it back)."""
+    if not record.get("calling"):
+        return [output_message(record["id"], text, item_status_of(status))]
+    log = EventLog(record)
+    log.token(0, text)
+    if status != "in_progress":
+        log.split(log.splitter.finish() if log.splitter else [])
+    return log.items(status)
+
+
+def function_call_item(response_id: str, index: int, call: dict[str, Any], status: str) -> dict[str, Any]:
+    """A parsed call (the chat route's tool_call shape) as a function_call output item."""
+    fn = call["function"]
     return {
-        "type": "response.output_text.delta",
-        "sequence_number": FIRST_TOKEN_SEQ + index,
-        "item_id": message_id(record["id"]),
-        "output_index": 0,
-        "content_index": 0,
-        "delta": text,
-        "logprobs": [],
+        "id": f"fc_{response_id.removeprefix('resp_')}_{index}",
+        "type": "function_call",
+        "call_id": call["id"],
+        "name": fn["name"],
+        "arguments": fn["arguments"] if status == "completed" else "",
+        "status": status,
     }
 
 
-def closing_events(record: dict[str, Any], n_tokens: int, final: dict[str, Any]) -> list[dict[str, Any]]:
-    """The events after the last delta; ``final`` is the finished response object."""
-    mid = message_id(record["id"])
-    text = final["output"][0]["content"][0]["text"] if final["output"] else ""
-    item = output_message(record["id"], text, final["output"][0]["status"] if final["output"] else "incomplete")
-    seq = FIRST_TOKEN_SEQ + n_tokens
-    terminal = {"completed": "response.completed", "failed": "response.failed"}.get(
-        final["status"],
-        "response.incomplete",  # incomplete, and cancelled (the spec has no cancelled event)
-    )
-    return [
-        {
-            "type": "response.output_text.done",
-            "sequence_number": seq,
-            "item_id": mid,
-            "output_index": 0,
-            "content_index": 0,
-            "text": text,
-            "logprobs": [],
-        },
-        {
-            "type": "response.content_part.done",
-            "sequence_number": seq + 1,
-            "item_id": mid,
-            "output_index": 0,
-            "content_index": 0,
-            "part": item["content"][0],
-        },
-        {"type": "response.output_item.done", "sequence_number": seq + 2, "output_index": 0, "item": item},
-        {"type": terminal, "sequence_number": seq + 3, "response": final},
-    ]
+class EventLog:
+    """A response's numbered events, rebuilt from its tokens in order: ``opening``, ``token`` for
+    each generated token (from token ``resume_index(after)`` on), ``closing``."""
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        self.record = record
+        self.rid = record["id"]
+        self.calling = bool(record.get("calling"))
+        self.splitter = ToolCallStream(self.rid) if self.calling else None
+        self.seq = 0
+        self.text = ""  # the message's text so far (plain responses: from the first token replayed)
+        self.message_at: int | None = None  # the message's output index, once it began
+        self.calls: list[dict[str, Any]] = []  # whole calls, in output order
+
+    def resume_index(self, after: int) -> int:
+        """The first token whose events a stream resumed after sequence number ``after`` needs."""
+        return 0 if self.calling else max(0, after - FIRST_TOKEN_SEQ + 1)
+
+    def opening(self, first_status: str) -> list[dict[str, Any]]:
+        events = [
+            self._numbered({"type": "response.created", "response": response_object(self.record, first_status)}),
+            self._numbered({"type": "response.in_progress", "response": response_object(self.record, "in_progress")}),
+        ]
+        if not self.calling:  # plain text: its message begins at once, so token i is event 4 + i
+            events += self._open_message()
+        return events
+
+    def token(self, index: int, text: str) -> list[dict[str, Any]]:
+        if self.splitter is not None:
+            return self.split(self.splitter.feed(text))
+        self.seq = FIRST_TOKEN_SEQ + index
+        return [self._delta(text)]
+
+    def closing(self, n_tokens: int, final: dict[str, Any]) -> list[dict[str, Any]]:
+        """The events after the last token's; ``final`` is the finished response object."""
+        events: list[dict[str, Any]] = []
+        if self.splitter is not None:
+            events += self.split(self.splitter.finish())
+        else:
+            self.seq = FIRST_TOKEN_SEQ + n_tokens
+        if self.message_at is not None:
+            item = next((i for i in final["output"] if i["type"] == "message"), None)
+            item = item or output_message(self.rid, self.text, item_status_of(final["status"]))
+            events += self._close_message(item)
+        terminal = {"completed": "response.completed", "failed": "response.failed"}.get(
+            final["status"],
+            "response.incomplete",  # incomplete, and cancelled (the spec has no cancelled event)
+        )
+        events.append(self._numbered({"type": terminal, "response": final}))
+        return events
+
+    def items(self, status: str) -> list[dict[str, Any]]:
+        out = [function_call_item(self.rid, i, c, "completed") for i, c in enumerate(self.calls)]
+        if self.message_at is not None:
+            out.insert(self.message_at, output_message(self.rid, self.text, item_status_of(status)))
+        return out
+
+    def split(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Events for the chat-shaped deltas of a ``ToolCallStream``: text, or whole calls."""
+        events: list[dict[str, Any]] = []
+        for delta in deltas:
+            if delta.get("content"):
+                if self.message_at is None:
+                    events += self._open_message()
+                events.append(self._delta(delta["content"]))
+            for call in delta.get("tool_calls") or []:
+                events += self._call(call)
+        return events
+
+    def _numbered(self, event: dict[str, Any]) -> dict[str, Any]:
+        numbered = {"type": event["type"], "sequence_number": self.seq, **event}
+        self.seq += 1
+        return numbered
+
+    def _open_message(self) -> list[dict[str, Any]]:
+        self.message_at = len(self.calls)
+        at, mid = self.message_at, message_id(self.rid)
+        return [
+            self._numbered(
+                {
+                    "type": "response.output_item.added",
+                    "output_index": at,
+                    "item": {**output_message(self.rid, "", "in_progress"), "content": []},
+                }
+            ),
+            self._numbered(
+                {
+                    "type": "response.content_part.added",
+                    "item_id": mid,
+                    "output_index": at,
+                    "content_index": 0,
+                    "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                }
+            ),
+        ]
+
+    def _delta(self, text: str) -> dict[str, Any]:
+        self.text += text
+        return self._numbered(
+            {
+                "type": "response.output_text.delta",
+                "item_id": message_id(self.rid),
+                "output_index": self.message_at or 0,
+                "content_index": 0,
+                "delta": text,
+                "logprobs": [],
+            }
+        )
+
+    def _close_message(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        at, mid = self.message_at or 0, message_id(self.rid)
+        where = {"item_id": mid, "output_index": at, "content_index": 0}
+        text = item["content"][0]["text"]
+        return [
+            self._numbered({"type": "response.output_text.done", **where, "text": text, "logprobs": []}),
+            self._numbered({"type": "response.content_part.done", **where, "part": item["content"][0]}),
+            self._numbered({"type": "response.output_item.done", "output_index": at, "item": item}),
+        ]
+
+    def _call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        """A whole call: its item, its arguments in one delta (they are known at once), its end."""
+        index = len(self.calls) + (self.message_at is not None)
+        self.calls.append(call)
+        done = function_call_item(self.rid, len(self.calls) - 1, call, "completed")
+        where = {"item_id": done["id"], "output_index": index}
+        return [
+            self._numbered(
+                {
+                    "type": "response.output_item.added",
+                    "output_index": index,
+                    "item": function_call_item(self.rid, len(self.calls) - 1, call, "in_progress"),
+                }
+            ),
+            self._numbered({"type": "response.function_call_arguments.delta", **where, "delta": done["arguments"]}),
+            self._numbered({"type": "response.function_call_arguments.done", **where, "arguments": done["arguments"]}),
+            self._numbered({"type": "response.output_item.done", "output_index": index, "item": done}),
+        ]

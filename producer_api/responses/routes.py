@@ -25,14 +25,18 @@ from producer_api.auth import authenticate
 from producer_api.dispatch import Submission
 from producer_api.errors import normalize
 from producer_api.models_common import OPENAI_ERRORS
+from producer_api.openai.structured import template_messages
 from producer_api.responses import objects
 from producer_api.responses.models import (
     BadRequest,
     ResponsesRequest,
     input_messages,
+    items_to_messages,
     parse,
+    text_format,
     tier_of,
     tier_priority,
+    tools_of,
 )
 from producer_api.responses.store import ResponseStore
 from producer_api.state import AppState, arrival, state_of
@@ -72,6 +76,9 @@ async def current(st: AppState, record: dict[str, Any]) -> dict[str, Any]:
             error=ErrorEvent(request_id=record["id"], error_type="expired", message="the response's result expired"),
         )
     status = objects.status_of(info.status, info.result)
+    if status == "in_progress":  # the output so far, as OpenAI shows it while a response runs
+        text, _ = await partial_text(st, record["id"])
+        return objects.response_object(record, status, text=text)
     if not info.status.is_final:
         return objects.response_object(record, status)
     if info.result is not None:
@@ -87,7 +94,7 @@ async def current(st: AppState, record: dict[str, Any]) -> dict[str, Any]:
 
 
 async def partial_text(st: AppState, request_id: str) -> tuple[str, int]:
-    """Text of the tokens a cancelled or failed request produced, from its replay log."""
+    """Text of the tokens a running, cancelled or failed request produced, from its replay log."""
     client = st.dispatcher.client
     entries = await client.redis.xrange(client.keys.replay_log(request_id))
     texts: dict[int, str] = {}
@@ -103,7 +110,7 @@ async def partial_text(st: AppState, request_id: str) -> tuple[str, int]:
     return "".join(texts[i] for i in sorted(texts)), len(texts)
 
 
-async def conversation(st: AppState, body: ResponsesRequest) -> list[dict[str, str]]:
+async def conversation(st: AppState, body: ResponsesRequest) -> list[dict[str, Any]]:
     """The messages before this request's input: the previous response's context, input and output."""
     if body.previous_response_id is None:
         return []
@@ -113,29 +120,56 @@ async def conversation(st: AppState, body: ResponsesRequest) -> list[dict[str, s
         raise BadRequest(
             f"previous response {prev['id']!r} is {final['status']}, not completed", field="previous_response_id"
         )
-    text = final["output"][0]["content"][0]["text"] if final["output"] else ""
-    return [*prev["context"], *prev["messages"], {"role": "assistant", "content": text}]
+    # Its output items (text, function calls) are shaped as input items are.
+    output = items_to_messages(final["output"], "previous_response_id") if final["output"] else []
+    return [*prev["context"], *prev["messages"], *output]
 
 
-def input_items(response_id: str, body: ResponsesRequest, messages: list[dict[str, str]]) -> list[dict[str, Any]]:
+def input_items(response_id: str, body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The input as input_items.list shows it (already checked by ``input_messages``)."""
+    raw = body.input if isinstance(body.input, list) else [{"role": "user", "content": body.input}]
+    suffix = response_id.removeprefix("resp_")
     items = []
-    raw = body.input if isinstance(body.input, list) else [{"role": "user"}]
-    for i, (item, message) in enumerate(zip(raw, messages, strict=True)):
+    for i, item in enumerate(raw):
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            fields = {k: item[k] for k in ("call_id", "name", "arguments")}
+            items.append({"id": item.get("id") or f"fc_{suffix}_in{i}", "type": kind, **fields, "status": "completed"})
+            continue
+        if kind == "function_call_output":
+            fields = {k: item[k] for k in ("call_id", "output")}
+            items.append({"id": item.get("id") or f"fco_{suffix}_{i}", "type": kind, **fields, "status": "completed"})
+            continue
         role = item.get("role", "user")
+        content = item["content"]
+        text = content if isinstance(content, str) else "".join(part["text"] for part in content)
         kind = "output_text" if role == "assistant" else "input_text"
-        part: dict[str, Any] = {"type": kind, "text": message["content"]}
+        part: dict[str, Any] = {"type": kind, "text": text}
         if kind == "output_text":
             part["annotations"] = []
         items.append(
-            {
-                "id": f"msg_{response_id.removeprefix('resp_')}_{i}",
-                "type": "message",
-                "role": role,
-                "status": "completed",
-                "content": [part],
-            }
+            {"id": f"msg_{suffix}_{i}", "type": "message", "role": role, "status": "completed", "content": [part]}
         )
     return items
+
+
+def tools_echo(body: ResponsesRequest) -> list[dict[str, Any]]:
+    return [
+        {
+            "type": "function",
+            "name": t["name"],
+            "description": t.get("description"),
+            "parameters": t.get("parameters") or {"type": "object", "properties": {}},
+            "strict": t.get("strict"),
+        }
+        for t in body.tools or []
+    ]
+
+
+def tool_choice_echo(body: ResponsesRequest) -> Any:
+    if isinstance(body.tool_choice, dict):
+        return {"type": "function", "name": body.tool_choice.get("name")}
+    return body.tool_choice or "auto"
 
 
 @router.post("", responses=OPENAI_ERRORS, summary="Create a response (OpenAI Responses API)")
@@ -150,9 +184,16 @@ async def create_response(request: Request, key: ApiKey | None = Depends(authent
     model = resolve_model(settings, body.model or settings.model)
     st.tokenizers.get(model)
     messages = input_messages(body)
+    fmt, constraint = text_format(body)
+    tools = tools_of(body, constraint)
+    calling = tools is not None and tools.constraint is not None
     context = await conversation(st, body)
     chat = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + context + messages
-    ids = await anyio.to_thread.run_sync(st.tokenizers.apply_chat_template, model, chat)
+    # As the chat route: templates that know tools get them, the others get them in the system message.
+    template = st.tokenizers.chat_template(model)
+    chat = template_messages(chat, tools, template)
+    template_tools = tools.tools if tools is not None and "tools" in template else None
+    ids = await anyio.to_thread.run_sync(st.tokenizers.apply_chat_template, model, chat, template_tools)
     ids, max_new = enforce_limits(
         settings, ids, body.max_output_tokens, prompt_field="input", max_new_tokens_field="max_output_tokens"
     )
@@ -166,6 +207,7 @@ async def create_response(request: Request, key: ApiKey | None = Depends(authent
         seed=body.seed,
         stop=check_stops(settings, [body.stop] if isinstance(body.stop, str) else list(body.stop or [])),
         ignore_eos=body.ignore_eos,
+        constraint=tools.constraint if calling and tools is not None else constraint,
     )
     response_id = "resp_" + uuid.uuid4().hex
     record: dict[str, Any] = {
@@ -177,7 +219,8 @@ async def create_response(request: Request, key: ApiKey | None = Depends(authent
         "prompt_tokens": len(ids),
         "context": context,
         "messages": messages,
-        "input_items": input_items(response_id, body, messages),
+        "input_items": input_items(response_id, body),
+        "calling": calling,  # its text may hold function calls (objects.EventLog)
         "final": None,
         "params": {
             "instructions": body.instructions,
@@ -189,9 +232,10 @@ async def create_response(request: Request, key: ApiKey | None = Depends(authent
             "store": body.store,
             "previous_response_id": body.previous_response_id,
             "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
-            "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) else "auto",
+            "tool_choice": tool_choice_echo(body),
+            "tools": tools_echo(body),
             "text": {
-                "format": {"type": "text"},
+                "format": fmt,
                 **({"verbosity": body.text["verbosity"]} if body.text and "verbosity" in body.text else {}),
             },
             "truncation": body.truncation or "disabled",
@@ -245,25 +289,27 @@ async def event_stream(
         payload = json.dumps(event, separators=(",", ":"))
         return f"id: {event['sequence_number']}\nevent: {event['type']}\ndata: {payload}\n\n"
 
-    for event in objects.opening_events(record, first_status):
+    log = objects.EventLog(record)
+    for event in log.opening(first_status):
         if event["sequence_number"] > after:
             yield frame(event)
-    last = max(after, objects.FIRST_TOKEN_SEQ - 1)
+    last = max(after, log.seq - 1)
     try:
         events = st.dispatcher.events(
             record["id"],
             route="/v1/responses",
             model=record["model"],
             started=arrival(request),
-            from_index=max(0, after - objects.FIRST_TOKEN_SEQ + 1),
+            from_index=log.resume_index(after),
             cancel_if_unfinished=cancel_if_unfinished,
         )
         n_tokens: int | None = None
         async for event in events:
             if isinstance(event, TokenEvent):
-                delta = objects.delta_event(record, event.index, event.text)
-                last = delta["sequence_number"]
-                yield frame(delta)
+                for numbered in log.token(event.index, event.text):
+                    if numbered["sequence_number"] > after:
+                        last = numbered["sequence_number"]
+                        yield frame(numbered)
                 continue
             if isinstance(event, DoneEvent):
                 n_tokens = len(event.result.token_ids)
@@ -271,7 +317,7 @@ async def event_stream(
         final = await current(st, record)
         if n_tokens is None:  # cancelled or failed: as many deltas as the replay log holds tokens
             n_tokens = (final.get("usage") or {}).get("output_tokens", 0)
-        for closing in objects.closing_events(record, n_tokens, final):
+        for closing in log.closing(n_tokens, final):
             if closing["sequence_number"] > after:
                 yield frame(closing)
     except Exception as exc:

@@ -35,6 +35,20 @@ def wait_status(client: openai.OpenAI, response_id: str, wanted: set[str], timeo
         time.sleep(0.05)
 
 
+def drop_and_resume(client: openai.OpenAI, response_id: str, first: int) -> list:
+    """A client reads ``first`` events, its connection drops, it resumes after the last one it saw."""
+    seen = []
+    stream = client.responses.retrieve(response_id, stream=True)
+    for event in stream:
+        seen.append(event)
+        if len(seen) == first:
+            break
+    stream.close()
+    for event in client.responses.retrieve(response_id, stream=True, starting_after=seen[-1].sequence_number):
+        seen.append(event)
+    return seen
+
+
 def check_sequence(events: list, *, start: int = 0) -> None:
     """Numbered from ``start`` without gap or duplicate, in the spec's order, deltas adding up."""
     assert [e.sequence_number for e in events] == list(range(start, start + len(events)))
@@ -156,17 +170,7 @@ def test_background_resume_during_and_after_generation(live_api: ApiServer) -> N
         input="Tell a story.", max_output_tokens=120, background=True, extra_body={"seed": 7}
     )
     assert created.status == "queued" and created.background is True and created.output == []
-    # A client reads a few events, then its connection drops.
-    seen = []
-    stream = client.responses.retrieve(created.id, stream=True)
-    for event in stream:
-        seen.append(event)
-        if len(seen) == 10:
-            break
-    stream.close()
-    # It resumes after the last sequence number it saw.
-    for event in client.responses.retrieve(created.id, stream=True, starting_after=seen[-1].sequence_number):
-        seen.append(event)
+    seen = drop_and_resume(client, created.id, 10)
     check_sequence(seen)
     final = client.responses.retrieve(created.id)
     assert final.status in ("completed", "incomplete") and seen[-1].response.id == created.id
@@ -207,12 +211,12 @@ def test_errors_name_the_parameter(live_api: ApiServer) -> None:
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"include": ["file_search_call.results"]}, "include"),
-        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
-        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"text": {"format": {"type": "grammar"}}}, "text.format"),
+        ({"tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0]"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
         ({"input": [{"role": "user"}]}, "input[0].content"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input[0].type"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
         ({"frobnicate": 1}, "frobnicate"),
         ({"background": True, "store": False}, "store"),
     ]
