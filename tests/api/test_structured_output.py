@@ -214,6 +214,29 @@ def test_auto_tool_choice_gives_text_or_well_formed_calls(oai: openai.OpenAI) ->
             assert "<tool_call>" not in (choice.message.content or "").lstrip()[:11]
 
 
+def test_auto_tool_choice_beside_a_json_schema_gives_calls_or_that_json(oai: openai.OpenAI) -> None:
+    # "Calls or that JSON": a reply without a call is the schema's JSON, never free text.
+    # As OpenAI's strict mode asks (and the SDK's parse() writes): no properties beyond the schema's.
+    pet = {**Pet.model_json_schema(), "additionalProperties": False}
+    for seed in range(6):
+        choice = oai.chat.completions.create(
+            model=model_of(oai),
+            messages=ASK,
+            tools=[WEATHER],
+            response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": pet, "strict": True}},
+            max_completion_tokens=120,
+            temperature=1.0,
+            seed=seed,
+        ).choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls"
+            for call in choice.message.tool_calls:
+                check_weather_call(call)
+        else:
+            assert choice.finish_reason == "stop", choice
+            Pet.model_validate_json(choice.message.content or "")
+
+
 def test_a_conversation_with_tool_results_continues(oai: openai.OpenAI) -> None:
     first = oai.chat.completions.create(
         model=model_of(oai), messages=ASK, tools=[WEATHER], tool_choice="required", max_completion_tokens=200

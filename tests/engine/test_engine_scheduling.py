@@ -55,6 +55,28 @@ def test_urgent_request_preempts_a_less_urgent_running_one(make_engine: Any, tin
     assert [e.index for e in events if e.request_id == "background"] == list(range(10))
 
 
+def test_an_urgent_arrival_is_prefilled_beside_urgent_decodes_while_background_sits_one_step_out(
+    make_engine: Any, tiny_ref: Any
+) -> None:
+    engine = make_engine(max_num_seqs=8)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"background-{i}", prompt(20 + i), params, priority=3)
+    engine.add_request("urgent-old", prompt(30), params, priority=0)
+    events = [e for _ in range(3) for e in engine.step()]  # all four prefilled and decoding
+    assert {e.request_id for e in events[-4:]} == {"background-0", "background-1", "background-2", "urgent-old"}
+    engine.add_request("urgent-new", prompt(31), params, priority=0)
+    # One step: the new urgent request's prefill (its first token) and its peer's decode, nothing else.
+    urgent_step = engine.step()
+    assert sorted(e.request_id for e in urgent_step) == ["urgent-new", "urgent-old"]
+    # Then everyone again; nothing was preempted and every sequence continues exactly.
+    next_step = engine.step()
+    assert {e.request_id for e in next_step} == {f"background-{i}" for i in range(3)} | {"urgent-old", "urgent-new"}
+    events += urgent_step + next_step + step_all(engine)
+    assert engine.stats.preemptions == 0
+    assert [e.token_id for e in events if e.request_id == "background-0"] == reference(tiny_ref, prompt(20), 12)
+
+
 def test_aging_stops_starvation(make_engine: Any) -> None:
     def first_token_step(aging_steps: int | None) -> int | None:
         engine = make_engine(max_num_seqs=1, aging_steps=aging_steps)

@@ -9,11 +9,15 @@ arrival / aging_steps, arrival): lower runs sooner. Aging moves an old request a
 nominally more urgent ones, so nobody starves; between two given requests the order never flips,
 so preemption cannot ping-pong.
 
-Urgent prefill alone: when the most urgent waiting request is at least a whole priority level more
-urgent than everything running, the step prefills the waiting requests of that urgency and
-nothing else; the running batch sits that one step out (as TGI's router pauses decoding for a
+Urgent prefill first: when the most urgent waiting request is at least a whole priority level
+more urgent than the least urgent running one, the step prefills the waiting requests of that
+urgency, and only the running sequences about as urgent (less than a level behind) decode beside
+them; the less urgent rest sits that one step out (as TGI's router pauses decoding for a
 prefill). On a CPU a step of a full batch costs several times a lone prefill, so this is what
 keeps an urgent request's first token close to its idle latency while background work saturates.
+(It first required the waiting request to outrank everything running: with urgent requests
+already decoding, as under a steady urgent share, a new one then waited for a full step: measured
+4.3x its idle p99 time to first token instead of <= 2x.)
 """
 
 from __future__ import annotations
@@ -96,6 +100,10 @@ class Scheduler:
             threshold = self.urgency(self.waiting[0])[0]
             self._admit(batch, while_head=lambda head: self.urgency(head)[0] <= threshold)
             if batch.seqs:
+                # Its peers keep decoding: urgent streams stay live; only background work pauses.
+                for seq in [s for s in self.running if s not in batch.seqs and self._is_peer(s, threshold)]:
+                    if seq.num_tokens - seq.num_computed_tokens == 1:
+                        self._continue(seq, batch)
                 return self._done(batch)
         remaining = {s: s.num_tokens - s.num_computed_tokens for s in self.running}
         # Decodes first: they are latency-critical and cost one token each.
@@ -110,8 +118,13 @@ class Scheduler:
     def _urgent_waiting(self) -> bool:
         if not self.waiting or not self.running:
             return False
-        # Both queues are sorted by urgency (schedule() sorts them first): their heads are the most urgent.
-        return self.urgency(self.waiting[0])[0] <= self.urgency(self.running[0])[0] - 1
+        # Both queues are sorted by urgency (schedule() sorts them first): the waiting head is the
+        # most urgent request waiting, the running tail the least urgent one running.
+        return self.urgency(self.waiting[0])[0] <= self.urgency(self.running[-1])[0] - 1
+
+    def _is_peer(self, seq: Sequence, threshold: float) -> bool:
+        """Running, and less than a whole level less urgent than the urgent requests being admitted."""
+        return self.urgency(seq)[0] < threshold + 1
 
     def _budget(self, batch: ScheduledBatch) -> int:
         return self.max_num_batched_tokens - batch.num_tokens
