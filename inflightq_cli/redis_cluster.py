@@ -96,6 +96,9 @@ class PrivateRedisCluster:
                 check=True, capture_output=True, timeout=timeout,
             )  # fmt: skip
             _wait_for(self.healthy, timeout, "the cluster did not reach cluster_state:ok")
+            # A replica that has not finished its first sync refuses to take over (its data is
+            # "too old"): without this, a master killed in the first seconds is never replaced.
+            _wait_for(self.replicas_synced, timeout, "the replicas did not finish their first sync")
         except BaseException:
             self.stop()
             raise
@@ -112,6 +115,18 @@ class PrivateRedisCluster:
             except redis.RedisError:
                 return False
         return len(self.master_nodes()) == self.masters
+
+    def replicas_synced(self) -> bool:
+        """Every live replica has its link to its master up (its first full sync is done)."""
+        for node in self.live_nodes():
+            try:
+                with node.client() as client:
+                    info = client.info("replication")
+            except redis.RedisError:
+                return False
+            if info.get("role") == "slave" and info.get("master_link_status") != "up":
+                return False
+        return True
 
     def live_nodes(self) -> list[ClusterNode]:
         return [n for n in self.nodes if n.process is not None and n.process.poll() is None]

@@ -13,7 +13,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
-from redis.cluster import RedisCluster
+from redis.cluster import PRIMARY, RedisCluster
 
 from shared.client_core import redis_kwargs
 from shared.settings import Settings
@@ -50,3 +50,25 @@ def is_cluster_client(client: Any) -> bool:
 def primaries(client: RedisCluster) -> list[redis.Redis]:
     """A plain client for each master of a Cluster (DBSIZE, INFO, SCAN per node)."""
     return [client.get_redis_connection(node) for node in client.get_primaries()]
+
+
+def load_script(client: redis.Redis | RedisCluster, script: str) -> str:
+    """SCRIPT LOAD everywhere an EVALSHA of ``script`` may land; returns its SHA.
+
+    On a Cluster that is every node, replicas included: scripts are not replicated, so a replica
+    promoted by a failover answers NOSCRIPT to every call its dead master knew, and a load sent
+    to "the primaries" of a client whose view of the Cluster predates the failover misses it
+    (seen: a publisher reloading and retrying forever). So the client first asks the Cluster who
+    serves what now, and a replica that is down is skipped (it will get the script when a
+    NOSCRIPT brings us back here); a master that is down is an outage, raised as such."""
+    if not is_cluster_client(client):
+        return str(client.script_load(script))
+    client.nodes_manager.initialize()
+    sha = ""
+    for node in client.get_nodes():
+        try:
+            sha = str(client.get_redis_connection(node).script_load(script))
+        except (redis.ConnectionError, redis.TimeoutError):
+            if node.server_type == PRIMARY:
+                raise
+    return sha

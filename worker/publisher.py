@@ -31,6 +31,7 @@ from redis.exceptions import NoScriptError
 
 from shared.event_delivery import PUBLISH_TOKENS, log_maxlen, publish_command
 from shared.keys import CONSUMER_GROUP, Keys
+from shared.redis_connect import load_script
 from shared.request_lifecycle import FINISH
 from shared.schemas import DeadLetter, DoneEvent, ErrorEvent, FinalResult
 from shared.settings import Settings
@@ -44,6 +45,10 @@ Write = Callable[[Any], None]
 # Token events per script call: a backlog after a Redis outage is sent in calls of this size, so
 # no single call blocks Redis for long.
 TOKENS_PER_CALL = 1024
+
+# Script loads one round trip may try before it counts as an outage (backoff, then sent again):
+# a node that keeps answering NOSCRIPT right after a reload must not spin the publisher.
+SCRIPT_RELOADS = 3
 
 # The engine's finish reasons that end a request with an error instead of a result.
 ERROR_FINISHES = {
@@ -216,6 +221,7 @@ class Publisher(ResilientLoop):
 
     def _round_trips(self, calls: list[Write]) -> None:
         """One pipelined round trip (per node), again for script calls that found no script."""
+        reloads = 0
         while calls:
             pipe = self.redis.pipeline(transaction=False)
             spans = []
@@ -234,12 +240,16 @@ class Publisher(ResilientLoop):
                     # A rejected command (not a lost connection) is a bug to see, not to retry forever.
                     log.error("redis rejected a write: %s", errors[0])
             if again:
+                reloads += 1
+                if reloads > SCRIPT_RELOADS:
+                    # Sent again whole after a backoff: at-least-once, clients drop repeated indexes.
+                    raise redis.ConnectionError(f"{len(again)} script calls still find no script after reloading")
                 self._load_scripts()
             calls = again
 
     def _load_scripts(self) -> None:
         for script in self._scripts:
-            self._scripts[script] = self.redis.script_load(script)
+            self._scripts[script] = load_script(self.redis, script)
 
     def _evalsha(self, pipe: Any, script: str, keys: list[str], args: list[Any]) -> None:
         # execute_command: redis-py's Cluster pipeline refuses its evalsha() helper, not the command.

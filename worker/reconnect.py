@@ -13,8 +13,17 @@ from redis.backoff import ExponentialBackoff
 
 log = logging.getLogger("inflightq.worker")
 
-# Errors that mean "Redis is not there right now", as opposed to a bug or a rejected command.
-TRANSIENT = (redis.ConnectionError, redis.TimeoutError, ConnectionError, OSError)
+# Errors that mean "Redis is not there right now", as opposed to a bug or a rejected command. On a
+# Cluster, a failover also answers CLUSTERDOWN (the dead master's slots have no owner until its
+# replica is promoted) and TRYAGAIN (a multi-key command during resharding): both pass.
+TRANSIENT = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    ConnectionError,
+    OSError,
+)
 
 
 class ResilientLoop(threading.Thread):

@@ -159,6 +159,18 @@ end
 return 0
 """
 
+# Compare-and-extend / compare-and-delete of a batch's lease: one key, so one slot on a Cluster,
+# where redis-py's Cluster client has no WATCH (and a GET then DEL could drop a lease another run
+# took in between).
+_RENEW_LEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+"""
+_RELEASE_LEASE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+
 
 class BatchStore:
     def __init__(self, settings: Settings, client: redis.Redis) -> None:
@@ -168,6 +180,8 @@ class BatchStore:
         self.files = FileStore(settings, client)
         self._transition = client.register_script(_TRANSITION)
         self._record = client.register_script(_RECORD_OUTCOME)
+        self._renew_lease = client.register_script(_RENEW_LEASE)
+        self._release_lease = client.register_script(_RELEASE_LEASE)
 
     # Creation and reading -------------------------------------------------------------
     def create(
@@ -405,25 +419,12 @@ class BatchStore:
         return self.renew_lease(batch_id, token, ttl_s)
 
     def renew_lease(self, batch_id: str, token: str, ttl_s: float) -> bool:
-        key = self.keys.batch_lease(batch_id)
         # Compare-and-extend: a run whose lease lapsed and was taken over must notice and stop.
-        with self.redis.pipeline() as pipe:
-            try:
-                pipe.watch(key)
-                if as_text(pipe.get(key) or b"") != token:
-                    pipe.unwatch()
-                    return False
-                pipe.multi()
-                pipe.pexpire(key, int(ttl_s * 1000))
-                pipe.execute()
-                return True
-            except redis.WatchError:
-                return False
+        key = self.keys.batch_lease(batch_id)
+        return bool(self._renew_lease(keys=[key], args=[token, int(ttl_s * 1000)]))
 
     def release_lease(self, batch_id: str, token: str) -> None:
-        key = self.keys.batch_lease(batch_id)
-        if as_text(self.redis.get(key) or b"") == token:
-            self.redis.delete(key)
+        self._release_lease(keys=[self.keys.batch_lease(batch_id)], args=[token])
 
     def lease_held(self, batch_id: str) -> bool:
         return bool(self.redis.exists(self.keys.batch_lease(batch_id)))

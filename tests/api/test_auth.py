@@ -10,16 +10,22 @@ import pytest
 from producer_api.api_keys import find_key, parse_key
 from shared.settings import Settings
 from tests.api.conftest import ApiServer
+from tests.conftest import RedisBackend
 
 
 @pytest.fixture
 def api(
-    redis_url: str, key_prefix: str, tiny_model_dir: Path, start_api: Callable[[Settings], ApiServer], tmp_path: Path
+    redis_backend: RedisBackend,
+    key_prefix: str,
+    tiny_model_dir: Path,
+    start_api: Callable[[Settings], ApiServer],
+    tmp_path: Path,
 ) -> ApiServer:
     keys_file = tmp_path / "keys"
     keys_file.write_text("# comment\nfile-key:0\n\n")
     settings = Settings(
-        redis_url=redis_url,
+        redis_url=redis_backend.url,
+        redis_cluster=redis_backend.cluster,
         key_prefix=key_prefix,
         model=str(tiny_model_dir),
         api_keys=["gold:0", "bronze:2:3"],

@@ -8,21 +8,24 @@ import time
 from pathlib import Path
 
 import pytest
-import redis
 
 from producer_api.batches.files import INLINE_FILE_BYTES
 from producer_api.batches.lines import parse_lines
 from producer_api.batches.store import BatchStatus, BatchStore
 from shared.errors import NotFoundError, PayloadTooLargeError, ValidationError
+from shared.redis_connect import connect
 from shared.settings import Settings
+from tests.conftest import RedisBackend
 
 _CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture
-def store(redis_url: str, key_prefix: str) -> BatchStore:
-    settings = Settings(redis_url=redis_url, key_prefix=key_prefix, result_ttl_s=600)
-    return BatchStore(settings, redis.Redis.from_url(redis_url))
+def store(redis_backend: RedisBackend, key_prefix: str) -> BatchStore:
+    """On the standalone Redis here; on the Cluster in ``test_batch_store_on_cluster.py``."""
+    backend = {"redis_url": redis_backend.url, "redis_cluster": redis_backend.cluster}
+    settings = Settings(**backend, key_prefix=key_prefix, result_ttl_s=600)  # type: ignore[arg-type]
+    return BatchStore(settings, connect(settings, decode_responses=False))  # type: ignore[arg-type]
 
 
 def _line(custom_id: str, url: str = "/v1/chat/completions") -> str:

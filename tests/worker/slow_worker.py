@@ -1,0 +1,32 @@
+"""``inflightq worker`` whose every model forward takes at least ``INFLIGHTQ_TEST_STEP_S`` seconds,
+for tests that need requests still generating across something slower than the tiny model (a
+Redis failover takes seconds; the tiny model makes a token in about a millisecond). Everything
+else is the real worker. Run as ``python tests/worker/slow_worker.py worker --name ...``."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from worker.engine import model_runner
+
+SCRIPT = Path(__file__).resolve()
+_run = model_runner.ModelRunner.run  # importing this module (tests do, for SCRIPT) patches nothing
+
+
+def _slow_run(self: Any, *args: Any, **kwargs: Any) -> Any:
+    # Pacing, not synchronisation: the test waits on the tokens it counts, never on this delay.
+    time.sleep(float(os.environ.get("INFLIGHTQ_TEST_STEP_S", "0.01")))
+    return _run(self, *args, **kwargs)
+
+
+if __name__ == "__main__":
+    model_runner.ModelRunner.run = _slow_run  # type: ignore[method-assign]
+    from inflightq_cli import app
+
+    app()
