@@ -493,3 +493,68 @@ def test_the_cluster_overlay_scales_on_the_same_streams_with_keda_cluster_trigge
         assert meta["consumerGroup"] == CONSUMER_GROUP and "pendingEntriesCount" not in meta
         addresses = [a.strip() for a in meta["addresses"].split(",")]
         assert any(a.startswith(node[0] + ".") and a.endswith(f":{node[1]}") for a in addresses)
+
+
+# -- docker-compose, profile "cluster" -------------------------------------------------------
+
+# Each service of the Cluster profile that stands in for one of the standalone stack.
+CLUSTER_TWINS = {"api-cluster": "api", "worker-cpu-cluster": "worker-cpu", "batch-worker-cluster": "batch-worker"}
+
+
+def _cluster_nodes() -> dict[str, dict[str, Any]]:
+    return {name: s for name, s in _compose()["services"].items() if name.startswith("redis-node-")}
+
+
+def test_compose_cluster_profile_runs_six_redis_7_nodes_in_cluster_mode_with_aof() -> None:
+    nodes = _cluster_nodes()
+    assert len(nodes) == 6
+    volumes = set()
+    for name, node in nodes.items():
+        assert node["profiles"] == ["cluster"] and node["image"].startswith("redis:7"), name
+        argv = _as_argv(node["command"])
+        assert argv[argv.index("--cluster-enabled") + 1] == "yes", name
+        assert argv[argv.index("--appendonly") + 1] == "yes", name
+        assert "ping" in node["healthcheck"]["test"], name
+        (volume,) = node["volumes"]
+        assert volume.endswith(":/data"), name
+        volumes.add(volume.split(":")[0])
+    # Each node its own volume (its AOF and nodes.conf), declared at the top level.
+    assert len(volumes) == 6 and volumes <= set(_compose()["volumes"])
+
+
+def test_compose_cluster_init_joins_every_node_with_one_replica_each_once() -> None:
+    init = _compose()["services"]["redis-cluster-init"]
+    script = "\n".join(_as_argv(init["command"]))
+    assert init["profiles"] == ["cluster"]
+    assert "--cluster create" in script and "--cluster-replicas 1" in script and "--cluster-yes" in script
+    for name in _cluster_nodes():
+        assert re.search(rf"\b{name}\b", script), f"{name} is not joined"
+        assert init["depends_on"][name]["condition"] == "service_healthy"
+    # A Cluster formed by an earlier `up` is left alone (create would fail on nodes that hold slots).
+    assert script.index("cluster_state:ok") < script.index("--cluster create")
+    assert init["restart"] == "on-failure"
+
+
+@pytest.mark.parametrize("twin", sorted(CLUSTER_TWINS))
+def test_compose_cluster_services_are_the_standalone_ones_on_the_cluster(twin: str) -> None:
+    services = _compose()["services"]
+    service, original = services[twin], services[CLUSTER_TWINS[twin]]
+    differs = {"environment", "profiles", "depends_on", "networks"}
+    # Same image, command, probes, volumes and stop behaviour as the service it stands in for.
+    assert {k: v for k, v in service.items() if k not in differs} == {
+        k: v for k, v in original.items() if k not in differs
+    }
+    assert service["profiles"] == ["cluster"]
+    env, plain = _compose_environments()[twin], _compose_environments()[CLUSTER_TWINS[twin]]
+    assert env["INFLIGHTQ_REDIS_CLUSTER"] == "true"
+    # Any one node of the Cluster; RQ on the standalone Redis (RQ has no Cluster support).
+    assert env["INFLIGHTQ_REDIS_URL"].split("//")[1].split(":")[0] in _cluster_nodes()
+    assert env["INFLIGHTQ_RQ_REDIS_URL"] == plain["INFLIGHTQ_REDIS_URL"] == "redis://redis:6379/0"
+    for key, value in plain.items():
+        if key != "INFLIGHTQ_REDIS_URL":
+            assert env[key] == value, f"{twin}: {key}"
+    assert service["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert service["depends_on"]["redis-cluster-init"]["condition"] == "service_completed_successfully"
+    # Prometheus (dns_sd on the service names) finds a twin under the name it stands in for.
+    if CLUSTER_TWINS[twin] in {"api", "worker-cpu"}:
+        assert service["networks"]["default"]["aliases"] == [CLUSTER_TWINS[twin]]
