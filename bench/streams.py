@@ -101,22 +101,27 @@ def raise_fd_limit(streams: int) -> int:
 
 
 # Measuring the API from outside ------------------------------------------------------------------
-def redis_sockets(process: psutil.Process, ports: set[int]) -> list[str]:
-    """``ip:port`` of the API's established TCP connections to the Redis node(s)."""
-    return [
-        f"{c.laddr.ip}:{c.laddr.port}"
+def redis_sockets(process: psutil.Process, ports: set[int]) -> set[tuple[int, str]]:
+    """(Redis port, the API's ``ip:port``) of the API's established TCP connections to the Redis node(s).
+
+    Keyed by the node too: the kernel reuses one local port for connections to different remote
+    ports, so on a Cluster of loopback nodes the API's address alone may name another process's
+    connection to another node."""
+    return {
+        (c.raddr.port, f"{c.laddr.ip}:{c.laddr.port}")
         for c in process.net_connections(kind="tcp")
         if c.raddr and c.raddr.port in ports and c.status == psutil.CONN_ESTABLISHED
-    ]
+    }
 
 
-def redis_side(backend: Backend, addresses: set[str]) -> dict[str, int]:
+def redis_side(backend: Backend, sockets: set[tuple[int, str]]) -> dict[str, int]:
     """What the node(s) say of the API's connections (CLIENT LIST): connections, pub/sub ones, channels."""
     out = {"connections": 0, "pubsub_connections": 0, "channels": 0}
     for url in backend.node_urls:
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
         with redis.Redis.from_url(url, decode_responses=True) as node:
             for client in node.client_list():
-                if client["addr"] not in addresses:
+                if (port, client["addr"]) not in sockets:
                     continue
                 channels = int(client.get("sub", 0)) + int(client.get("ssub", 0)) + int(client.get("psub", 0))
                 out["connections"] += 1
@@ -132,7 +137,7 @@ def snapshot(process: psutil.Process, backend: Backend) -> dict[str, Any]:
         "rss_mib": process.memory_info().rss / 2**20,
         "cpu_s": cpu.user + cpu.system,
         "redis_sockets": len(sockets),
-        "redis": redis_side(backend, set(sockets)),
+        "redis": redis_side(backend, sockets),
         "at": time.monotonic(),
     }
 
@@ -189,7 +194,7 @@ async def hold_streams(stack: ApiOnly, backend: Backend, n: int, settle_s: float
         deadline = time.monotonic() + 120
         while (
             await streams_in_flight(http, base),
-            redis_side(backend, set(redis_sockets(api, backend.ports)))["channels"],
+            redis_side(backend, redis_sockets(api, backend.ports))["channels"],
         ) != (n, n):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{n} streams did not all subscribe within 120 s")
