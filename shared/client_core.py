@@ -18,7 +18,7 @@ from typing import Any, TypedDict
 
 import redis
 from redis.asyncio.retry import Retry as AsyncRetry
-from redis.backoff import ExponentialBackoff
+from redis.backoff import EqualJitterBackoff, ExponentialBackoff
 from redis.retry import Retry
 
 from shared.errors import (
@@ -232,14 +232,17 @@ def remaining(deadline: float | None, wait: float = IDLE_CHECK_S) -> float:
     return min(wait, left)
 
 
-_SILENT = ExponentialBackoff(cap=IDLE_CHECK_MAX_S, base=IDLE_CHECK_S)
-_SILENT_QUEUED = ExponentialBackoff(cap=QUEUED_CHECK_MAX_S, base=IDLE_CHECK_S)
+# Jittered (each wait between half and all of the nominal one): streams opened together would
+# otherwise check together forever, and every check wave took as many pooled command connections
+# as streams checked at once (measured: 3,618 Redis connections for 10,000 idle streams on one API).
+_SILENT = EqualJitterBackoff(cap=IDLE_CHECK_MAX_S, base=IDLE_CHECK_S)
+_SILENT_QUEUED = EqualJitterBackoff(cap=QUEUED_CHECK_MAX_S, base=IDLE_CHECK_S)
 
 
 class IdleBackoff:
     """A follower's wait on pub/sub between safety-net checks: IDLE_CHECK_S after anything was
     heard, doubling with each silent check up to IDLE_CHECK_MAX_S, or QUEUED_CHECK_MAX_S while
-    the request has not started."""
+    the request has not started; each wait drawn between half and all of that."""
 
     def __init__(self) -> None:
         self.silent_checks = 0
