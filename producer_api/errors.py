@@ -63,6 +63,9 @@ def normalize(exc: BaseException) -> InflightqError:
         return _from_validation_errors(exc.errors())
     if isinstance(exc, redis.exceptions.ConnectionError | redis.exceptions.TimeoutError | ConnectionError):
         return UnavailableError("the queue (Redis) is unreachable")
+    if isinstance(exc, redis.exceptions.ClusterDownError | redis.exceptions.TryAgainError):
+        # A Cluster between a master's failure and its replica's promotion: retry shortly.
+        return UnavailableError("the queue (Redis Cluster) is failing over")
     if isinstance(exc, StarletteHTTPException):
         if exc.status_code == 404:
             return NotFoundError("no such route")

@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar, Unpack
 
+import redis
 import redis.asyncio as aioredis
 
 from shared.client_core import CLIENT_SCRIPTS, QueueCore, SubmitOptions
@@ -44,6 +45,12 @@ class AsyncQueueClient:
             else:
                 try:
                     plan.reply(await start(op, self.redis, pubsub, self._scripts, asyncio.sleep))
+                except AttributeError as error:
+                    # redis.asyncio tearing a connection down while another task is still opening it
+                    # (seen during a Cluster failover: its writer is gone mid-handshake) raises
+                    # AttributeError; it is a lost connection, and the plan treats it as one (a 503
+                    # at the API, a pause for a follower) instead of a crashed request.
+                    plan.fail(redis.ConnectionError(f"connection lost while it was opened ({error})"))
                 except Exception as error:
                     plan.fail(error)
 
