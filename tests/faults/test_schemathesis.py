@@ -54,7 +54,8 @@ def test_schemathesis_finds_no_server_error_and_the_stack_still_serves(
         str(junit),
         "--no-color",
     ]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=scale(600, 3600))
+    # In the test's own directory: schemathesis keeps a cache (.schemathesis/) where it runs.
+    run = subprocess.run(command, capture_output=True, text=True, timeout=scale(600, 3600), cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
     suite = ET.parse(junit).getroot()
     cases = list(suite.iter("testcase"))
