@@ -47,7 +47,7 @@ def test_schemathesis_finds_no_server_error_and_the_stack_still_serves(
         "--request-timeout",
         "60",
         "--max-time",
-        str(scale(300, 1800)),
+        str(scale(300, 1200)),  # within the suite's per-test timeout (900 s; run heavy with --timeout 1800)
         "--report",
         "junit",
         "--report-junit-path",
@@ -55,7 +55,7 @@ def test_schemathesis_finds_no_server_error_and_the_stack_still_serves(
         "--no-color",
     ]
     # In the test's own directory: schemathesis keeps a cache (.schemathesis/) where it runs.
-    run = subprocess.run(command, capture_output=True, text=True, timeout=scale(600, 3600), cwd=tmp_path)
+    run = subprocess.run(command, capture_output=True, text=True, timeout=scale(600, 1500), cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
     suite = ET.parse(junit).getroot()
     cases = list(suite.iter("testcase"))
