@@ -4,6 +4,7 @@ the openai package, huggingface_hub's InferenceClient, SSE resume, cancellation 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import Iterator
@@ -423,7 +424,8 @@ def test_resuming_a_running_jobs_stream_continues_after_the_last_seen_token(http
         first = [next(events) for _ in range(3)]
     assert http.get(f"/v1/jobs/{job_id}").json()["status"] == "running"  # leaving did not cancel it
     with http.stream("GET", f"/v1/jobs/{job_id}/stream", headers={"last-event-id": first[-1][0]}) as response:
-        events = sse_events(response)
-        resumed = [next(events) for _ in range(3)]
-    assert [event_id for event_id, _ in first + resumed] == ["0", "1", "2", "3", "4", "5"]
+        resumed = list(itertools.islice(sse_events(response), 3))
+    # On failure, say what the stream ended with and where the job stood (a bare StopIteration said nothing).
+    job = {k: v for k, v in http.get(f"/v1/jobs/{job_id}").json().items() if k != "result"}
+    assert [event_id for event_id, _ in first + resumed] == ["0", "1", "2", "3", "4", "5"], (resumed, job)
     http.delete(f"/v1/jobs/{job_id}")
