@@ -22,6 +22,7 @@ already decoding, as under a steady urgent share, a new one then waited for a fu
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,8 +102,10 @@ class Scheduler:
             self._admit(batch, while_head=lambda head: self.urgency(head)[0] <= threshold)
             if batch.seqs:
                 # Its peers keep decoding: urgent streams stay live; only background work pauses.
-                for seq in [s for s in self.running if s not in batch.seqs and self._is_peer(s, threshold)]:
-                    if seq.num_tokens - seq.num_computed_tokens == 1:
+                # Running is sorted by urgency, so the peers are its head (a snapshot: _continue
+                # may preempt); those just admitted are in the batch already.
+                for seq in list(itertools.takewhile(lambda s: self._is_peer(s, threshold), self.running)):
+                    if seq.num_tokens - seq.num_computed_tokens == 1 and seq not in batch.seqs:
                         self._continue(seq, batch)
                 return self._done(batch)
         remaining = {s: s.num_tokens - s.num_computed_tokens for s in self.running}
