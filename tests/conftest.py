@@ -68,8 +68,11 @@ def redis_cluster() -> Iterator[PrivateRedisCluster]:
 
 
 @pytest.fixture(scope="module")
-def redis_backend(redis_url: str) -> RedisBackend:
-    """The standalone Redis; a module overrides this with ``cluster_backend`` to run on the Cluster."""
+def redis_backend(redis_url: str, request: pytest.FixtureRequest) -> RedisBackend:
+    """The standalone Redis; the session's private Cluster for a module that sets
+    ``ON_CLUSTER = True`` (its imported tests then run again there)."""
+    if getattr(request.module, "ON_CLUSTER", False):
+        return cluster_backend(request.getfixturevalue("redis_cluster"))
     return RedisBackend(redis_url)
 
 

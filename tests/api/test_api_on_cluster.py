@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from inflightq_cli.redis_cluster import PrivateRedisCluster
 from tests.api.test_end_to_end import (  # noqa: F401 - collected here again, on the Cluster
     http,
     test_delete_cancels_a_running_job,
@@ -20,14 +19,9 @@ from tests.api.test_end_to_end import (  # noqa: F401 - collected here again, on
     test_resuming_a_running_jobs_stream_continues_after_the_last_seen_token,
 )
 from tests.api.test_takeover import test_job_stream_survives_a_worker_crash  # noqa: F401
-from tests.conftest import RedisBackend, cluster_backend
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def redis_backend(redis_cluster: PrivateRedisCluster) -> RedisBackend:
-    return cluster_backend(redis_cluster)
+ON_CLUSTER = True  # tests/conftest.py: redis_backend is the session's private Cluster
 
 
 def test_the_api_follows_its_streams_over_one_connection_per_node(api, http) -> None:

@@ -5,17 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from inflightq_cli.redis_cluster import PrivateRedisCluster
 from tests.api.test_auth import (  # noqa: F401 - collected here again, on the Cluster
     api,
     test_missing_or_wrong_key_is_401,
     test_rate_limit_per_key_is_429_rate_limited,
 )
-from tests.conftest import RedisBackend, cluster_backend
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def redis_backend(redis_cluster: PrivateRedisCluster) -> RedisBackend:
-    return cluster_backend(redis_cluster)
+ON_CLUSTER = True  # tests/conftest.py: redis_backend is the session's private Cluster

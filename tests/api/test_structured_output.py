@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import httpx
@@ -196,45 +197,40 @@ def test_a_named_tool_choice_calls_that_function(oai: openai.OpenAI, stream: boo
     check_weather_call(calls[0])
 
 
-def test_auto_tool_choice_gives_text_or_well_formed_calls(oai: openai.OpenAI) -> None:
-    for seed in range(4):
+def auto_replies(oai: openai.OpenAI, seeds: int, max_tokens: int, **extra: Any) -> Iterator[Any]:
+    """Sampled ``tool_choice: auto`` replies to ASK with the weather tool; a reply's calls are
+    checked here, what it says without one is the caller's to check."""
+    for seed in range(seeds):
         choice = oai.chat.completions.create(
             model=model_of(oai),
             messages=ASK,
             tools=[WEATHER],
-            max_completion_tokens=40,
+            max_completion_tokens=max_tokens,
             temperature=1.0,
             seed=seed,
+            **extra,
         ).choices[0]
         if choice.message.tool_calls:
             assert choice.finish_reason == "tool_calls"
             for call in choice.message.tool_calls:
                 check_weather_call(call)
         else:
-            assert "<tool_call>" not in (choice.message.content or "").lstrip()[:11]
+            yield choice
+
+
+def test_auto_tool_choice_gives_text_or_well_formed_calls(oai: openai.OpenAI) -> None:
+    for choice in auto_replies(oai, 4, 40):
+        assert "<tool_call>" not in (choice.message.content or "").lstrip()[:11]
 
 
 def test_auto_tool_choice_beside_a_json_schema_gives_calls_or_that_json(oai: openai.OpenAI) -> None:
     # "Calls or that JSON": a reply without a call is the schema's JSON, never free text.
     # As OpenAI's strict mode asks (and the SDK's parse() writes): no properties beyond the schema's.
     pet = {**Pet.model_json_schema(), "additionalProperties": False}
-    for seed in range(6):
-        choice = oai.chat.completions.create(
-            model=model_of(oai),
-            messages=ASK,
-            tools=[WEATHER],
-            response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": pet, "strict": True}},
-            max_completion_tokens=120,
-            temperature=1.0,
-            seed=seed,
-        ).choices[0]
-        if choice.message.tool_calls:
-            assert choice.finish_reason == "tool_calls"
-            for call in choice.message.tool_calls:
-                check_weather_call(call)
-        else:
-            assert choice.finish_reason == "stop", choice
-            Pet.model_validate_json(choice.message.content or "")
+    response_format = {"type": "json_schema", "json_schema": {"name": "pet", "schema": pet, "strict": True}}
+    for choice in auto_replies(oai, 6, 120, response_format=response_format):
+        assert choice.finish_reason == "stop", choice
+        Pet.model_validate_json(choice.message.content or "")
 
 
 def test_a_conversation_with_tool_results_continues(oai: openai.OpenAI) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-from inflightq_cli.redis_cluster import PrivateRedisCluster
 from tests.batch.test_batch_store import (  # noqa: F401 - collected here again, on the Cluster
     store,
     test_a_batch_keeps_its_input_file_alive_for_its_window,
@@ -26,11 +25,6 @@ from tests.batch.test_batch_store import (  # noqa: F401 - collected here again,
     test_small_files_live_in_redis_with_a_ttl,
     test_the_lease_admits_one_run,
 )
-from tests.conftest import RedisBackend, cluster_backend
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def redis_backend(redis_cluster: PrivateRedisCluster) -> RedisBackend:
-    return cluster_backend(redis_cluster)
+ON_CLUSTER = True  # tests/conftest.py: redis_backend is the session's private Cluster

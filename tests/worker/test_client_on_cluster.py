@@ -11,14 +11,12 @@ import uuid
 
 import pytest
 
-from inflightq_cli.redis_cluster import PrivateRedisCluster
 from shared.async_client import AsyncQueueClient
 from shared.client import QueueClient
 from shared.keys import Keys
 from shared.redis_connect import connect, primaries
 from shared.schemas import ErrorEvent
 from shared.settings import Settings
-from tests.conftest import RedisBackend, cluster_backend
 from tests.worker.test_client import (  # noqa: F401 - collected here again, on the Cluster
     client,
     client_settings,
@@ -31,11 +29,7 @@ from tests.worker.test_client import (  # noqa: F401 - collected here again, on 
 )
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def redis_backend(redis_cluster: PrivateRedisCluster) -> RedisBackend:
-    return cluster_backend(redis_cluster)
+ON_CLUSTER = True  # tests/conftest.py: redis_backend is the session's private Cluster
 
 
 def test_the_keys_of_1000_requests_spread_evenly_over_the_three_masters(client_settings: Settings) -> None:

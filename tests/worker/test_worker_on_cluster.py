@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-from inflightq_cli.redis_cluster import PrivateRedisCluster
-from tests.conftest import RedisBackend, cluster_backend
 from tests.faults.test_drain_and_ids import (  # noqa: F401
     test_a_reused_request_id_is_refused_and_the_original_is_untouched,
 )
@@ -26,8 +24,4 @@ from tests.worker.test_worker import (  # noqa: F401
 )
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def redis_backend(redis_cluster: PrivateRedisCluster) -> RedisBackend:
-    return cluster_backend(redis_cluster)
+ON_CLUSTER = True  # tests/conftest.py: redis_backend is the session's private Cluster
