@@ -270,7 +270,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return report
 
 
-ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks")
+ENGINE_KEYS = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_prefill_tokens_beside_decodes",
+    "block_size",
+    "num_kv_blocks",
+)
 
 
 def report_head(

@@ -54,6 +54,7 @@ class Stack:
             "INFLIGHTQ_DTYPE": s.dtype,
             "INFLIGHTQ_MAX_NUM_SEQS": str(s.max_num_seqs),
             "INFLIGHTQ_MAX_NUM_BATCHED_TOKENS": str(s.max_num_batched_tokens),
+            "INFLIGHTQ_MAX_PREFILL_TOKENS_BESIDE_DECODES": str(s.max_prefill_tokens_beside_decodes),
             "INFLIGHTQ_BLOCK_SIZE": str(s.block_size),
             "INFLIGHTQ_MAX_QUEUE_DEPTH": str(s.max_queue_depth),
             "INFLIGHTQ_API_KEYS": ",".join(self.api_keys),

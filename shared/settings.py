@@ -127,6 +127,13 @@ class Settings(BaseSettings):
     dtype: str = Field("auto", description="Worker dtype: auto, float32, bfloat16, float16, float64.")
     max_num_seqs: int = Field(64, ge=1, description="Sequences one worker runs at once.")
     max_num_batched_tokens: int = Field(512, ge=1, description="Tokens one engine step processes at most.")
+    max_prefill_tokens_beside_decodes: int = Field(
+        128,
+        ge=0,
+        description="Prompt tokens a step that also decodes processes at most (0 = up to max_num_batched_tokens). "
+        "Keeps a loaded step short: each stream's time between tokens, and an urgent arrival's wait for the "
+        "step in progress; a worker with nothing decoding still prefills at the full budget.",
+    )
     prefetch_seqs: int | None = Field(
         None,
         ge=0,

@@ -20,6 +20,7 @@ def engine_config(settings: Settings, **overrides: Any) -> EngineConfig:
         "device": settings.device,
         "max_num_seqs": settings.max_num_seqs,
         "max_num_batched_tokens": settings.max_num_batched_tokens,
+        "max_prefill_tokens_beside_decodes": settings.max_prefill_tokens_beside_decodes or None,
         "block_size": settings.block_size,
         "num_kv_blocks": settings.num_kv_blocks,
         # Workers sharing a host each take their share, so the caches together fit the budget.

@@ -77,6 +77,29 @@ def test_an_urgent_arrival_is_prefilled_beside_urgent_decodes_while_background_s
     assert [e.token_id for e in events if e.request_id == "background-0"] == reference(tiny_ref, prompt(20), 12)
 
 
+def test_a_step_that_decodes_takes_a_capped_prompt_chunk_but_an_urgent_prompt_whole(
+    make_engine: Any, tiny_ref: Any
+) -> None:
+    # The cap is what bounds a loaded step's time: without it the background prompt below takes
+    # the whole 64-token budget in one step beside the decodes, and an urgent arrival waits for it.
+    engine = make_engine(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_tokens_beside_decodes=8)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    engine.add_request("lone", prompt(40, 40), params, priority=3)
+    events = engine.step()  # nothing decodes yet: the whole 40-token prompt in one step
+    assert [e.request_id for e in events] == ["lone"]
+    engine.add_request("background", prompt(41, 40), params, priority=3)
+    for step in range(1, 4):
+        events += engine.step()
+        computed = {s.request_id: s.num_computed_tokens for s in engine.scheduler.running}
+        assert computed["background"] == 8 * step  # 8 prompt tokens a step beside the lone request's decode
+    engine.add_request("urgent", prompt(42, 40), params, priority=0)
+    urgent_step = engine.step()  # an urgent step: its whole prompt, and its first token
+    assert "urgent" in {e.request_id for e in urgent_step}
+    events += urgent_step + step_all(engine)
+    for name, seed in (("lone", 40), ("background", 41), ("urgent", 42)):
+        assert [e.token_id for e in events if e.request_id == name] == reference(tiny_ref, prompt(seed, 40), 12)
+
+
 def test_aging_stops_starvation(make_engine: Any) -> None:
     def first_token_step(aging_steps: int | None) -> int | None:
         engine = make_engine(max_num_seqs=1, aging_steps=aging_steps)

@@ -16,6 +16,10 @@ class EngineConfig:
     device: str | torch.device = "auto"  # auto: cuda if present, else cpu
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024  # tokens one step computes at most
+    # Prompt tokens a step that also decodes computes at most; None = up to max_num_batched_tokens.
+    # Bounds a step's time (each stream's time between tokens, and how long an urgent arrival waits
+    # for the step in progress) under load; a step without decodes still prefills at full budget.
+    max_prefill_tokens_beside_decodes: int | None = None
     block_size: int = 16  # tokens per KV cache block
     num_kv_blocks: int | None = None  # None: sized from free memory (kv_memory_fraction of it)
     kv_memory_fraction: float = 0.25  # of the memory free at start; processes sharing it each take a share

@@ -61,6 +61,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             aging_steps=config.aging_steps,
+            max_prefill_tokens_beside_decodes=config.max_prefill_tokens_beside_decodes,
             clock=clock,
         )
         self.runner = ModelRunner(model, config)

@@ -39,17 +39,22 @@ class ScheduledBatch:
     expired: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_tokens: int = 0  # sum of num_new_tokens, kept as they change: the budget is read per sequence
+    is_decode: list[bool] = field(default_factory=list)  # for its next output token (else a prompt chunk)
+    num_decodes: int = 0
 
-    def add(self, seq: Sequence, n: int) -> None:
+    def add(self, seq: Sequence, n: int, *, decode: bool = False) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(n)
+        self.is_decode.append(decode)
         self.num_tokens += n
+        self.num_decodes += decode
 
     def drop(self, seq: Sequence) -> None:
         if seq in self.seqs:
             i = self.seqs.index(seq)
             self.num_tokens -= self.num_new_tokens[i]
-            del self.seqs[i], self.num_new_tokens[i]
+            self.num_decodes -= self.is_decode[i]
+            del self.seqs[i], self.num_new_tokens[i], self.is_decode[i]
 
 
 class Scheduler:
@@ -61,6 +66,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         aging_steps: int | None = 256,
+        max_prefill_tokens_beside_decodes: int | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.blocks = block_manager
@@ -68,6 +74,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.aging_steps = aging_steps
+        self.max_prefill_tokens_beside_decodes = max_prefill_tokens_beside_decodes
         self.clock = clock
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -132,22 +139,36 @@ class Scheduler:
     def _budget(self, batch: ScheduledBatch) -> int:
         return self.max_num_batched_tokens - batch.num_tokens
 
+    def _prefill_budget(self, batch: ScheduledBatch) -> int:
+        """Prompt tokens this step may still take. Beside decodes, at most
+        max_prefill_tokens_beside_decodes in all: a step's time is about a decode batch's plus its
+        prefill tokens', and nothing can join a step in progress, so a long background chunk would
+        hold every running stream's next token, and an urgent arrival, for the whole of it."""
+        cap = self.max_prefill_tokens_beside_decodes
+        if cap is None or batch.num_decodes == 0:
+            return self._budget(batch)
+        return min(self._budget(batch), cap - (batch.num_tokens - batch.num_decodes))
+
     def _continue(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """A running sequence's next tokens (one for a decode, a chunk of its prompt for a prefill)."""
-        if seq.status is SequenceStatus.WAITING or self._budget(batch) <= 0:
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        budget = self._budget(batch) if remaining == 1 else self._prefill_budget(batch)
+        if seq.status is SequenceStatus.WAITING or budget <= 0:
             return  # preempted earlier this step, or no budget left: it sits this step out
-        n = min(seq.num_tokens - seq.num_computed_tokens, self._budget(batch))
+        n = min(remaining, budget)
         while not self.blocks.allocate(seq, n):
             victim = max((s for s in self.running if s not in batch.seqs), key=self.urgency)
             self._preempt(victim, batch, "kv_blocks")
             if victim is seq:
                 return
-        batch.add(seq, n)
+        batch.add(seq, n, decode=remaining == 1)
 
     def _admit(self, batch: ScheduledBatch, while_head: Callable[[Sequence], bool] = lambda _: True) -> None:
         """Waiting requests in urgency order, while ``while_head`` holds for the next one. The first
         that cannot start stops admission for the rest of the step (strict priority)."""
-        while self.waiting and not self._admission_stopped and self._budget(batch) > 0 and while_head(self.waiting[0]):
+        while self.waiting and not self._admission_stopped and self._prefill_budget(batch) > 0:
+            if not while_head(self.waiting[0]):
+                return
             seq = self.waiting[0]
             if len(self.running) >= self.max_num_seqs and not self._preempt_less_urgent(seq, batch):
                 self._admission_stopped = True
@@ -156,7 +177,7 @@ class Scheduler:
                 hits = self.blocks.match_prefix(seq)
                 self.stats.prefix_cache_queries += seq.num_tokens
                 self.stats.prefix_cache_hits += hits
-            n = min(seq.num_tokens - seq.num_computed_tokens, self._budget(batch))
+            n = min(seq.num_tokens - seq.num_computed_tokens, self._prefill_budget(batch))
             while not self.blocks.allocate(seq, n):
                 if not self._preempt_less_urgent(seq, batch):
                     self.blocks.free(seq)  # give back the prefix blocks it grabbed; strict priority: stop here
