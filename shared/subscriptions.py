@@ -53,6 +53,11 @@ class _NodeListener:
     sharded: bool
     channels: set[str] = field(default_factory=set)
     confirmed: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+    # Replies still due to our own (S)UNSUBSCRIBEs, per channel. On a Cluster, Redis also sends an
+    # sunsubscribe of its own when a slot moves away; the reply to ours looks the same, and taking
+    # it for a move (while a new follower was subscribing to the channel again) dropped that
+    # follower's confirmation: its stream waited SUBSCRIBE_S and ended early.
+    unsubscribing: dict[str, int] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
 
     async def subscribe(self, channel: str) -> asyncio.Future[None]:
@@ -70,7 +75,25 @@ class _NodeListener:
     async def unsubscribe(self, channel: str) -> None:
         self.channels.discard(channel)
         self.confirmed.pop(channel, None)
-        await (self.pubsub.sunsubscribe(channel) if self.sharded else self.pubsub.unsubscribe(channel))
+        # Counted before sending: the reader may see the reply as soon as the command is out.
+        self.unsubscribing[channel] = self.unsubscribing.get(channel, 0) + 1
+        try:
+            await (self.pubsub.sunsubscribe(channel) if self.sharded else self.pubsub.unsubscribe(channel))
+        except BaseException:
+            self.replied(channel)  # not sent (the connection failed): no reply will come
+            raise
+
+    def replied(self, channel: str) -> bool:
+        """Takes one of our unsubscriptions' replies off the count: whether an (s)unsubscribe message
+        of ``channel`` was such a reply (Redis answers each channel of a command once, in order)."""
+        due = self.unsubscribing.get(channel, 0)
+        if due == 0:
+            return False
+        if due == 1:
+            del self.unsubscribing[channel]
+        else:
+            self.unsubscribing[channel] = due - 1
+        return True
 
 
 class ChannelHub:
@@ -128,6 +151,9 @@ class ChannelHub:
     # Nodes ---------------------------------------------------------------------------------
     async def _listener_for(self, channel: str) -> _NodeListener:
         if self.sharded:
+            # The Cluster client learns the slots' owners on its first command; a stream may be a
+            # fresh client's first use (else SlotNotCoveredError). A no-op once initialised.
+            await self.client.initialize()
             node = self.client.get_node_from_key(channel)
             name, host, port = node.name, node.host, node.port
         else:
@@ -172,6 +198,8 @@ class ChannelHub:
             future = listener.confirmed.get(channel)
             if future is not None and not future.done():
                 future.set_result(None)
+        elif kind in ("unsubscribe", "sunsubscribe") and listener.replied(channel):
+            pass  # the reply to our own unsubscription (its follower left), not a slot move
         elif kind == "sunsubscribe" and channel in self._followers and channel in listener.channels:
             # Not ours: the node gave the channel's slot away (resharding, or it became a replica).
             listener.channels.discard(channel)

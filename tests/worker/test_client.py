@@ -28,6 +28,7 @@ from shared.schemas import (
     Usage,
 )
 from shared.settings import Settings
+from shared.subscriptions import ChannelHub
 from shared.work_queue import STREAM_FIELD
 from tests.conftest import RedisBackend
 
@@ -304,6 +305,56 @@ def test_one_async_client_follows_more_streams_than_redis_py_default_pool(redis_
             assert await asyncio.gather(*followers) == ["cancelled"] * 150
 
     asyncio.run(scenario())
+
+
+def test_a_stream_resumed_while_the_left_one_is_still_unsubscribing_is_confirmed(
+    client, client_settings, redis_client, keys, monkeypatch
+) -> None:
+    """A job's stream resumed (Last-Event-ID) right after its client left the first one: the hub
+    unsubscribes the channel (its last follower left), then subscribes it again for the resumed
+    stream, and the reply to the unsubscription comes back after the new subscription went out (a
+    loaded machine; here held until then, so the order is certain). On a Cluster that reply is an
+    ``sunsubscribe``, which Redis also sends when a slot moves away: taken for a move, it dropped
+    the new subscription's confirmation, and the resumed stream ended SUBSCRIBE_S later with an
+    error instead of its tokens (a flaky API test on the Cluster). Fails if the hub mistakes its
+    own unsubscription's reply for a slot move."""
+    dispatch = ChannelHub._dispatch
+    held: list[str] = []
+
+    async def unsubscribe_reply_after_the_resubscription(self, listener, message):  # type: ignore[no-untyped-def]
+        channel = message.get("channel")
+        if message["type"] in ("unsubscribe", "sunsubscribe") and not held:
+            held.append(channel)
+            deadline = time.monotonic() + 30
+            while channel not in listener.channels:  # until the resumed stream's subscription is sent
+                assert time.monotonic() < deadline, "the resumed stream never subscribed"
+                await asyncio.sleep(0.01)
+        await dispatch(self, listener, message)
+
+    monkeypatch.setattr(ChannelHub, "_dispatch", unsubscribe_reply_after_the_resubscription)
+    request_id = client.submit(MODEL, [1])
+    emit(redis_client, keys, token(request_id, 0))
+
+    def worker() -> None:
+        wait_subscribed(redis_client, keys, request_id)
+        emit(redis_client, keys, token(request_id, 1))
+        emit(redis_client, keys, done(request_id, 2))
+
+    async def scenario() -> list[TokenEvent | DoneEvent | ErrorEvent]:
+        async with AsyncQueueClient(client_settings) as queue:
+            first = queue.stream(request_id, timeout=60)
+            assert (await anext(first)).index == 0  # type: ignore[union-attr]
+            await first.aclose()  # the client left: the hub unsubscribes the channel
+            thread = threading.Thread(target=worker)
+            thread.start()
+            try:
+                return [event async for event in queue.stream(request_id, from_index=1, timeout=60)]
+            finally:
+                await asyncio.to_thread(thread.join)
+
+    events = asyncio.run(scenario())
+    assert held == [keys.tokens_channel(request_id)]  # the reply really was held past the resubscription
+    assert [e.index for e in events[:-1]] == [1] and isinstance(events[-1], DoneEvent), events
 
 
 def test_a_stream_whose_live_messages_are_all_lost_still_ends(

@@ -21,6 +21,7 @@ from tests.worker.test_client import (  # noqa: F401 - collected here again, on 
     client,
     client_settings,
     test_a_reused_request_id_is_refused_and_the_original_is_untouched,
+    test_a_stream_resumed_while_the_left_one_is_still_unsubscribing_is_confirmed,
     test_cancel_of_a_queued_request_is_final_at_once,
     test_concurrent_submits_never_overfill_the_queue,
     test_stream_fills_a_missed_live_event_from_the_log,
