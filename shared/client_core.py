@@ -348,7 +348,16 @@ class QueueCore:
         sequencer = EventSequencer(next_index=from_index)
         # The log may be read only once the subscription is live, or an event could fall between:
         # ``subscribe`` returns once Redis has confirmed it.
-        yield pubsub_call("subscribe", self.keys.tokens_channel(request_id), timeout=remaining(deadline, SUBSCRIBE_S))
+        try:
+            yield pubsub_call(
+                "subscribe", self.keys.tokens_channel(request_id), timeout=remaining(deadline, SUBSCRIBE_S)
+            )
+        except TimeoutError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise  # the caller's own timeout
+            # Redis never confirmed the subscription: a connection problem, not the request's
+            # deadline (reported as "expired" it misled a client whose job had none).
+            raise redis.ConnectionError(f"Redis did not confirm the subscription within {SUBSCRIBE_S:g} s") from None
         yield Emit((yield from self.catch_up(request_id, sequencer)))
         if not sequencer.finished and not (yield call("exists", self.keys.request(request_id))):
             raise NotFoundError(f"unknown request {request_id}")
