@@ -45,14 +45,8 @@ class AsyncQueueClient:
             else:
                 try:
                     plan.reply(await start(op, self.redis, pubsub, self._scripts, asyncio.sleep))
-                except AttributeError as error:
-                    # redis.asyncio tearing a connection down while another task is still opening it
-                    # (seen during a Cluster failover: its writer is gone mid-handshake) raises
-                    # AttributeError; it is a lost connection, and the plan treats it as one (a 503
-                    # at the API, a pause for a follower) instead of a crashed request.
-                    plan.fail(redis.ConnectionError(f"connection lost while it was opened ({error})"))
                 except Exception as error:
-                    plan.fail(error)
+                    plan.fail(_as_lost_connection(error) or error)
 
     async def _run(self, steps: Steps[T], pubsub: HubSubscription | None = None) -> T:
         plan = Plan(steps)
@@ -125,3 +119,16 @@ class AsyncQueueClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _as_lost_connection(error: Exception) -> redis.ConnectionError | None:
+    """redis.asyncio tearing a connection down while another task is still opening it (seen during
+    a Cluster failover: its writer is gone mid-handshake) raises AttributeError with asyncio's
+    loop, and RuntimeError "unable to perform operation on <TCPTransport closed=True ...>" with
+    uvloop's. Either is a lost connection, and the plan treats it as one (a 503 at the API, a pause
+    for a follower) instead of a crashed request."""
+    if isinstance(error, AttributeError) or (
+        isinstance(error, RuntimeError) and "unable to perform operation on" in str(error)
+    ):
+        return redis.ConnectionError(f"connection lost while it was opened ({error})")
+    return None

@@ -460,3 +460,30 @@ def test_idle_checks_back_off_while_silent_and_reset_on_news() -> None:
     assert idle.timeout(time.monotonic() + 0.25) <= 0.25  # never past the stream's deadline
     with pytest.raises(TimeoutError):
         idle.timeout(time.monotonic() - 1)
+
+
+@pytest.mark.parametrize(
+    "torn_down",
+    [
+        AttributeError("'NoneType' object has no attribute 'writelines'"),  # asyncio's loop
+        RuntimeError("unable to perform operation on <TCPTransport closed=True reading=False>; the handler is closed"),
+    ],
+)
+def test_a_connection_torn_down_mid_handshake_is_a_lost_connection_not_a_crash(client_settings, torn_down) -> None:
+    # Seen in a Cluster failover: without the conversion the API answered 500 (and the Cluster
+    # failover test's client saw its connection reset) instead of 503 with Retry-After.
+    async def scenario() -> None:
+        async with AsyncQueueClient(client_settings) as queue:
+
+            async def tear_down(*args: object, **kwargs: object) -> None:
+                raise torn_down
+
+            queue.redis.evalsha = tear_down  # type: ignore[method-assign]
+            with pytest.raises(redis.ConnectionError, match="connection lost while it was opened"):
+                await queue.submit(MODEL, [5, 6])
+            # Anything else stays what it is.
+            queue.redis.evalsha = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug"))  # type: ignore[method-assign]
+            with pytest.raises(RuntimeError, match="a bug"):
+                await queue.submit(MODEL, [5, 6])
+
+    asyncio.run(scenario())
