@@ -142,12 +142,22 @@ _CAN_MOVE = _lua_can_move()
 # with this id exists (a reused id must never touch the request that owns it). The queue entry
 # comes after, from ``ENQUEUE`` (on a Cluster its XADD runs on another node), so a worker never
 # reads an entry whose hash is still to come; ``START`` recreates a hash Redis lost.
+# The same submission sent again (a connection lost after Redis ran the script, and the client
+# retried: seen in a Cluster failover, where it came back as 409 for an id the API had minted
+# itself) finds its own hash, still queued with its submitted_at, and is 'ok'.
 CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return {'duplicate', redis.call('HGET', KEYS[1], 'status') or 'unknown'}
-end
 local fields = {}
-for i = 2, #ARGV do fields[#fields + 1] = ARGV[i] end
+local submitted_at
+for i = 2, #ARGV, 2 do
+  fields[#fields + 1] = ARGV[i]
+  fields[#fields + 1] = ARGV[i + 1]
+  if ARGV[i] == 'submitted_at' then submitted_at = ARGV[i + 1] end
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local status, at = unpack(redis.call('HMGET', KEYS[1], 'status', 'submitted_at'))
+  if status == 'queued' and at == submitted_at then return {'ok', ''} end
+  return {'duplicate', status or 'unknown'}
+end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 return {'ok', ''}

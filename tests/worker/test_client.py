@@ -112,6 +112,23 @@ def test_greedy_requests_keep_no_seed_and_bad_priority_is_rejected(client, redis
         client.submit(MODEL, [1], priority=4)
 
 
+def test_a_create_sent_again_by_a_retry_is_its_own_not_a_duplicate(redis_client, keys) -> None:
+    # A connection lost after Redis ran CREATE makes redis-py send it again: without this, a
+    # failover answered 409 for an id the API had minted itself, and the job ran unannounced.
+    from shared.request_lifecycle import CREATE, hash_fields
+
+    def create(submitted_at: float) -> list[str]:
+        fields = hash_fields("retried-1", MODEL, 2, submitted_at, 0)
+        args = [60, *[item for pair in fields.items() for item in pair]]
+        return [str(v) for v in redis_client.eval(CREATE, 1, keys.request("retried-1"), *args)]
+
+    assert create(1000.25) == ["ok", ""]
+    assert create(1000.25) == ["ok", ""], "the same submission again"
+    assert create(1000.5) == ["duplicate", "queued"], "another submission reusing the id"
+    redis_client.hset(keys.request("retried-1"), "status", "running")
+    assert create(1000.25) == ["duplicate", "running"], "once it has moved on, even the same one is refused"
+
+
 def test_submit_past_the_queue_depth_is_overloaded_but_taken_work_does_not_count(client, redis_client, keys) -> None:
     for _ in range(3):
         client.submit(MODEL, [1], priority=1)
