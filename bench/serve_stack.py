@@ -40,6 +40,9 @@ class Stack:
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
     worker_metrics: bool = False  # each worker serves Prometheus metrics on a free port (``metrics_urls``)
     metrics_urls: list[str] = field(default_factory=list)
+    # Where the children run: ``python -m`` imports from its working directory first, so another
+    # checkout (a worktree of an older commit) runs that code under this harness. None: here.
+    cwd: Path | None = None
 
     @property
     def base_url(self) -> str:
@@ -66,7 +69,7 @@ class Stack:
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = (self.logs / f"{name}.log").open("wb")
         return subprocess.Popen(
-            [sys.executable, "-m", "inflightq_cli", *args], env=env or self._env(), stdout=log, stderr=log
+            [sys.executable, "-m", "inflightq_cli", *args], env=env or self._env(), cwd=self.cwd, stdout=log, stderr=log
         )
 
     def start(self, workers: int = 1, timeout: float = 300.0) -> Stack:

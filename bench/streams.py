@@ -20,7 +20,8 @@ Measured, from outside the API:
   queueing the jobs and opening the streams.
 
 ``--cluster`` (default on) repeats everything on a private 3-master Redis Cluster
-(``INFLIGHTQ_REDIS_CLUSTER=true``, sharded pub/sub). Writes
+(``INFLIGHTQ_REDIS_CLUSTER=true``, sharded pub/sub). ``--api-checkout DIR`` starts the API from
+another checkout (a git worktree of an older commit: "before" figures) under this harness. Writes
 bench/results/streams-<date>[-tag].{json,md,png}.
 
     python -m bench.streams                       # or: inflightq bench streams
@@ -36,6 +37,7 @@ import os
 import platform
 import resource
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -60,7 +62,8 @@ STREAM_ROUTE = "/v1/jobs/{job_id}/stream"
 # Requests in flight while queueing jobs and opening streams: enough to go fast, few enough not to
 # time out against one API process on a small machine.
 OPEN_CONCURRENCY = 128
-# File descriptors: the client holds N sockets and so does the API (which inherits this limit).
+# File descriptors: the client holds N sockets and so does the API (which inherits this limit), and
+# an API from before one subscriber per process (``--api-checkout``) holds N more to Redis.
 FD_HEADROOM = 1024
 
 
@@ -87,13 +90,15 @@ class ApiOnly(Stack):
         env = super()._env()
         env["INFLIGHTQ_REDIS_CLUSTER"] = "true" if self.cluster else "false"
         env["INFLIGHTQ_NO_WORKER_WAIT_S"] = "86400"
+        if self.cwd is not None:
+            env["PYTHONPATH"] = str(self.cwd)  # that checkout's code only, not this one's behind it
         return env
 
 
 def raise_fd_limit(streams: int) -> int:
     """Soft RLIMIT_NOFILE up to what N streams need (the hard limit caps it); returns the new soft limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = streams + FD_HEADROOM
+    want = 2 * streams + FD_HEADROOM
     if soft < want:
         soft = want if hard == resource.RLIM_INFINITY else min(want, hard)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
@@ -236,12 +241,19 @@ async def hold_streams(stack: ApiOnly, backend: Backend, n: int, settle_s: float
 
 
 def run_backend(
-    backend: Backend, settings: Settings, counts: list[int], settle_s: float, idle_s: float
+    backend: Backend,
+    settings: Settings,
+    counts: list[int],
+    settle_s: float,
+    idle_s: float,
+    checkout: Path | None = None,
 ) -> list[dict[str, Any]]:
     rows = []
     for n in counts:
         prefix = f"bench-streams-{uuid.uuid4().hex[:8]}"
-        stack = ApiOnly(settings.model_copy(update={"redis_url": backend.url, "key_prefix": prefix}), api_keys=[])
+        stack = ApiOnly(
+            settings.model_copy(update={"redis_url": backend.url, "key_prefix": prefix}), api_keys=[], cwd=checkout
+        )
         stack.cluster = backend.cluster
         stack.start(workers=0)
         try:
@@ -269,6 +281,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--idle-s", type=float, default=QUEUED_CHECK_MAX_S, help="Idle window CPU is measured over.")
     p.add_argument("--cluster", action=argparse.BooleanOptionalAction, default=True,
                    help="Also on a private 3-master Redis Cluster.")  # fmt: skip
+    p.add_argument("--api-checkout", type=Path, default=None,
+                   help="Start the API from this checkout (e.g. a git worktree of an older commit); "
+                   "default: this one.")  # fmt: skip
     p.add_argument("--model", default=None, help="Model the API serves (its tokenizer); default: a tiny random one.")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--tag", default="", help="Suffix of the result files' names.")
@@ -279,6 +294,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     stop_on_sigterm()
     counts = [int(c) for c in args.counts.split(",")]
+    load_before = os.getloadavg()[0]
     fd_limit = raise_fd_limit(max(counts))
     base = get_settings()
     url, private = ensure_redis(base.redis_url)
@@ -292,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runs: dict[str, list[dict[str, Any]]] = {}
         try:
             runs["standalone"] = run_backend(Backend("standalone", url, False, [url]), settings, counts,
-                                             args.settle_s, args.idle_s)  # fmt: skip
+                                             args.settle_s, args.idle_s, args.api_checkout)  # fmt: skip
         finally:
             if private is not None:
                 private.stop()
@@ -300,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cluster = PrivateRedisCluster(replicas_per_master=0).start()
             try:
                 backend = Backend("cluster", cluster.url, True, [n.url for n in cluster.nodes])
-                runs["cluster"] = run_backend(backend, settings, counts, args.settle_s, args.idle_s)
+                runs["cluster"] = run_backend(backend, settings, counts, args.settle_s, args.idle_s, args.api_checkout)
             finally:
                 cluster.stop()
     report = {
@@ -313,6 +329,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "idle_s": args.idle_s,
         "queued_check_max_s": QUEUED_CHECK_MAX_S,
         "rlimit_nofile": fd_limit,
+        "api_code": api_code(args.api_checkout),
+        # CPU figures are CPU time the API consumed, which others' load does not inflate much; noted anyway.
+        "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "runs": runs,
     }
     stem = Path(args.out) / f"streams-{report['date'][:10]}{'-' + args.tag if args.tag else ''}"
@@ -325,6 +344,18 @@ def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cpus, Python {platform.python_version()}"
 
 
+def api_code(checkout: Path | None) -> str:
+    """The commit the API ran (``git log -1`` of its checkout), marked when the tree had changes."""
+    where = checkout or Path.cwd()
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True).stdout.strip()
+
+    commit = git("log", "-1", "--format=%h %s")
+    dirty = " (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else ""
+    return f"{commit[:100]}{dirty}" if commit else str(where)
+
+
 def redis_version(url: str) -> str:
     with redis.Redis.from_url(url) as client:
         return f"Redis {client.info('server')['redis_version']}"
@@ -335,6 +366,9 @@ def markdown(report: dict[str, Any]) -> list[str]:
         f"# Per-stream API cost: idle-waiting streams ({report['date']})",
         "",
         f"Command: `{report['command']}`",
+        "",
+        f"API code: {report.get('api_code', 'this checkout')}. Machine load (1-minute average) at the start and "
+        f"end: {report.get('load_avg_1m', '-')}.",
         "",
         f"Machine: {report['machine']}; {report['redis']} (standalone), and a private 3-master Redis Cluster "
         "(`INFLIGHTQ_REDIS_CLUSTER=true`, sharded pub/sub, no replicas)."
