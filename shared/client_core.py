@@ -86,8 +86,10 @@ def redis_kwargs(
     backoff_cap_s: float = 2.0,
 ) -> dict[str, Any]:
     """Connection options every client uses: text replies, retries with backoff across a restart,
-    and a pool as large as the settings allow (redis-py's default of 100 would turn the 101st
-    followed stream into a spurious "Redis unreachable").
+    and a pool as large as the settings allow: ``redis_max_connections`` for a sync client (redis-py's
+    default of 100 would turn the 101st thread's command into a spurious "Redis unreachable"), the
+    API's ``api_redis_max_connections`` for an asyncio one, whose pool waits for a free connection
+    past it (``shared.redis_pool``).
 
     ``asyncio`` picks redis.asyncio's own Retry: the sync one, given to an asyncio client, returns
     an un-awaited coroutine instead of retrying, so every command failed across a blip and stale
@@ -96,7 +98,7 @@ def redis_kwargs(
     reader; the worker asks for ``surrogateescape`` to tell such bytes apart and reject them."""
     retry_class = AsyncRetry if asyncio else Retry
     return {
-        "max_connections": settings.redis_max_connections,
+        "max_connections": settings.api_redis_max_connections if asyncio else settings.redis_max_connections,
         "decode_responses": True,
         "encoding_errors": encoding_errors,
         "retry": retry_class(ExponentialBackoff(cap=backoff_cap_s, base=0.05), retries),

@@ -16,6 +16,7 @@ from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import PRIMARY, RedisCluster
 
 from shared.client_core import redis_kwargs
+from shared.redis_pool import BoundedRedisCluster, blocking_client
 from shared.settings import Settings
 
 # Options the Cluster client does not take (it sizes pools per node itself).
@@ -32,11 +33,19 @@ def connect(settings: Settings, **options: Any) -> redis.Redis | RedisCluster:
 
 def connect_async(settings: Settings, **options: Any) -> aioredis.Redis | AsyncRedisCluster:
     """The asyncio twin of ``connect``; ``options`` default to ``redis_kwargs(asyncio=True)``
-    (redis.asyncio's own Retry: the sync one does not retry an asyncio client)."""
-    kwargs = options or redis_kwargs(settings, asyncio=True)
+    (redis.asyncio's own Retry: the sync one does not retry an asyncio client).
+
+    Its command pool is bounded and waits (``shared.redis_pool``): at most ``max_connections``
+    (``api_redis_max_connections`` unless given) per node, and a command past them waits up to
+    ``api_redis_pool_wait_s`` for a free one, then raises ``redis.ConnectionError``."""
+    kwargs = dict(options or redis_kwargs(settings, asyncio=True))
+    max_connections = kwargs.pop("max_connections", settings.api_redis_max_connections)
+    wait_s = settings.api_redis_pool_wait_s
     if settings.redis_cluster:
-        return AsyncRedisCluster.from_url(settings.redis_url, **_for_cluster(kwargs))
-    return aioredis.Redis.from_url(settings.redis_url, **kwargs)
+        return BoundedRedisCluster.from_url(
+            settings.redis_url, max_connections=max_connections, wait_s=wait_s, **_for_cluster(kwargs)
+        )
+    return blocking_client(settings.redis_url, max_connections, wait_s, **kwargs)
 
 
 def _for_cluster(kwargs: dict[str, Any]) -> dict[str, Any]:

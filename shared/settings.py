@@ -26,8 +26,8 @@ class Settings(BaseSettings):
     redis_max_connections: int = Field(
         10_000,
         ge=8,
-        description="Redis connections one process may open (per node on a Cluster); an API's streams share "
-        "one pub/sub connection per node.",
+        description="Redis connections one process with a sync client (a worker, the CLI) may open (per node on a "
+        "Cluster); the API's asyncio pool is api_redis_max_connections.",
     )
     rq_redis_url: str | None = Field(
         None,
@@ -114,6 +114,19 @@ class Settings(BaseSettings):
         "A key may carry limits: key:max_priority:requests_per_minute.",
     )
     api_keys_file: str | None = Field(None, description="File with one API key (and limits) per line.")
+    api_redis_max_connections: int = Field(
+        64,
+        ge=2,
+        description="Redis command connections one API process (or AsyncQueueClient) keeps, per node on a Cluster "
+        "(on a standalone Redis its one pub/sub connection is one of them); more commands at once wait for a "
+        "free connection instead of opening another. Its streams share one pub/sub connection per node.",
+    )
+    api_redis_pool_wait_s: float = Field(
+        5.0,
+        gt=0,
+        description="How long a command waits for a free connection of the API's pool; past it the request answers "
+        "503 (a followed stream pauses, as for an unreachable Redis).",
+    )
 
     stream_buffer_events: int = Field(
         4096,
