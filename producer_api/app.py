@@ -57,8 +57,19 @@ def _redis(settings: Settings) -> aioredis.Redis:
     # down must become a 503 within a second, not a hang, while a stale pooled connection after a
     # restart is replaced on its first failure instead of answering 503. Followed streams wait out
     # longer outages themselves (redis_outage_grace_s). A RedisCluster on a Cluster (same options).
+    # Either way a bounded pool that waits (api_redis_max_connections, ``shared.redis_pool``): however
+    # many streams are open, the replica holds that many command connections per node at most.
     kwargs = redis_kwargs(settings, asyncio=True, retries=3, backoff_cap_s=0.2)
-    return connect_async(settings, socket_connect_timeout=2.0, **kwargs)  # type: ignore[return-value]
+    return connect_async(  # type: ignore[return-value]
+        settings, socket_connect_timeout=2.0, client_name=api_client_name(settings), **kwargs
+    )
+
+
+def api_client_name(settings: Settings) -> str:
+    """The name (CLIENT SETNAME) of an API's Redis connections: ``CLIENT LIST`` on a node tells
+    how many one deployment's API replicas hold there. Redis refuses a name with spaces or other
+    characters outside ``!``..``~`` (and with it every connection), so those become ``_``."""
+    return "".join(c if "!" <= c <= "~" else "_" for c in f"{settings.key_prefix}:api")
 
 
 DOCS_ASSETS = "/docs-assets"

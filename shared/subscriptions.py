@@ -261,9 +261,19 @@ class ChannelHub:
 
 
 def _node_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """A node's pub/sub connection: the Cluster client's options, few retries (a dead node must
-    fail fast, so its channels move to the promoted replica)."""
-    keep = ("username", "password", "ssl", "decode_responses", "encoding", "encoding_errors", "socket_connect_timeout")
+    """A node's pub/sub connection: the Cluster client's options (its name too: CLIENT LIST counts
+    it with the process's other connections), few retries (a dead node must fail fast, so its
+    channels move to the promoted replica)."""
+    keep = (
+        "username",
+        "password",
+        "ssl",
+        "decode_responses",
+        "encoding",
+        "encoding_errors",
+        "socket_connect_timeout",
+        "client_name",
+    )
     out = {k: kwargs[k] for k in keep if k in kwargs}
     out.setdefault("socket_connect_timeout", 2.0)
     return out
