@@ -62,6 +62,9 @@ STREAM_ROUTE = "/v1/jobs/{job_id}/stream"
 # Requests in flight while queueing jobs and opening streams: enough to go fast, few enough not to
 # time out against one API process on a small machine.
 OPEN_CONCURRENCY = 128
+# How long an API may take to answer /health: on a loaded 2-core machine, under nice, its imports alone
+# took over 120 s.
+API_START_S = 600
 # File descriptors: the client holds N sockets and so does the API (which inherits this limit), and
 # an API from before one subscriber per process (``--api-checkout``) holds N more to Redis.
 FD_HEADROOM = 1024
@@ -257,7 +260,7 @@ def run_backend(
         stack.cluster = backend.cluster
         stack.start(workers=0)
         try:
-            stack.wait_ready(0, timeout=120)
+            stack.wait_ready(0, timeout=API_START_S)
             row = asyncio.run(hold_streams(stack, backend, n, settle_s, idle_s))
         finally:
             stack.stop()
@@ -398,13 +401,15 @@ def markdown(report: dict[str, Any]) -> list[str]:
             )
     lines += [
         "",
-        "The API's other Redis connections are its command pool. redis-py opens a pooled connection "
-        "whenever more commands are in flight than it has idle connections (up to "
-        "`INFLIGHTQ_REDIS_MAX_CONNECTIONS`, 10,000 by default) and keeps it, so the pool follows the peak "
-        f"of commands in flight at once: queueing and opening ({OPEN_CONCURRENCY} requests at a time) and "
-        "the streams' safety-net checks (log + status, one round trip each), which streams opened together "
-        "make together (1, 3, 7, 15 and 31 s after opening, then every 30 s). It varies from run to run "
-        "and grows with N; only the pub/sub side is one connection per node.",
+        "The API's other Redis connections are its command pool. Since it is bounded (issue 18), at most "
+        "`INFLIGHTQ_API_REDIS_MAX_CONNECTIONS` per node (64 by default; on a standalone Redis the pub/sub "
+        "connection is one of them, on a Cluster a node may hold one more that redis-py uses for the slot map), "
+        "and a command past them waits for a free one. Before (an `--api-checkout` of older code), redis-py "
+        "opened a pooled connection whenever more commands were in flight than it had idle connections, up to "
+        "`INFLIGHTQ_REDIS_MAX_CONNECTIONS` (10,000), and kept it: the pool followed the peak of commands in "
+        f"flight at once (queueing and opening, {OPEN_CONCURRENCY} requests at a time, and the streams' "
+        "safety-net checks); before one subscriber per process, every stream also held its own pub/sub "
+        "connection.",
     ]
     return lines
 
