@@ -23,7 +23,7 @@ from producer_api.jobs import routes as jobs
 from producer_api.middleware import BodyLimitMiddleware, MetricsMiddleware
 from producer_api.openai import routes as openai
 from producer_api.responses import routes as responses
-from producer_api.state import AppState
+from producer_api.state import AppState, api_client_name
 from producer_api.tgi import routes as tgi
 from producer_api.tokenization import Tokenizers
 from shared.async_client import AsyncQueueClient
@@ -63,13 +63,6 @@ def _redis(settings: Settings) -> aioredis.Redis:
     return connect_async(  # type: ignore[return-value]
         settings, socket_connect_timeout=2.0, client_name=api_client_name(settings), **kwargs
     )
-
-
-def api_client_name(settings: Settings) -> str:
-    """The name (CLIENT SETNAME) of an API's Redis connections: ``CLIENT LIST`` on a node tells
-    how many one deployment's API replicas hold there. Redis refuses a name with spaces or other
-    characters outside ``!``..``~`` (and with it every connection), so those become ``_``."""
-    return "".join(c if "!" <= c <= "~" else "_" for c in f"{settings.key_prefix}:api")
 
 
 DOCS_ASSETS = "/docs-assets"

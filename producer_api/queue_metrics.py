@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from producer_api.state import api_client_name
 from shared.client import QueueClient
 from shared.redis_connect import connect
 from shared.settings import Settings
@@ -28,6 +29,7 @@ class QueueCollector(Collector):
             encoding_errors="replace",  # a stream entry that is not UTF-8 must not break the scrape
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
+            client_name=api_client_name(settings),  # counted with the API's pool (CLIENT LIST)
         )
         self.client = QueueClient(settings, client=connection)
 

@@ -26,6 +26,13 @@ class AppState:
     redis: Any  # redis.asyncio.Redis for the rate limiter and health checks
 
 
+def api_client_name(settings: Settings) -> str:
+    """The name (CLIENT SETNAME) of an API's Redis connections: ``CLIENT LIST`` on a node tells
+    how many one deployment's API replicas hold there. Redis refuses a name with spaces or other
+    characters outside ``!``..``~`` (and with it every connection), so those become ``_``."""
+    return "".join(c if "!" <= c <= "~" else "_" for c in f"{settings.key_prefix}:api")
+
+
 def state_of(request: Request) -> AppState:
     return request.app.state.inflightq  # type: ignore[no-any-return]
 

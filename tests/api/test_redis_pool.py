@@ -25,7 +25,7 @@ import pytest
 import redis
 
 from inflightq_cli.redis_server import PrivateRedis
-from producer_api.app import api_client_name
+from producer_api.state import api_client_name
 from shared.redis_connect import connect
 from shared.settings import Settings
 from tests.api.conftest import ApiServer
