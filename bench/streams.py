@@ -65,6 +65,9 @@ OPEN_CONCURRENCY = 128
 # How long an API may take to answer /health: on a loaded 2-core machine, under nice, its imports alone
 # took over 120 s.
 API_START_S = 600
+# A 503 while queueing or opening (an API starved of CPU on a loaded machine: its Redis waits time
+# out) is retried after its Retry-After, this many times at most, and counted in the row.
+RETRIES_503 = 20
 # File descriptors: the client holds N sockets and so does the API (which inherits this limit), and
 # an API from before one subscriber per process (``--api-checkout``) holds N more to Redis.
 FD_HEADROOM = 1024
@@ -171,12 +174,18 @@ async def hold_streams(stack: ApiOnly, backend: Backend, n: int, settle_s: float
     responses: list[aiohttp.ClientResponse] = []
     received: list[bytes] = []
     readers: list[asyncio.Task[None]] = []
+    refused: list[str] = []
 
     async def submit(http: aiohttp.ClientSession, i: int) -> str:
         body = {"prompt": [1, 2, 3 + i % 50], "max_new_tokens": 1}
-        async with gate, http.post(f"{base}/v1/jobs", json=body) as response:
-            response.raise_for_status()
-            return str((await response.json())["id"])
+        for _ in range(RETRIES_503):
+            async with gate, http.post(f"{base}/v1/jobs", json=body) as response:
+                if response.status != 503:
+                    response.raise_for_status()
+                    return str((await response.json())["id"])
+                refused.append("submit")
+            await asyncio.sleep(float(response.headers.get("retry-after", "1")))
+        raise RuntimeError(f"POST /v1/jobs: 503 {RETRIES_503} times")
 
     async def read(response: aiohttp.ClientResponse) -> None:
         # Anything a queued job's stream sends while it waits (an error event, an end) is a failure.
@@ -185,12 +194,19 @@ async def hold_streams(stack: ApiOnly, backend: Backend, n: int, settle_s: float
         received.append(b"<eof>")
 
     async def open_stream(http: aiohttp.ClientSession, job_id: str) -> None:
-        async with gate:
-            response = await http.get(f"{base}/v1/jobs/{job_id}/stream")
-            if response.status != 200:
-                raise RuntimeError(f"stream {job_id}: HTTP {response.status}: {await response.text()}")
-            responses.append(response)
-            readers.append(asyncio.ensure_future(read(response)))
+        for _ in range(RETRIES_503):
+            async with gate:
+                response = await http.get(f"{base}/v1/jobs/{job_id}/stream")
+                if response.status == 200:
+                    responses.append(response)
+                    readers.append(asyncio.ensure_future(read(response)))
+                    return
+                if response.status != 503:
+                    raise RuntimeError(f"stream {job_id}: HTTP {response.status}: {await response.text()}")
+                refused.append("stream")
+                response.release()
+            await asyncio.sleep(float(response.headers.get("retry-after", "1")))
+        raise RuntimeError(f"stream {job_id}: 503 {RETRIES_503} times")
 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
         before = snapshot(api, backend)
@@ -240,6 +256,7 @@ async def hold_streams(stack: ApiOnly, backend: Backend, n: int, settle_s: float
         "idle_cpu_s_per_s": round(cpu_per_s, 4),
         "idle_cpu_us_per_stream_per_s": round(cpu_per_s / n * 1e6, 2),
         "streams_open_after_idle": still_open,
+        "retried_503": {"submit": refused.count("submit"), "stream": refused.count("stream")},
     }
 
 
