@@ -229,8 +229,13 @@ def fill_and_measure(
                 w.worker.signal(signal.SIGTERM)
             codes = [w.worker.wait(timeout=60) for w in watched]
         finally:
+            # Every worker killed before any is waited for: on a starved CPU one wait can time out.
             for w in watched:
-                w.worker.stop()
+                if w.worker.process is not None and w.worker.process.poll() is None:
+                    w.worker.process.kill()
+            for w in watched:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    w.worker.stop()
 
     kills_after = oom_kills()
     for w in watched:
