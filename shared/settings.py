@@ -172,7 +172,8 @@ class Settings(BaseSettings):
         gt=0,
         le=0.9,
         description="Share of the memory free at start that the KV caches of all workers on one host may take "
-        "together (an unset num_kv_blocks); each worker takes its part, this / workers_per_host.",
+        "together (an unset num_kv_blocks); each worker takes its part, this / workers_per_host. Free memory "
+        "is the host's, or what the worker's memory cgroup (a container's limit) leaves, if that is less.",
     )
     workers_per_host: int = Field(
         1,

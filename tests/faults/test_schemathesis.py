@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
@@ -55,7 +56,10 @@ def test_schemathesis_finds_no_server_error_and_the_stack_still_serves(
         "--no-color",
     ]
     # In the test's own directory: schemathesis keeps a cache (.schemathesis/) where it runs.
+    started = time.monotonic()
     run = subprocess.run(command, capture_output=True, text=True, timeout=scale(600, 1500), cwd=tmp_path)
+    # Said in the report: a run that took its whole --max-time may have left examples ungenerated.
+    took = time.monotonic() - started
     assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-2000:]
     suite = ET.parse(junit).getroot()
     cases = list(suite.iter("testcase"))
@@ -71,4 +75,4 @@ def test_schemathesis_finds_no_server_error_and_the_stack_still_serves(
         assert http.get("/health").json()["workers"][settings.model] == 1
     lines = run.stdout.splitlines()
     generated = next((lines[i + 1].strip() for i, line in enumerate(lines[:-1]) if "Test cases:" in line), "")
-    print(f"FAULTS schemathesis: {operations} operations, no 5xx; test cases: {generated}")
+    print(f"FAULTS schemathesis: {operations} operations, no 5xx; test cases: {generated}; st ran {took:.0f} s")

@@ -4,21 +4,83 @@ from __future__ import annotations
 
 import math
 import mmap
+from pathlib import Path
 
 import torch
 
 KV_MEMORY_FRACTION = 0.25  # of the memory free now; the rest stays for activations and other processes
 
 
+UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2^63
+
+
 def available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
+    available = 4 << 30
     with open("/proc/meminfo") as f:  # psutil is not a dependency
         for line in f:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 4 << 30
+                available = int(line.split()[1]) * 1024
+                break
+    headroom = cgroup_memory_headroom()
+    # A container reads the host's /proc/meminfo: sized from it alone, a worker in a container
+    # with a memory limit would grow its cache past the limit and the cgroup's OOM killer ends it.
+    return available if headroom is None else min(available, headroom)
+
+
+def cgroup_memory_headroom(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: str | None = None) -> int | None:
+    """Bytes this process's memory cgroup and its ancestors may still grow by (the tightest limit
+    less its usage, reclaimable page cache not counted as used); None where none sets a limit.
+    cgroup v2 and v1; ``root`` and ``proc_cgroup`` (the text of /proc/self/cgroup) for tests."""
+    if proc_cgroup is None:
+        try:
+            proc_cgroup = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            return None
+    tightest: int | None = None
+    for line in proc_cgroup.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one hierarchy
+            base, limit_file, usage_file, inactive = root, "memory.max", "memory.current", "inactive_file"
+        elif "memory" in controllers.split(","):
+            base, limit_file, usage_file, inactive = (
+                root / "memory",
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+                "total_inactive_file",
+            )
+        else:
+            continue
+        # In a container the cgroup namespace makes its own cgroup the root; outside, walk from
+        # the process's cgroup up to the root, since any ancestor's limit binds too.
+        parts = [p for p in path.strip("/").split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            headroom = _headroom(base.joinpath(*parts[:depth]), limit_file, usage_file, inactive)
+            if headroom is not None:
+                tightest = headroom if tightest is None else min(tightest, headroom)
+    return tightest
+
+
+def _headroom(directory: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+    try:
+        raw = (directory / limit_file).read_text().strip()
+        usage = int((directory / usage_file).read_text())
+    except (OSError, ValueError):
+        return None
+    if raw == "max" or int(raw) >= UNLIMITED:
+        return None
+    reclaimable = 0
+    try:
+        for line in (directory / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == inactive_key:
+                reclaimable = int(value)
+                break
+    except (OSError, ValueError):
+        pass
+    return max(0, int(raw) - max(0, usage - reclaimable))
 
 
 def auto_num_kv_blocks(

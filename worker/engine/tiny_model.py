@@ -19,8 +19,11 @@ def make_tiny_llama(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     max_position_embeddings: int = 4096,
+    head_dim: int | None = None,
 ) -> Path:
-    """Writes a random LlamaForCausalLM plus SmolLM2's tokenizer into ``target``; returns it."""
+    """Writes a random LlamaForCausalLM plus SmolLM2's tokenizer into ``target``; returns it.
+    ``head_dim`` (default hidden_size // num_heads) wider than that gives a model whose KV cache is
+    large next to its compute: memory tests fill hundreds of MB of cache in a few seconds."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -36,6 +39,7 @@ def make_tiny_llama(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
+        head_dim=head_dim or hidden_size // num_heads,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

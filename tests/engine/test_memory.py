@@ -1,0 +1,71 @@
+"""KV sizing reads the memory cgroup: a worker in a container with a memory limit sizes its cache
+from what the limit leaves, not from the host's MemAvailable (which a container reads too)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.engine.memory import auto_num_kv_blocks, available_memory_bytes, cgroup_memory_headroom
+
+GiB = 1 << 30
+
+
+def write(directory: Path, **files: str) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (directory / name.replace("_", ".", 1)).write_text(text)
+
+
+def test_cgroup_v2_limit_less_usage_without_reclaimable_cache(tmp_path: Path) -> None:
+    write(tmp_path, memory_max=str(8 * GiB), memory_current=str(3 * GiB), memory_stat=f"anon 1\ninactive_file {GiB}\n")
+    assert cgroup_memory_headroom(tmp_path, "0::/\n") == 6 * GiB
+
+
+def test_cgroup_v2_unlimited_is_none(tmp_path: Path) -> None:
+    write(tmp_path, memory_max="max", memory_current=str(GiB))
+    assert cgroup_memory_headroom(tmp_path, "0::/\n") is None
+
+
+def test_cgroup_v2_the_tightest_ancestor_binds(tmp_path: Path) -> None:
+    write(tmp_path / "slice", memory_max=str(4 * GiB), memory_current=str(GiB))
+    write(tmp_path / "slice" / "worker", memory_max="max", memory_current=str(GiB))
+    assert cgroup_memory_headroom(tmp_path, "0::/slice/worker\n") == 3 * GiB
+
+
+def test_cgroup_v1_memory_controller(tmp_path: Path) -> None:
+    memory = tmp_path / "memory"
+    write(
+        memory,
+        memory_limit_in_bytes=str(2 * GiB),
+        memory_usage_in_bytes=str(GiB),
+        memory_stat="total_inactive_file 0\n",
+    )
+    proc = "9:pids:/\n4:memory:/\n0::/\n"
+    assert cgroup_memory_headroom(tmp_path, proc) == GiB
+    # No limit: v1 writes a number near 2^63.
+    (memory / "memory.limit_in_bytes").write_text("9223372036854771712")
+    assert cgroup_memory_headroom(tmp_path, proc) is None
+
+
+def test_usage_past_the_limit_leaves_nothing(tmp_path: Path) -> None:
+    write(tmp_path, memory_max=str(GiB), memory_current=str(2 * GiB))
+    assert cgroup_memory_headroom(tmp_path, "0::/\n") == 0
+
+
+def test_a_limited_cgroup_sizes_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    import worker.engine.memory as memory
+
+    monkeypatch.setattr(memory, "cgroup_memory_headroom", lambda: 64 << 20)
+    # 25% of the 64 MiB the limit leaves, in 1 MiB blocks; the host's free memory is far larger.
+    assert auto_num_kv_blocks(1 << 20, torch.device("cpu"), max_blocks=10_000) == 16
+    monkeypatch.setattr(memory, "cgroup_memory_headroom", lambda: 400 << 20)
+    assert auto_num_kv_blocks(1 << 20, torch.device("cpu"), max_blocks=10_000) == 100
+
+
+def test_available_memory_is_at_most_the_host_s() -> None:
+    meminfo = Path("/proc/meminfo").read_text()
+    total = next(int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemTotal:"))
+    assert 0 < available_memory_bytes(torch.device("cpu")) <= total
