@@ -46,7 +46,9 @@ class WorkerProcess:
         )
         return self
 
-    def wait_ready(self, client: QueueClient, timeout: float = 60.0) -> WorkerProcess:
+    def wait_ready(self, client: QueueClient, timeout: float = 240.0) -> WorkerProcess:
+        # Generous: loading the default model on a starved 2-core machine took over 60 s; a worker
+        # that dies early fails at once anyway (poll below), so only a hung start waits it out.
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if any(w.name == self.name for w in client.live_workers()):
