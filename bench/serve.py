@@ -294,6 +294,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.skip_anchors:
         report["anchors"], offline = run_anchors(settings, samples, bool(phases["low_load"]), args)
         report["dtype"] = report["anchors"].pop("dtype")
+    else:  # what "auto" means on this machine, as the worker resolves it (the peers run bfloat16)
+        from worker.engine.hardware import resolve_dtype
+
+        report["dtype"] = str(resolve_dtype(settings.dtype, None)).replace("torch.", "")
     checkpoint(report)
     run_stack(settings, args, endpoints, args.points, workers, phases, warm, report, offline)
     if args.peers:

@@ -177,7 +177,7 @@ def peers_lines(report: dict[str, Any]) -> list[str]:
             f"requests whose prompt it counted differently from our tokenizer: {mismatched}; whose output count "
             f"differed from the requested: {counted}; whose text came in fewer chunks than tokens: {chunked}."
         )
-    if lines:
+    if any("label" in peer for peer in report.get("peers", {}).values()):
         lines.append(
             "- Output tokens are each server's own `usage.completion_tokens` (ours: one stream event per token, "
             "checked equal to its usage); prompt tokens reported by each server are checked against our tokenizer "
@@ -261,8 +261,8 @@ PEERS_HOWTO = [
     "chat route):",
     "",
     "    nice -n 19 bash bench/peers/install.sh",
-    "    inflightq bench serve --endpoints chat --num-requests 64 --input-len 128,128 --output-len 64,64 \\",
-    "      --concurrency 1,8,32 --workers 1 --low-load-requests 0 --skip-transformers \\",
+    "    inflightq bench serve --dtype bfloat16 --endpoints chat --num-requests 64 --input-len 128,128 \\",
+    "      --output-len 64,64 --concurrency 1,8,32 --workers 1 --low-load-requests 0 --skip-transformers \\",
     "      --peers vllm,llamacpp --tag peers --out bench/results",
 ]
 
@@ -275,14 +275,10 @@ def write(report: dict[str, Any], folder: Path, tag: str = "") -> Path:
         plot(report, stem.with_suffix(".png"))
     body = [*header(report), "", *table(report), "", *targets_lines(report)]
     if report.get("peers"):
-        body += [
-            "",
-            "Peers, same prompts and load points, chat route:",
-            "",
-            *peers_table(report),
-            "",
-            *peers_lines(report),
-        ]
+        compared = peers_table(report)
+        if compared:
+            body += ["", "Peers, same prompts and load points, chat route:", "", *compared]
+        body += ["", *peers_lines(report)]
     stem.with_suffix(".md").write_text("\n".join([f"# Serving benchmark, {report['date']}", "", *body]) + "\n")
     snippet = [
         "### Serving benchmark",
