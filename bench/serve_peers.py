@@ -236,7 +236,9 @@ def llamacpp_server(config: PeerConfig, root: Path | None = None) -> PeerServer:
     if not exe.exists() or not quantize.exists():
         raise _missing(LLAMACPP, exe)
     markers = list((root / LLAMACPP).glob(".installed-*"))
-    version = markers[0].name.removeprefix(".installed-") if markers else "?"
+    version = "llama-cpp-python " + (markers[0].name.removeprefix(".installed-") if markers else "?")
+    if (root / LLAMACPP / "version.txt").exists():  # llama.cpp's own build number, written by the installer
+        version += ", " + (root / LLAMACPP / "version.txt").read_text().strip()
     weights = gguf_bf16(config.model, quantize, root / "weights")
     # llama.cpp splits its context evenly over its slots: each slot holds the run's longest request.
     command = [
@@ -244,8 +246,9 @@ def llamacpp_server(config: PeerConfig, root: Path | None = None) -> PeerServer:
         "--parallel", str(config.slots), "--ctx-size", str(config.slots * config.max_model_len),
         "--threads", str(config.threads), "--threads-batch", str(config.threads),
         "--batch-size", str(max(config.max_num_batched_tokens, 64)), "--jinja", "--no-webui",
+        "--cache-ram", "0",  # no host-memory prompt cache either
     ]  # fmt: skip
-    server = PeerServer(LLAMACPP, command, dict(os.environ), config.model, str(weights), f"llama-cpp-python {version}")
+    server = PeerServer(LLAMACPP, command, dict(os.environ), config.model, str(weights), version)
     # Its prompt cache would reuse the KV of an earlier run's identical prompt: off, as our runs use fresh tenants.
     server.request_extra = {"cache_prompt": False}
     return server

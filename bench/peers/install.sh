@@ -60,6 +60,7 @@ install_vllm() {
 install_llamacpp() {
   local dir=$PEERS/llamacpp marker=$PEERS/llamacpp/.installed-$LLAMA_CPP_PYTHON_VERSION
   if [ -f "$marker" ]; then
+    [ -f "$dir/version.txt" ] || "$dir/bin/llama-server" --version 2>&1 | grep -m1 '^version' >"$dir/version.txt" || true
     step "llama.cpp (llama-cpp-python $LLAMA_CPP_PYTHON_VERSION's source) already built: $dir/bin/llama-server"
     return
   fi
@@ -86,17 +87,24 @@ install_llamacpp() {
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON >"$dir/cmake.log"
   cmake --build "$build" -j"$JOBS" --target llama-server llama-quantize >>"$dir/cmake.log"
   cp "$build/bin/llama-server" "$build/bin/llama-quantize" "$dir/bin/"
-  "$dir/bin/llama-server" --version 2>&1 | tail -n 2
+  # "version: 1234 (abcdef0)": the report names the build it measured.
+  "$dir/bin/llama-server" --version 2>&1 | grep -m1 '^version' | tee "$dir/version.txt"
   touch "$marker"
   step "llama.cpp built in $((SECONDS - started)) s: $dir/bin/llama-server"
 }
 
-for part in "${parts[@]}"; do
-  case $part in
-    vllm) install_vllm ;;
-    llamacpp) install_llamacpp ;;
-    *) echo "unknown part: $part (vllm, llamacpp)" >&2; exit 2 ;;
-  esac
-done
-echo "peers in $PEERS; run: inflightq bench serve --peers vllm,llamacpp ..."
-echo "(the weights each peer loads are written on first use: see bench/serve_peer_weights.py)"
+# One function read whole before it runs, so editing this file while an install runs cannot derail it.
+main() {
+  for part in "${parts[@]}"; do
+    case $part in
+      vllm) install_vllm ;;
+      llamacpp) install_llamacpp ;;
+      *) echo "unknown part: $part (vllm, llamacpp)" >&2; exit 2 ;;
+    esac
+  done
+  echo "peers in $PEERS; run: inflightq bench serve --peers vllm,llamacpp ..."
+  echo "(the weights each peer loads are written on first use: see bench/serve_peer_weights.py)"
+}
+
+main
+exit
