@@ -213,7 +213,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--peers", default="", help="also run these servers at the same load points: vllm,llamacpp (bench/peers/)"
     )
     p.add_argument("--peer-timeout", type=float, default=900.0, help="seconds a peer may take to start")
-    p.add_argument("--endpoints", default=",".join(ENDPOINTS), help="generate_stream,chat,queue")
+    p.add_argument("--endpoints", default=",".join(ENDPOINTS), help="generate_stream,chat,queue ('' = none)")
     p.add_argument("--low-load-requests", type=int, default=8, help="requests sent one at a time (0 = skip)")
     p.add_argument("--workers", default="1,2", help="worker counts; beyond the first only at saturation")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per engine (default 3072)")
@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         report["dtype"] = str(resolve_dtype(settings.dtype, None)).replace("torch.", "")
     checkpoint(report)
-    run_stack(settings, args, endpoints, args.points, workers, phases, warm, report, offline)
+    if endpoints:  # --endpoints '': no runs through our stack (e.g. to try a peer alone)
+        run_stack(settings, args, endpoints, args.points, workers, phases, warm, report, offline)
     if args.peers:
         from bench.serve_peer_runs import run_peers
 
