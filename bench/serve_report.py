@@ -108,14 +108,15 @@ def point_label(run: dict[str, Any]) -> str:
     rate, concurrency = run.get("rate", "inf"), run.get("concurrency")
     if concurrency is None:
         return str(rate)
-    return f"{concurrency} streams" if rate == "inf" else f"{rate}/s, <= {concurrency}"
+    streams = f"{concurrency} stream{'s' if concurrency != 1 else ''}"
+    return streams if rate == "inf" else f"{rate}/s, <= {streams}"
 
 
 def _point_order(label: str) -> tuple[int, float]:
     if label == LOW:
         return (0, 0.0)
     head = label.split()[0].split("/")[0]
-    if label.endswith("streams"):
+    if label.endswith(("stream", "streams")) and "/s" not in label:
         return (2, float(head))
     return (1, math.inf if head == "inf" else float(head))
 

