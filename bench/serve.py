@@ -8,7 +8,13 @@ One run, one set of seeded synthetic chat prompts (bench/serve_dataset.py), seve
   or already running (``--base-url``), driven through TGI's ``/generate_stream``, OpenAI's
   ``/v1/chat/completions`` (both SSE) and straight through the queue client: first one request at
   a time (low load), then Poisson arrivals at each ``--request-rate`` (inf = all at once);
-- the same at saturation with a second worker.
+- the same at saturation with a second worker;
+- with ``--peers vllm,llamacpp``: vLLM's CPU build and llama.cpp's server, on the same weights in BF16,
+  through their OpenAI chat routes at the same load points (bench/serve_peer_runs.py; installed by
+  bench/peers/install.sh, and skipped with a message naming it where they are not).
+
+``--concurrency 1,8,32`` adds closed-loop load points (every request released, at most N in flight) to the
+request rates, or replaces them when ``--request-rate`` is not given.
 
 Writes bench/results/serve-<date>.{json,md,png} and README-serve.md (table, plot, command).
 
@@ -197,7 +203,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--request-rate", default=None, help="requests/s, comma list; inf = all at once (default 1,inf; full: 1,2,inf)"
     )
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight in rate runs")
-    p.add_argument("--endpoints", default=",".join(ENDPOINTS), help="generate_stream,chat,queue")
+    p.add_argument(
+        "--concurrency",
+        default="",
+        help="comma list of concurrency levels: runs with all requests released and at most N in flight"
+        " (replaces the rate sweep unless --request-rate is given too)",
+    )
+    p.add_argument(
+        "--peers", default="", help="also run these servers at the same load points: vllm,llamacpp (bench/peers/)"
+    )
+    p.add_argument("--peer-timeout", type=float, default=900.0, help="seconds a peer may take to start")
+    p.add_argument("--endpoints", default=",".join(ENDPOINTS), help="generate_stream,chat,queue ('' = none)")
     p.add_argument("--low-load-requests", type=int, default=8, help="requests sent one at a time (0 = skip)")
     p.add_argument("--workers", default="1,2", help="worker counts; beyond the first only at saturation")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per engine (default 3072)")
@@ -210,7 +226,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--retries", type=int, default=1, help="measure again when another benchmark ran alongside")
     p.add_argument("--out", default="bench/results", help="folder for serve-<date>.*; '' to skip writing")
     p.add_argument("--tag", default="", help="name files serve-<date>-<tag>.* and leave README-serve.md alone")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    from bench.serve_peers import parse_peers
+
+    try:
+        args.peers = parse_peers(args.peers)
+        args.points = sweep_points(args)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def sweep_points(args: argparse.Namespace) -> list[tuple[float, int | None]]:
+    """The sweep's load points, (request rate, concurrency cap): each rate (capped by --max-concurrency),
+    then each --concurrency level with every request released at once."""
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if any(c < 1 for c in levels):
+        raise ValueError(f"--concurrency levels must be >= 1: {args.concurrency}")
+    default_rates = "" if levels else ("1,inf" if args.quick else "1,2,inf")
+    rates = [float(r) for r in (args.request_rate if args.request_rate is not None else default_rates).split(",") if r]
+    return [(r, args.max_concurrency) for r in rates] + [(math.inf, c) for c in levels]
 
 
 def quiet_policy(args: argparse.Namespace) -> Quiet | None:
@@ -253,15 +288,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     phases = {"low_load": samples[: args.low_load_requests], "sweep": samples, "scale": samples}
     warm = synthetic_chat(tokenizer, 8, input_len=(40, 60), output_len=(4, 4), seed=args.seed + 1)
     endpoints = [e for e in args.endpoints.split(",") if e]
-    rates = [float(r) for r in (args.request_rate or ("1,inf" if args.quick else "1,2,inf")).split(",")]
     workers = [int(w) for w in args.workers.split(",")]
     report = report_head("inflightq bench serve", argv, settings, samples, args) | {"anchors": {}, "runs": []}
     offline = None
     if not args.skip_anchors:
         report["anchors"], offline = run_anchors(settings, samples, bool(phases["low_load"]), args)
         report["dtype"] = report["anchors"].pop("dtype")
+    else:  # what "auto" means on this machine, as the worker resolves it (the peers run bfloat16)
+        from worker.engine.hardware import resolve_dtype
+
+        report["dtype"] = str(resolve_dtype(settings.dtype, None)).replace("torch.", "")
     checkpoint(report)
-    run_stack(settings, args, endpoints, rates, workers, phases, warm, report, offline)
+    if endpoints:  # --endpoints '': no runs through our stack (e.g. to try a peer alone)
+        run_stack(settings, args, endpoints, args.points, workers, phases, warm, report, offline)
+    if args.peers:
+        from bench.serve_peer_runs import run_peers
+
+        run_peers(args.peers, settings, args.points, samples, warm, report, args)
     report["targets"] = targets(report)
     if args.out:
         from bench.serve_report import write
@@ -340,7 +383,7 @@ def run_stack(
     settings: Settings,
     args: argparse.Namespace,
     endpoints: list[str],
-    rates: list[float],
+    points: list[tuple[float, int | None]],
     workers: list[int],
     phases: dict[str, list[ChatSample]],
     warm: list[ChatSample],
@@ -362,8 +405,8 @@ def run_stack(
         if phases["low_load"]:
             run_low_load(runner, endpoints, phases["low_load"], workers[0], offline)
         plan: list[dict[str, Any]] = [
-            {"phase": "sweep", "endpoint": e, "workers": workers[0], "rate": r, "concurrency": args.max_concurrency}
-            for r in rates  # rate-major: the systems at one rate run close together in time
+            {"phase": "sweep", "endpoint": e, "workers": workers[0], "rate": r, "concurrency": c}
+            for r, c in points  # point-major: the ways in at one load point run close together in time
             for e in endpoints
         ]
         runs = run_phase(runner, plan, phases, report["runs"])
@@ -401,7 +444,8 @@ def warm_stack(runner: Runner, endpoints: list[str], warm: list[ChatSample]) -> 
 def targets(report: dict[str, Any]) -> dict[str, Any]:
     """The issue's two targets, as ratios and differences against anchors from this same run."""
     out: dict[str, Any] = {}
-    runs, anchors = report["runs"], report["anchors"]
+    anchors = report["anchors"]
+    runs = [r for r in report["runs"] if "peer" not in r]  # the peers have a table of their own
     first_workers = min((r["workers"] for r in runs), default=1)
     saturated = {
         r["endpoint"]: r for r in runs if r["phase"] == "sweep" and r["rate"] == "inf" and r["workers"] == first_workers

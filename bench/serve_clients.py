@@ -113,6 +113,54 @@ def chat_sender(http: httpx.AsyncClient, headers: dict[str, str], model: str, pr
     return send
 
 
+def openai_chat_sender(http: httpx.AsyncClient, model: str, extra: dict[str, Any] | None = None) -> Sender:
+    """Another server's OpenAI chat route (the benchmark's peers), with our chat route's request body.
+
+    Token arrivals are timed per chunk that carries text, since a peer may send a chunk with no text (the
+    role, or bytes held back for an incomplete character) or, in principle, several tokens in one. The
+    token count is the server's own ``usage.completion_tokens``: the count our routes report too, and
+    that ``summarize`` checks against what was asked (``ignore_eos`` makes it exact)."""
+
+    async def send(sample: ChatSample) -> RequestResult:
+        result = RequestResult(sample.prompt_len, sample.output_len)
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": sample.messages,
+            "max_tokens": sample.output_len,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **(extra or {}),
+        }
+        started = last = time.perf_counter()
+        try:
+            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                    return result
+                async for data in sse_data(response):
+                    if "error" in data:
+                        result.error = f"error: {str(data['error'])[:200]}"
+                        return result
+                    if data.get("usage"):
+                        result.reported_tokens = data["usage"]["completion_tokens"]
+                        result.reported_prompt_tokens = data["usage"]["prompt_tokens"]
+                    if any((c.get("delta") or {}).get("content") for c in data.get("choices") or []):
+                        last = result.record_token(started, time.perf_counter(), last)
+        except httpx.HTTPError as exc:
+            result.error = f"{type(exc).__name__}: {exc}"
+            return result
+        result.latency = last - started
+        result.success = result.reported_tokens is not None and result.output_tokens > 0
+        if result.success:
+            result.chunks, result.output_tokens = result.output_tokens, result.reported_tokens or 0
+        result.error = "" if result.success else "stream ended without usage or text"
+        return result
+
+    return send
+
+
 def queue_sender(client: AsyncQueueClient, model: str, tenant: str | None, priority: int | None = None) -> Sender:
     async def send(sample: ChatSample) -> RequestResult:
         result = RequestResult(sample.prompt_len, sample.output_len)

