@@ -295,7 +295,7 @@ def test_two_workers_with_full_small_caches_stay_in_budget(
     print(f"FAULTS oom light: {report}")
 
 
-@pytest.mark.skipif(not HEAVY, reason="heavy: INFLIGHTQ_FAULTS_HEAVY=1")
+@pytest.mark.heavy_only  # collected only with INFLIGHTQ_FAULTS_HEAVY=1 (tests/faults/conftest.py)
 def test_three_workers_of_the_default_model_with_full_caches_stay_in_budget(
     worker_env: dict[str, str], settings: Settings, tmp_path: Path
 ) -> None:
