@@ -67,18 +67,23 @@ def tgi_sender(http: httpx.AsyncClient, headers: dict[str, str], priority: int |
     return send
 
 
+def chat_body(model: str, sample: ChatSample) -> dict[str, Any]:
+    """The streaming chat request every system gets: greedy, exactly ``output_len`` tokens, usage at the end."""
+    return {
+        "model": model,
+        "messages": sample.messages,
+        "max_tokens": sample.output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
 def chat_sender(http: httpx.AsyncClient, headers: dict[str, str], model: str, priority: int | None = None) -> Sender:
     async def send(sample: ChatSample) -> RequestResult:
         result = RequestResult(sample.prompt_len, sample.output_len)
-        body: dict[str, Any] = {
-            "model": model,
-            "messages": sample.messages,
-            "max_tokens": sample.output_len,
-            "ignore_eos": True,
-            "temperature": 0.0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        body = chat_body(model, sample)
         if priority is not None:
             body["priority"] = priority
         started = last = time.perf_counter()
@@ -123,16 +128,7 @@ def openai_chat_sender(http: httpx.AsyncClient, model: str, extra: dict[str, Any
 
     async def send(sample: ChatSample) -> RequestResult:
         result = RequestResult(sample.prompt_len, sample.output_len)
-        body: dict[str, Any] = {
-            "model": model,
-            "messages": sample.messages,
-            "max_tokens": sample.output_len,
-            "ignore_eos": True,
-            "temperature": 0.0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            **(extra or {}),
-        }
+        body = chat_body(model, sample) | (extra or {})
         started = last = time.perf_counter()
         try:
             async with http.stream("POST", "/v1/chat/completions", json=body) as response:
