@@ -29,14 +29,12 @@ import contextlib
 import datetime as dt
 import functools
 import gc
-import json
 import math
 import os
 import platform
 import shlex
 import signal
 import sys
-import tempfile
 import threading
 import uuid
 from collections.abc import AsyncIterator
@@ -50,20 +48,16 @@ from bench.serve_clients import ENDPOINTS, Sender, chat_sender, queue_sender, ru
 from bench.serve_dataset import ChatSample, describe, synthetic_chat
 from bench.serve_low_load import OneRequest, interleaved, paired_added_ms
 from bench.serve_metrics import RequestResult, print_summary, summarize
-from bench.serve_stack import Quiet, Stack, measure
+from bench.serve_report import checkpoint, rate_label
+from bench.serve_stack import Quiet, Stack, measure, quiet_policy
 from shared.async_client import AsyncQueueClient
 from shared.client import redis_kwargs
 from shared.redis_connect import connect_async
 from shared.settings import Settings, get_settings
 
 QUICK_REQUESTS = 100
-PARTIAL = Path(tempfile.gettempdir()) / "inflightq-bench-serve-partial.json"
 LABELS = {"generate_stream": "API /generate_stream", "chat": "API /v1/chat/completions", "queue": "queue client"}
 OFFLINE = "offline_engine"  # the low-load phase's name for one request alone in the in-process engine
-
-
-def rate_label(rate: float) -> str | float:
-    return "inf" if math.isinf(rate) else rate
 
 
 class Runner:
@@ -248,10 +242,6 @@ def sweep_points(args: argparse.Namespace) -> list[tuple[float, int | None]]:
     return [(r, args.max_concurrency) for r in rates] + [(math.inf, c) for c in levels]
 
 
-def quiet_policy(args: argparse.Namespace) -> Quiet | None:
-    return None if args.no_wait else Quiet(max_wait_s=args.max_wait, retries=args.retries)
-
-
 def bench_settings(args: argparse.Namespace) -> Settings:
     base = get_settings()
     update: dict[str, Any] = {"model": args.model or base.model, "dtype": args.dtype or base.dtype}
@@ -425,14 +415,6 @@ def run_stack(
     finally:
         if stack is not None:
             stack.stop()
-
-
-def checkpoint(report: dict[str, Any], path: Path = PARTIAL) -> None:
-    """The report so far, so that a run cut short still leaves its figures behind."""
-    from bench.serve_report import _clean
-
-    if report:
-        path.write_text(json.dumps(_clean(report), indent=2) + "\n")
 
 
 def warm_stack(runner: Runner, endpoints: list[str], warm: list[ChatSample]) -> None:

@@ -12,13 +12,13 @@ from typing import Any
 
 import httpx
 
-from bench.serve import checkpoint, quiet_policy, rate_label
 from bench.serve_clients import openai_chat_sender, run_load
 from bench.serve_dataset import ChatSample
 from bench.serve_metrics import print_summary, summarize
 from bench.serve_peer_weights import WeightsUnavailable
 from bench.serve_peers import PeerConfig, PeerServer, PeerUnavailable, make_server
-from bench.serve_stack import measure
+from bench.serve_report import checkpoint, rate_label
+from bench.serve_stack import measure, quiet_policy
 from shared.settings import Settings
 
 Point = tuple[float, int | None]  # (request rate, concurrency cap)

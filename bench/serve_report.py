@@ -4,8 +4,21 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from pathlib import Path
 from typing import Any
+
+PARTIAL = Path(tempfile.gettempdir()) / "inflightq-bench-serve-partial.json"
+
+
+def rate_label(rate: float) -> str | float:
+    return "inf" if math.isinf(rate) else rate
+
+
+def checkpoint(report: dict[str, Any], path: Path = PARTIAL) -> None:
+    """The report so far, so that a run cut short still leaves its figures behind."""
+    if report:
+        path.write_text(json.dumps(_clean(report), indent=2) + "\n")
 
 
 def _clean(value: Any) -> Any:

@@ -7,6 +7,7 @@ in the cache (the same prompts are sent many times)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -234,3 +235,7 @@ def measure(fn: Callable[[int], T], quiet: Quiet | None, label: str) -> tuple[T,
             return out, watch.seen
         print(f"{label}: another benchmark ran alongside ({watch.seen[0]}); measuring again", flush=True)
         attempt += 1
+
+
+def quiet_policy(args: argparse.Namespace) -> Quiet | None:
+    return None if args.no_wait else Quiet(max_wait_s=args.max_wait, retries=args.retries)
