@@ -214,9 +214,14 @@ def by_class(
 
 def pool_summary(sampled: Sampled, max_num_seqs: int) -> dict[str, Any]:
     running = [r for r in sampled.running if not math.isnan(r)]
+    # The worker's slots are its engine's sequences, prefilling, decoding or waiting for a prefill
+    # turn (the engine's waiting list): the pool is full when they number max_num_seqs, even while
+    # the prefill cap keeps some of them out of the running list.
+    held = [r + w for r, w in zip(sampled.running, sampled.waiting, strict=True) if not math.isnan(r + w)]
     return {
         "samples": len(sampled.t),
-        "full_share": round(sum(1 for r in running if r >= max_num_seqs) / len(running), 3) if running else None,
+        "full_share": round(sum(1 for h in held if h >= max_num_seqs) / len(held), 3) if held else None,
+        "mean_held": round(sum(held) / len(held), 1) if held else None,
         "mean_running": round(sum(running) / len(running), 1) if running else None,
         "mean_queued": round(sum(sampled.queued) / len(sampled.queued), 1) if sampled.queued else None,
         "max_queued": max(sampled.queued, default=None),

@@ -47,9 +47,10 @@ def latency_table(report: dict[str, Any]) -> list[str]:
 def worker_table(report: dict[str, Any]) -> list[str]:
     lines = [
         "| run | duration s | out tok/s (all) | engine steps | preemptions: urgency / kv_blocks | per minute "
-        "| recomputed tokens | pool full (share of 1 s samples) | queued: mean / max | load avg before / after "
+        "| recomputed tokens | pool full (share of 1 s samples) | mean sequences held / of them running "
+        "| queued: mean / max | load avg before / after "
         "| mean ms in queue / to first token by priority (worker's histograms) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in ("calibration", "priority", "fcfs"):
         run = report["runs"].get(name)
@@ -61,6 +62,7 @@ def worker_table(report: dict[str, Any]) -> list[str]:
             f"| {LABELS[name]} | {m['duration_s']:.0f} | {m['output_throughput']} | {w['engine_steps']:.0f} "
             f"| {w['engine_preemptions_by_reason:urgency']:.0f} / {w['engine_preemptions_by_reason:kv_blocks']:.0f} "
             f"| {per_min} | {w['engine_recomputed_tokens']:.0f} | {p['full_share']} "
+            f"| {p.get('mean_held', '-')} / {p['mean_running']} "
             f"| {p['mean_queued']} / {p['max_queued']} | {' / '.join(map(str, run.get('load_average', ['-'])))} "
             f"| {_split_by_priority(w)} |"
         )

@@ -51,6 +51,7 @@ MiB = 1 << 20
 # (a 512-token prefill chunk's attention scores and MLP, the sampled rows' logits), the allocator
 # keeping freed arenas, request state. Measured: 7-40 MiB (light), see docs/reliability.md (heavy).
 ACTIVATION_ALLOWANCE = 256 * MiB
+MAX_PROMPT = 2048  # tokens: well inside any model's context, quick to prefill on a CPU
 KV_LINE = re.compile(r"KV cache: (\d+) blocks of (\d+) tokens, ([\d.]+) MiB")
 
 
@@ -178,9 +179,11 @@ def fill_and_measure(
             assert kv_total <= 1.02 * budget, (kv_total, budget, free_at_start, max(free_seen))
 
             # Requests of `per` to a cache: their prompts claim it whole (the capacity check counts a
-            # prompt plus one block), their outputs then need 4 more blocks each.
+            # prompt plus one block), their outputs then need 4 more blocks each. At least 8, and
+            # enough that a prompt stays within MAX_PROMPT (a default-budget cache of the default
+            # model holds ~80k tokens: 8 prompts would pass its 8,192-token context).
             blocks, block_size = min(w.blocks for w in watched), 16
-            per = 8
+            per = max(8, -(-blocks // (MAX_PROMPT // block_size + 2)))
             prompt_len = (blocks // per - 2) * block_size
             new_tokens = 4 * block_size
             assert prompt_len >= block_size, blocks
