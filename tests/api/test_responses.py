@@ -18,6 +18,7 @@ import redis
 from shared.keys import Keys
 from shared.settings import Settings
 from tests.api.conftest import ApiServer, WorkerProcess, wait_for_workers
+from tests.worker import paced_worker
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -255,6 +256,9 @@ def test_cancel_queued_and_api_restart(
         client.responses.retrieve(created.id)
 
 
+PACED_TOKENS = 10
+
+
 def test_background_survives_a_worker_crash(
     redis_url: str,
     module_prefix: str,
@@ -272,7 +276,10 @@ def test_background_survives_a_worker_crash(
         max_new_tokens=2000,
     )
     fast_reclaim = {"INFLIGHTQ_RECLAIM_AFTER_S": "1"}
-    first = WorkerProcess(tiny_model_dir, redis_url, prefix, tmp_path / "first.log", fast_reclaim)
+    # The first worker is paced (tests/worker/paced_worker.py): it generates PACED_TOKENS and then waits,
+    # so the crash lands mid-response however fast the machine runs the model.
+    paced = {**fast_reclaim, "INFLIGHTQ_ENGINE_STALL_S": "0"}
+    first = WorkerProcess(tiny_model_dir, redis_url, prefix, tmp_path / "first.log", paced, paced_worker.SCRIPT)
     second: WorkerProcess | None = None
     try:
         api = start_api(settings)
@@ -282,11 +289,14 @@ def test_background_survives_a_worker_crash(
         created = client.responses.create(
             input="Go", max_output_tokens=300, background=True, extra_body={"ignore_eos": True, "seed": 3}
         )
+        gates = redis.Redis.from_url(redis_url)
+        paced_worker.allow_steps(gates, prefix, created.id, PACED_TOKENS)
+        gates.close()
         seen = []
         stream = client.responses.retrieve(created.id, stream=True)
         for event in stream:
             seen.append(event)
-            if len(seen) == 12:
+            if len(seen) == 12:  # 4 opening events and 8 deltas: the first worker waits after PACED_TOKENS
                 first.crash()
                 second = WorkerProcess(tiny_model_dir, redis_url, prefix, tmp_path / "second.log", fast_reclaim)
                 break

@@ -15,11 +15,13 @@ from shared.settings import Settings
 from tests.api.conftest import ApiServer, WorkerProcess, wait_for_workers
 from tests.api.test_end_to_end import sse_events
 from tests.conftest import RedisBackend
+from tests.worker import paced_worker
 
 pytestmark = pytest.mark.timeout(300)
 
 
-JOB_TOKENS = 1500
+JOB_TOKENS = 300
+ALLOWED_BEFORE_CRASH = 5  # tokens the first worker may generate; it is killed while it waits for the 6th
 
 
 def test_job_stream_survives_a_worker_crash(
@@ -41,18 +43,25 @@ def test_job_stream_survives_a_worker_crash(
     )
     fast_reclaim = {"INFLIGHTQ_RECLAIM_AFTER_S": "1"}
 
-    def worker(name: str) -> WorkerProcess:
-        return WorkerProcess(tiny_model_dir, redis_url, module_prefix, tmp_path / name, fast_reclaim, cluster=cluster)
+    def worker(name: str, paced: bool = False) -> WorkerProcess:
+        # The first worker is paced (tests/worker/paced_worker.py): it generates the tokens the test
+        # allows and then waits, so the crash lands mid-job however fast the machine runs the model.
+        env = {**fast_reclaim, "INFLIGHTQ_ENGINE_STALL_S": "0"} if paced else fast_reclaim
+        script = paced_worker.SCRIPT if paced else None
+        log = tmp_path / name
+        return WorkerProcess(tiny_model_dir, redis_url, module_prefix, log, env, script, cluster=cluster)
 
-    first = worker("first.log")
+    first = worker("first.log", paced=True)
     second: WorkerProcess | None = None
     try:
         api = start_api(settings)
         with api.client() as http:
             wait_for_workers(http, settings.model, 1, [first])
-            # Long enough to still be running when the crash lands: an idle box runs the tiny model at ~1 ms a token.
             body = {"prompt": "Go", "max_new_tokens": JOB_TOKENS, "ignore_eos": True}
             job_id = http.post("/v1/jobs", json=body).json()["id"]
+            gates = connect(settings)
+            paced_worker.allow_steps(gates, module_prefix, job_id, ALLOWED_BEFORE_CRASH)
+            gates.close()
             seen: list[tuple[int, int]] = []  # (index, token id)
             final: dict | None = None
             with http.stream("GET", f"/v1/jobs/{job_id}/stream") as response:
@@ -61,7 +70,7 @@ def test_job_stream_survives_a_worker_crash(
                     assert "error" not in event, event
                     assert int(event_id) == event["index"]
                     seen.append((event["index"], event["token"]["id"]))
-                    if len(seen) == 5:
+                    if len(seen) == ALLOWED_BEFORE_CRASH:  # the first worker now waits for a permit
                         first.crash()
                         second = worker("second.log")
                     if event["generated_text"] is not None:

@@ -9,7 +9,6 @@ above the test's waits (a paced engine loop is meant to stand still)."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import redis
 
 from shared.keys import Keys
+from shared.redis_connect import connect
+from shared.settings import get_settings
 from worker.engine import model_runner
 
 SCRIPT = Path(__file__).resolve()
@@ -33,18 +34,18 @@ def gate_key(prefix: str, request_id: str) -> str:
     return Keys.for_prefix(prefix).prefix + ":testgate:" + request_id
 
 
-def allow_steps(connection: redis.Redis, prefix: str, request_id: str, steps: int = 1) -> None:
+def allow_steps(connection: redis.Redis | redis.RedisCluster, prefix: str, request_id: str, steps: int = 1) -> None:
     connection.rpush(gate_key(prefix, request_id), *(["1"] * steps))
 
 
-_gates: redis.Redis | None = None
+_gates: redis.Redis | redis.RedisCluster | None = None
 
 
 def _paced_run(self: Any, seqs: list[Any], *args: Any, **kwargs: Any) -> Any:
     global _gates
-    if _gates is None:
-        _gates = redis.Redis.from_url(os.environ["INFLIGHTQ_REDIS_URL"])
-    prefix = os.environ["INFLIGHTQ_KEY_PREFIX"]
+    if _gates is None:  # the worker's own Redis, standalone or Cluster (the gate lives in the prefix's slot)
+        _gates = connect(get_settings(), decode_responses=False)
+    prefix = get_settings().key_prefix
     for seq in seqs:
         _gates.blpop([gate_key(prefix, seq.request_id)], timeout=GATE_TIMEOUT_S)
     return _run(self, seqs, *args, **kwargs)

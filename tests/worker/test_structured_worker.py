@@ -14,6 +14,7 @@ from shared.request_lifecycle import RequestStatus
 from shared.schemas import DoneEvent, ErrorEvent, QueuedRequest, SamplingSpec, TokenEvent
 from shared.work_queue import STREAM_FIELD
 from tests.structured_cases import validate
+from tests.worker import paced_worker
 from tests.worker.test_worker import tokens_sent, wait_for
 
 # Long enough (~150 tokens) to be caught mid-way, bounded so that it always ends.
@@ -49,12 +50,21 @@ def prompt(i: int) -> list[int]:
     return [10 + i, 200 + 7 * i, 3000 + i, 42]
 
 
+VICTIM_TOKENS = 12
+
+
 def test_a_worker_killed_mid_json_is_taken_over_and_the_json_is_whole(spawn_worker, client: QueueClient) -> None:
     model = client.settings.model
-    victim, survivor = (spawn_worker(name, "--max-num-seqs", "2", ready=False) for name in ("victim", "survivor"))
+    # The victim is paced (tests/worker/paced_worker.py): it generates VICTIM_TOKENS per request and then
+    # waits, so the kill lands mid-generation however fast the machine runs the model.
+    paced = {"INFLIGHTQ_ENGINE_STALL_S": "0"}
+    victim = spawn_worker("victim", "--max-num-seqs", "2", ready=False, env=paced, script=paced_worker.SCRIPT)
+    survivor = spawn_worker("survivor", "--max-num-seqs", "2", ready=False)
     victim.wait_ready(client)
     survivor.wait_ready(client)
     ids = [client.submit(model, prompt(i), spec(i)) for i in range(4)]
+    for request_id in ids:
+        paced_worker.allow_steps(client.redis, client.settings.key_prefix, request_id, VICTIM_TOKENS)
     streams: dict[str, list] = {r: [] for r in ids}
 
     def follow(request_id: str) -> None:

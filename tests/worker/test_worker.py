@@ -16,7 +16,7 @@ from shared.keys import CONSUMER_GROUP
 from shared.request_lifecycle import RequestStatus
 from shared.schemas import DeadLetter, DoneEvent, ErrorEvent, SamplingSpec, TokenEvent
 from shared.work_queue import STREAM_FIELD
-from tests.worker import faulty_worker
+from tests.worker import faulty_worker, paced_worker
 from tests.worker.conftest import greedy
 from worker.watchdog import EXIT_ENGINE_STALLED
 
@@ -170,13 +170,22 @@ def test_a_late_subscriber_gets_the_whole_stream(spawn_worker, client) -> None:
     assert tokens[-1].finish_reason == "length"
 
 
+VICTIM_TOKENS = 10
+
+
 def test_kill_9_mid_generation_is_taken_over_with_identical_output(spawn_worker, client, reference) -> None:
     model = client.settings.model
-    victim, survivor = (spawn_worker(name, "--max-num-seqs", "2", ready=False) for name in ("victim", "survivor"))
+    # The victim is paced (tests/worker/paced_worker.py): it generates VICTIM_TOKENS per request and then
+    # waits, so the kill lands mid-generation however fast the machine runs the model.
+    paced = {"INFLIGHTQ_ENGINE_STALL_S": "0"}
+    victim = spawn_worker("victim", "--max-num-seqs", "2", ready=False, env=paced, script=paced_worker.SCRIPT)
+    survivor = spawn_worker("survivor", "--max-num-seqs", "2", ready=False)
     victim.wait_ready(client)
     survivor.wait_ready(client)
     n = 80
     ids = [client.submit(model, prompt(i), greedy(n)) for i in range(4)]
+    for request_id in ids:
+        paced_worker.allow_steps(client.redis, client.settings.key_prefix, request_id, VICTIM_TOKENS)
     streams: dict[str, list] = {r: [] for r in ids}
 
     def follow(request_id: str) -> None:
