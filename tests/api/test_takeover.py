@@ -32,10 +32,13 @@ def test_job_stream_survives_a_worker_crash(
     tmp_path: Path,
 ) -> None:
     redis_url, cluster = redis_backend.url, redis_backend.cluster
+    # A prefix of its own: a module's stack (another worker of the same model) may share module_prefix,
+    # and must not take the job in place of the worker this test crashes.
+    prefix = module_prefix + "-takeover"
     settings = Settings(
         redis_url=redis_url,
         redis_cluster=cluster,
-        key_prefix=module_prefix,
+        key_prefix=prefix,
         model=str(tiny_model_dir),
         heartbeat_ttl_s=3,
         no_worker_wait_s=120,  # the stream must wait out the gap between the crash and the new worker
@@ -49,7 +52,7 @@ def test_job_stream_survives_a_worker_crash(
         env = {**fast_reclaim, "INFLIGHTQ_ENGINE_STALL_S": "0"} if paced else fast_reclaim
         script = paced_worker.SCRIPT if paced else None
         log = tmp_path / name
-        return WorkerProcess(tiny_model_dir, redis_url, module_prefix, log, env, script, cluster=cluster)
+        return WorkerProcess(tiny_model_dir, redis_url, prefix, log, env, script, cluster=cluster)
 
     first = worker("first.log", paced=True)
     second: WorkerProcess | None = None
@@ -60,7 +63,7 @@ def test_job_stream_survives_a_worker_crash(
             body = {"prompt": "Go", "max_new_tokens": JOB_TOKENS, "ignore_eos": True}
             job_id = http.post("/v1/jobs", json=body).json()["id"]
             gates = connect(settings)
-            paced_worker.allow_steps(gates, module_prefix, job_id, ALLOWED_BEFORE_CRASH)
+            paced_worker.allow_steps(gates, prefix, job_id, ALLOWED_BEFORE_CRASH)
             gates.close()
             seen: list[tuple[int, int]] = []  # (index, token id)
             final: dict | None = None
@@ -86,5 +89,5 @@ def test_job_stream_survives_a_worker_crash(
     assert [token for _, token in seen] == job["result"]["token_ids"]
     assert final["generated_text"] == job["result"]["generated_text"]
     r = connect(settings, decode_responses=True)
-    assert r.hget(Keys.for_prefix(module_prefix).request(job_id), "status") == "done"
+    assert r.hget(Keys.for_prefix(prefix).request(job_id), "status") == "done"
     r.close()
