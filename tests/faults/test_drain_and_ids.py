@@ -4,6 +4,8 @@ token 0), and a reused request id is refused without touching the request that o
 from __future__ import annotations
 
 import signal
+import threading
+import time
 from collections import Counter
 from itertools import pairwise
 
@@ -13,8 +15,12 @@ from shared.errors import ConflictError
 from shared.event_delivery import parse_log_entry
 from shared.request_lifecycle import RequestStatus
 from shared.schemas import TokenEvent
+from tests.worker import paced_worker
 from tests.worker.conftest import greedy
 from tests.worker.test_worker import PROMPT, prompt, tokens_sent, wait_for
+
+PACED_TOKENS = 30  # per request, before the drain
+TRICKLE_S = 0.01  # one more token per request this often while the leaving worker drains
 
 
 def logged_indices(client, request_id: str) -> tuple[list[int], list[int]]:  # type: ignore[no-untyped-def]
@@ -29,15 +35,35 @@ def logged_indices(client, request_id: str) -> tuple[list[int], list[int]]:  # t
 
 
 def test_a_drain_hands_over_from_the_replay_log_not_from_token_0(spawn_worker, client, reference) -> None:
-    n = 1000  # long enough to outlast the heir's start on a loaded machine
-    model = client.settings.model
-    leaving = spawn_worker("leaving", env={"INFLIGHTQ_DRAIN_TIMEOUT_S": "0.3"})
+    n = 1000
+    model, prefix = client.settings.model, client.settings.key_prefix
+    # The leaving worker is paced (tests/worker/paced_worker.py): it generates PACED_TOKENS per request
+    # and waits while the heir starts, then one token per TRICKLE_S while it drains, so the drain finds
+    # both requests running however fast the machine runs the model.
+    env = {"INFLIGHTQ_DRAIN_TIMEOUT_S": "0.3", "INFLIGHTQ_ENGINE_STALL_S": "0"}
+    leaving = spawn_worker("leaving", env=env, script=paced_worker.SCRIPT)
     request_ids = [client.submit(model, prompt(i), greedy(n)) for i in range(2)]
+    for rid in request_ids:
+        paced_worker.allow_steps(client.redis, prefix, rid, PACED_TOKENS)
     wait_for(lambda: all(tokens_sent(client, rid) > 20 for rid in request_ids), timeout=60)
     spawn_worker("staying")
-    assert all(tokens_sent(client, rid) < n for rid in request_ids), "the drain must find them running"
-    leaving.signal(signal.SIGTERM)
-    assert leaving.wait(timeout=30) == 0
+    assert all(tokens_sent(client, rid) <= PACED_TOKENS for rid in request_ids), "paced: it waits for permits"
+    draining = threading.Event()
+
+    def trickle() -> None:
+        while not draining.wait(TRICKLE_S):
+            for rid in request_ids:
+                paced_worker.allow_steps(client.redis, prefix, rid)
+
+    feeder = threading.Thread(target=trickle, daemon=True)
+    feeder.start()
+    try:
+        drain_ms = int(time.time() * 1000)  # the replay log's entry ids are the same host's clock, in ms
+        leaving.signal(signal.SIGTERM)
+        assert leaving.wait(timeout=30) == 0
+    finally:
+        draining.set()
+        feeder.join()
     for i, request_id in enumerate(request_ids):
         result = client.result(request_id, timeout=300)
         assert result.token_ids == reference(prompt(i), n)
@@ -47,8 +73,9 @@ def test_a_drain_hands_over_from_the_replay_log_not_from_token_0(spawn_worker, c
         repeated = [index for index, count in Counter(indices).items() if count > 1]
         assert repeated == [], f"the heir generated {len(repeated)} tokens again"
         assert sorted(indices) == list(range(n))
-        pause_s = max(b - a for a, b in pairwise(times)) / 1000
-        print(f"FAULTS drain: request {i}: {n} tokens, 0 repeated, longest pause {pause_s:.2f} s")
+        # From the drain on (before it, the paced worker waited for the heir's start on purpose).
+        pause_s = max(b - a for a, b in pairwise([drain_ms, *(t for t in times if t >= drain_ms)])) / 1000
+        print(f"FAULTS drain: request {i}: {n} tokens, 0 repeated, longest pause after the drain {pause_s:.2f} s")
 
 
 def test_a_reused_request_id_is_refused_and_the_original_is_untouched(spawn_worker, client, reference) -> None:

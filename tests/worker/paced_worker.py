@@ -10,6 +10,7 @@ above the test's waits (a paced engine loop is meant to stand still)."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,10 @@ def _paced_run(self: Any, seqs: list[Any], *args: Any, **kwargs: Any) -> Any:
         _gates = connect(get_settings(), decode_responses=False)
     prefix = get_settings().key_prefix
     for seq in seqs:
-        _gates.blpop([gate_key(prefix, seq.request_id)], timeout=GATE_TIMEOUT_S)
+        # Short waits in a loop: the worker's Redis URL may set a socket timeout below GATE_TIMEOUT_S.
+        deadline = time.monotonic() + GATE_TIMEOUT_S
+        while _gates.blpop([gate_key(prefix, seq.request_id)], timeout=1) is None and time.monotonic() < deadline:
+            pass
     return _run(self, seqs, *args, **kwargs)
 
 
