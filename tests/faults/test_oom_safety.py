@@ -41,7 +41,6 @@ from shared.client import QueueClient
 from shared.request_lifecycle import RequestStatus
 from shared.schemas import SamplingSpec
 from shared.settings import Settings
-from tests.faults.conftest import HEAVY
 from tests.worker.conftest import WorkerProcess
 from tests.worker.test_redis_outage import persistent_redis
 from worker.engine.memory import available_memory_bytes
@@ -274,7 +273,6 @@ def fill_and_measure(
     )
 
 
-@pytest.mark.skipif(HEAVY, reason="the heavy variant below runs instead")
 def test_two_workers_with_full_small_caches_stay_in_budget(
     worker_env: dict[str, str], settings: Settings, tmp_path: Path
 ) -> None:
