@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from shared.client import QueueClient
 from shared.schemas import TokenEvent
+from tests.worker import paced_worker
 from tests.worker.conftest import greedy
 from tests.worker.test_worker import prompt, tokens_sent, wait_for
 
@@ -74,14 +75,22 @@ def test_of_two_full_workers_exactly_one_takes_the_urgent_request(spawn_worker, 
 
 
 def test_a_worker_with_a_free_slot_wins_over_a_full_one(spawn_worker, client, reference) -> None:
-    spawn_worker("full", "--max-num-seqs", "1", env={"INFLIGHTQ_PREFETCH_SEQS": "0"})
-    (background,) = fill(client, 1, tokens=3500)  # still running once the second worker has loaded
+    # "full" is paced (tests/worker/paced_worker.py): its background request generates 10 tokens and
+    # waits while "free" loads, so it is still running however fast the box runs the model.
+    paced = {"INFLIGHTQ_PREFETCH_SEQS": "0", "INFLIGHTQ_ENGINE_STALL_S": "0"}
+    spawn_worker("full", "--max-num-seqs", "1", env=paced, script=paced_worker.SCRIPT)
+    model, prefix = client.settings.model, client.settings.key_prefix
+    background = client.submit(model, prompt(0), greedy(BACKGROUND_TOKENS), priority=3)
+    paced_worker.allow_steps(client.redis, prefix, background, 10)
+    wait_for(lambda: tokens_sent(client, background) > 0, timeout=60)
     spawn_worker("free", "--max-num-seqs", "1", env={"INFLIGHTQ_PREFETCH_SEQS": "0"})
     assert client.status(background).finished_at is None  # type: ignore[union-attr]
-    urgent = client.submit(client.settings.model, prompt(7), greedy(8), priority=0)
+    urgent = client.submit(model, prompt(7), greedy(8), priority=0)
     result = client.result(urgent, timeout=60)
     assert result.worker == "free" and result.token_ids == reference(prompt(7), 8)
     assert urgency_preemptions(client) == {"full": 0, "free": 0}
+    paced_worker.allow_steps(client.redis, prefix, background, BACKGROUND_TOKENS)  # now let it finish
+    assert client.result(background, timeout=120).token_ids == reference(prompt(0), BACKGROUND_TOKENS)
 
 
 def test_background_work_still_finishes_under_a_stream_of_urgent_requests(spawn_worker, client, reference) -> None:
