@@ -133,7 +133,11 @@ def fill_and_measure(
     port = free_port()
     url = f"redis://127.0.0.1:{port}/0"
     kills_before = oom_kills()
-    env = {**worker_env, "INFLIGHTQ_REDIS_URL": url}
+    # Prompts enter at the full step budget: with the default cap on prefill beside decodes (128
+    # tokens a step), 2,048-token prompts enter one per 16 steps and finish before many are in the
+    # cache at once, so the caches would take hours to fill. What is under test is the memory a
+    # full cache takes, not how fast it fills.
+    env = {**worker_env, "INFLIGHTQ_REDIS_URL": url, "INFLIGHTQ_MAX_PREFILL_TOKENS_BESIDE_DECODES": "0"}
     if fraction is not None:
         env["INFLIGHTQ_KV_CACHE_MEMORY_FRACTION"] = str(fraction)
     env = up_worker_env(env, workers)  # what `inflightq up --workers N` gives each worker
