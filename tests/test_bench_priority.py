@@ -109,7 +109,7 @@ def test_bench_priority_reports_consistent_figures_for_a_real_stack(
 
     t = report["targets"]
     ttft = t["urgent_p99_ttft_vs_idle_p99"]
-    assert ttft["ratio"] == pytest.approx(ttft["loaded_ms"] / ttft["idle_ms"], rel=1e-3)
+    assert ttft["ratio"] == pytest.approx(ttft["loaded_ms"] / ttft["idle_ms"], abs=5e-4)  # reported to 3 decimals
     assert ttft["met"] == (ttft["ratio"] <= 2.0)
     tput = t["background_throughput_vs_all_background"]
     assert tput["background_tok_s"] == runs["priority"]["classes"][BACKGROUND]["output_throughput"]
