@@ -62,9 +62,7 @@ def paced(
         default_max_new_tokens=TOKENS,
     )
     log = tmp_path_factory.mktemp("paced") / "worker.log"
-    # A paced engine loop stands still on purpose: the stall watchdog must not end it.
-    env = {"INFLIGHTQ_ENGINE_STALL_S": "0"}
-    worker = WorkerProcess(tiny_model_dir, redis_url, module_prefix, log, extra_env=env, script=paced_worker.SCRIPT)
+    worker = WorkerProcess(tiny_model_dir, redis_url, module_prefix, log, script=paced_worker.SCRIPT)
     try:
         server = start_api(settings)
         with server.client() as http:

@@ -278,8 +278,7 @@ def test_background_survives_a_worker_crash(
     fast_reclaim = {"INFLIGHTQ_RECLAIM_AFTER_S": "1"}
     # The first worker is paced (tests/worker/paced_worker.py): it generates PACED_TOKENS and then waits,
     # so the crash lands mid-response however fast the machine runs the model.
-    paced = {**fast_reclaim, "INFLIGHTQ_ENGINE_STALL_S": "0"}
-    first = WorkerProcess(tiny_model_dir, redis_url, prefix, tmp_path / "first.log", paced, paced_worker.SCRIPT)
+    first = WorkerProcess(tiny_model_dir, redis_url, prefix, tmp_path / "first.log", fast_reclaim, paced_worker.SCRIPT)
     second: WorkerProcess | None = None
     try:
         api = start_api(settings)

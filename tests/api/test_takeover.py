@@ -49,10 +49,9 @@ def test_job_stream_survives_a_worker_crash(
     def worker(name: str, paced: bool = False) -> WorkerProcess:
         # The first worker is paced (tests/worker/paced_worker.py): it generates the tokens the test
         # allows and then waits, so the crash lands mid-job however fast the machine runs the model.
-        env = {**fast_reclaim, "INFLIGHTQ_ENGINE_STALL_S": "0"} if paced else fast_reclaim
         script = paced_worker.SCRIPT if paced else None
         log = tmp_path / name
-        return WorkerProcess(tiny_model_dir, redis_url, prefix, log, env, script, cluster=cluster)
+        return WorkerProcess(tiny_model_dir, redis_url, prefix, log, fast_reclaim, script, cluster=cluster)
 
     first = worker("first.log", paced=True)
     second: WorkerProcess | None = None

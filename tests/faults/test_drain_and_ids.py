@@ -40,7 +40,7 @@ def test_a_drain_hands_over_from_the_replay_log_not_from_token_0(spawn_worker, c
     # The leaving worker is paced (tests/worker/paced_worker.py): it generates PACED_TOKENS per request
     # and waits while the heir starts, then one token per TRICKLE_S while it drains, so the drain finds
     # both requests running however fast the machine runs the model.
-    env = {"INFLIGHTQ_DRAIN_TIMEOUT_S": "0.3", "INFLIGHTQ_ENGINE_STALL_S": "0"}
+    env = {"INFLIGHTQ_DRAIN_TIMEOUT_S": "0.3"}
     leaving = spawn_worker("leaving", env=env, script=paced_worker.SCRIPT)
     request_ids = [client.submit(model, prompt(i), greedy(n)) for i in range(2)]
     for rid in request_ids:

@@ -4,11 +4,12 @@ waiting until the test pushes one. So a test decides when each token may be gene
 check that token k reached its consumer while the worker still waits for step k+1: a live path
 that only works through the replay-log safety net (a broken subscription, a publisher that
 batches) cannot pass. Everything else is the real worker. Run as
-``python tests/worker/paced_worker.py worker --name ...`` with ``INFLIGHTQ_ENGINE_STALL_S``
-above the test's waits (a paced engine loop is meant to stand still)."""
+``python tests/worker/paced_worker.py worker --name ...``; it turns the engine stall watchdog off
+(``INFLIGHTQ_ENGINE_STALL_S=0``: a paced engine loop is meant to stand still)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -56,6 +57,8 @@ def _paced_run(self: Any, seqs: list[Any], *args: Any, **kwargs: Any) -> Any:
 
 
 if __name__ == "__main__":
+    # A paced engine loop stands still on purpose: the stall watchdog must not end it.
+    os.environ["INFLIGHTQ_ENGINE_STALL_S"] = "0"
     model_runner.ModelRunner.run = _paced_run  # type: ignore[method-assign]
     from inflightq_cli import app
 

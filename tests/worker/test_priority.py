@@ -77,8 +77,7 @@ def test_of_two_full_workers_exactly_one_takes_the_urgent_request(spawn_worker, 
 def test_a_worker_with_a_free_slot_wins_over_a_full_one(spawn_worker, client, reference) -> None:
     # "full" is paced (tests/worker/paced_worker.py): its background request generates 10 tokens and
     # waits while "free" loads, so it is still running however fast the box runs the model.
-    paced = {"INFLIGHTQ_PREFETCH_SEQS": "0", "INFLIGHTQ_ENGINE_STALL_S": "0"}
-    spawn_worker("full", "--max-num-seqs", "1", env=paced, script=paced_worker.SCRIPT)
+    spawn_worker("full", "--max-num-seqs", "1", env={"INFLIGHTQ_PREFETCH_SEQS": "0"}, script=paced_worker.SCRIPT)
     model, prefix = client.settings.model, client.settings.key_prefix
     background = client.submit(model, prompt(0), greedy(BACKGROUND_TOKENS), priority=3)
     paced_worker.allow_steps(client.redis, prefix, background, 10)

@@ -177,8 +177,7 @@ def test_kill_9_mid_generation_is_taken_over_with_identical_output(spawn_worker,
     model = client.settings.model
     # The victim is paced (tests/worker/paced_worker.py): it generates VICTIM_TOKENS per request and then
     # waits, so the kill lands mid-generation however fast the machine runs the model.
-    paced = {"INFLIGHTQ_ENGINE_STALL_S": "0"}
-    victim = spawn_worker("victim", "--max-num-seqs", "2", ready=False, env=paced, script=paced_worker.SCRIPT)
+    victim = spawn_worker("victim", "--max-num-seqs", "2", ready=False, script=paced_worker.SCRIPT)
     survivor = spawn_worker("survivor", "--max-num-seqs", "2", ready=False)
     victim.wait_ready(client)
     survivor.wait_ready(client)
