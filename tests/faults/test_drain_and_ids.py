@@ -4,7 +4,6 @@ token 0), and a reused request id is refused without touching the request that o
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from collections import Counter
 from itertools import pairwise
@@ -48,22 +47,11 @@ def test_a_drain_hands_over_from_the_replay_log_not_from_token_0(spawn_worker, c
     wait_for(lambda: all(tokens_sent(client, rid) > 20 for rid in request_ids), timeout=60)
     spawn_worker("staying")
     assert all(tokens_sent(client, rid) <= PACED_TOKENS for rid in request_ids), "paced: it waits for permits"
-    draining = threading.Event()
-
-    def trickle() -> None:
-        while not draining.wait(TRICKLE_S):
-            for rid in request_ids:
-                paced_worker.allow_steps(client.redis, prefix, rid)
-
-    feeder = threading.Thread(target=trickle, daemon=True)
-    feeder.start()
-    try:
+    # One more token per request every TRICKLE_S while it drains.
+    with paced_worker.trickle(client.redis, prefix, request_ids, TRICKLE_S):
         drain_ms = int(time.time() * 1000)  # the replay log's entry ids are the same host's clock, in ms
         leaving.signal(signal.SIGTERM)
         assert leaving.wait(timeout=30) == 0
-    finally:
-        draining.set()
-        feeder.join()
     for i, request_id in enumerate(request_ids):
         result = client.result(request_id, timeout=300)
         assert result.token_ids == reference(prompt(i), n)

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,28 @@ def gate_key(prefix: str, request_id: str) -> str:
 
 def allow_steps(connection: redis.Redis | redis.RedisCluster, prefix: str, request_id: str, steps: int = 1) -> None:
     connection.rpush(gate_key(prefix, request_id), *(["1"] * steps))
+
+
+@contextmanager
+def trickle(
+    connection: redis.Redis | redis.RedisCluster, prefix: str, request_ids: list[str], every_s: float = 0.01
+) -> Iterator[None]:
+    """While the block runs, one more step per request every ``every_s``: the worker keeps generating
+    (say, through a drain) at a pace slow enough that it cannot finish what the test gave it."""
+    done = threading.Event()
+
+    def feed() -> None:
+        while not done.wait(every_s):
+            for request_id in request_ids:
+                allow_steps(connection, prefix, request_id)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    try:
+        yield
+    finally:
+        done.set()
+        feeder.join()
 
 
 _gates: redis.Redis | redis.RedisCluster | None = None

@@ -253,14 +253,19 @@ def test_sigterm_drains_running_requests_and_exits_0(spawn_worker, client, refer
 
 
 def test_sigterm_past_the_drain_timeout_hands_the_rest_back(spawn_worker, client, reference) -> None:
-    hurried = spawn_worker("hurried", env={"INFLIGHTQ_DRAIN_TIMEOUT_S": "0.3"})
-    model = client.settings.model
+    # Paced (tests/worker/paced_worker.py): one token per request per 10 ms, so the 0.3 s drain timeout
+    # finds both running however fast the machine runs the model (300 tokens would take 3 s).
+    env = {"INFLIGHTQ_DRAIN_TIMEOUT_S": "0.3"}
+    hurried = spawn_worker("hurried", env=env, script=paced_worker.SCRIPT)
+    model, prefix = client.settings.model, client.settings.key_prefix
     request_id = client.submit(model, PROMPT, greedy(300))
     seeded = SamplingSpec(max_new_tokens=300, temperature=0.8, top_p=0.95, seed=77, ignore_eos=True)
     sampled_id = client.submit(model, prompt(1), seeded)
-    wait_for(lambda: tokens_sent(client, request_id) > 5 and tokens_sent(client, sampled_id) > 5)
-    hurried.signal(signal.SIGTERM)
-    assert hurried.wait(timeout=30) == 0
+    # Both take their permits in one step, so they get them together (a step waits for each of its requests).
+    with paced_worker.trickle(client.redis, prefix, [request_id, sampled_id]):
+        wait_for(lambda: tokens_sent(client, request_id) >= 10 and tokens_sent(client, sampled_id) >= 10, timeout=60)
+        hurried.signal(signal.SIGTERM)
+        assert hurried.wait(timeout=30) == 0
     for rid in (request_id, sampled_id):
         info = client.status(rid)
         assert info is not None and info.status is RequestStatus.RUNNING and info.worker == "hurried"
