@@ -76,7 +76,7 @@ class Intake(ResilientLoop):
         self.capacity = capacity
         self.load = load
         self.state = state
-        self.name = name
+        self.consumer = name  # not `name`: that is the thread's, which the logs show
         self.model = model
         self.streams = priority_streams(self.keys, model, settings.priority_levels)
         self._first_seen: dict[str, float] = {}  # urgent entries left for a free worker, by entry id
@@ -121,7 +121,7 @@ class Intake(ResilientLoop):
             take = self.capacity.how_many_to_take(load, in_transit, priority, lengths, idle=self.load.is_idle())
             count = take.fit + self._urgent_share(waiting[take.fit : take.total])
             if count:
-                replies = self.redis.xreadgroup(CONSUMER_GROUP, self.name, {stream: ">"}, count=count)
+                replies = self.redis.xreadgroup(CONSUMER_GROUP, self.consumer, {stream: ">"}, count=count)
                 for _, entries in replies or []:
                     for entry_id, fields in entries:
                         took = self.admission.admit(stream, entry_id, fields) or took
@@ -160,7 +160,7 @@ class Intake(ResilientLoop):
         if now - asked < POOL_VIEW_S:
             return free
         names = self.redis.zrange(self.keys.workers(), 0, -1)
-        others = [n for n in names if n != self.name]
+        others = [n for n in names if n != self.consumer]
         beats = filter_heartbeats(self.redis.mget([self.keys.worker(n) for n in others]), self.model) if others else []
         free = any(b.running < b.max_num_seqs and not b.draining for b in beats)
         self._pool_free = (now, free)

@@ -11,9 +11,10 @@ parallel.
 
 A finished request's queue entry is XACKed only once its final status is written (the two live
 in different slots): on a single Redis in the same round trip, after it; on a Cluster, where a
-pipeline's nodes answer in any order, in a second round trip. A failed round trip (Redis
-restarting, a failover) is rebuilt and sent again: clients drop repeated indexes, so
-at-least-once is enough."""
+pipeline's nodes answer in any order, tokens, final statuses and acks go in three round trips,
+each once the one before fully reached Redis. A failed round trip (Redis restarting, a failover,
+a node that stayed unreachable: on a Cluster its error comes back as a reply, not raised) is
+sent again after a backoff: clients drop repeated indexes, so at-least-once is enough."""
 
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 from redis.crc import key_slot
-from redis.exceptions import NoScriptError
+from redis.exceptions import ClusterDownError, NoScriptError, TryAgainError
 
 from shared.event_delivery import PUBLISH_TOKENS, log_maxlen, publish_command
 from shared.keys import CONSUMER_GROUP, Keys
@@ -39,6 +41,9 @@ from worker.reconnect import TRANSIENT, ResilientLoop
 
 log = logging.getLogger("inflightq.worker")
 
+# Replies that mean a command never reached a live node (a failover, a restart): an outage.
+UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, TryAgainError)
+
 # A pending write: adds its commands to the pipeline of the next round trip.
 Write = Callable[[Any], None]
 
@@ -49,6 +54,18 @@ TOKENS_PER_CALL = 1024
 # Script loads one round trip may try before it counts as an outage (backoff, then sent again):
 # a node that keeps answering NOSCRIPT right after a reload must not spin the publisher.
 SCRIPT_RELOADS = 3
+
+
+@dataclass
+class InHand:
+    """What one turn took to send; a stage that reached Redis is emptied, so a retry resumes after it."""
+
+    tokens: list[tuple[Any, int]]
+    writes: list[Write]
+    acks: list[Write]
+    settled: list[Callable[[], None]]
+    handed: int  # hand-overs it accounts for (``flush`` waits on them)
+
 
 # The engine's finish reasons that end a request with an error instead of a result.
 ERROR_FINISHES = {
@@ -94,12 +111,13 @@ class Publisher(ResilientLoop):
         self._scripts = {FINISH: "", PUBLISH_TOKENS: ""}
         self._writes: deque[Write] = deque()
         self._acks: deque[Write] = deque()  # sent after the writes they follow
+        self._settled: deque[Callable[[], None]] = deque()  # called once the acks reached Redis
         self._tokens: list[tuple[Any, int]] = []
         self._token_batches = 0
         self._cond = threading.Condition()
         self._submitted = 0
         self._sent = 0
-        self._in_hand: tuple[list[tuple[Any, int]], list[Write], list[Write], int] | None = None  # taken, unsent
+        self._in_hand: InHand | None = None  # taken, unsent
         self._handed = 0  # writes and acks handed over since the last take
         self._finished = False
         self.round_trips = 0
@@ -118,17 +136,29 @@ class Publisher(ResilientLoop):
                 self._token_batches += 1
                 self._cond.notify()
 
-    def finish_done(self, stream: str, entry_id: str, result: FinalResult) -> None:
+    def finish_done(
+        self, stream: str, entry_id: str, result: FinalResult, settled: Callable[[], None] | None = None
+    ) -> None:
+        """``settled`` is called once the final status and the ack have reached Redis (or were
+        given up as unsendable): until then the entry is still this worker's to keep fresh."""
         event = DoneEvent(request_id=result.request_id, result=result)
         final = self._final(result.request_id, "done", event.to_json(), "result", result.to_json())
-        self._put(final, self._ack(stream, entry_id) if entry_id else None)
+        self._put(final, self._ack(stream, entry_id) if entry_id else None, settled)
 
     def finish_error(
-        self, request_id: str, stream: str, entry_id: str, status: str, error_type: str, message: str, index: int | None
+        self,
+        request_id: str,
+        stream: str,
+        entry_id: str,
+        status: str,
+        error_type: str,
+        message: str,
+        index: int | None,
+        settled: Callable[[], None] | None = None,
     ) -> None:
         event = ErrorEvent(request_id=request_id, error_type=error_type, message=message, index=index).to_json()
         ack = self._ack(stream, entry_id) if entry_id else None
-        self._put(self._final(request_id, status, event, "error", event), ack)
+        self._put(self._final(request_id, status, event, "error", event), ack, settled)
 
     def dead_letter(self, model: str, letter: DeadLetter) -> None:
         key = self.keys.dead_letters(model)
@@ -176,15 +206,16 @@ class Publisher(ResilientLoop):
                 if not self._writes and not self._acks and not self._tokens:
                     self._finished = True
                     return
-                writes, acks = list(self._writes), list(self._acks)
+                writes, acks, settled = list(self._writes), list(self._acks), list(self._settled)
                 self._writes.clear()
                 self._acks.clear()
+                self._settled.clear()
                 tokens, self._tokens = self._tokens, []
-                self._in_hand = (tokens, writes, acks, self._handed + self._token_batches)
+                self._in_hand = InHand(tokens, writes, acks, settled, self._handed + self._token_batches)
                 self._token_batches = self._handed = 0
-        tokens, writes, acks, handed = self._in_hand
+        in_hand = self._in_hand
         try:
-            self._send(tokens, writes, acks)
+            self._send(in_hand)
         except TRANSIENT:
             if self._stopped.is_set():  # shutting down with Redis gone: give up on what is left
                 self._finished = True
@@ -192,23 +223,37 @@ class Publisher(ResilientLoop):
             raise  # sent again after a backoff
         except Exception:
             # Not an outage: sending it again would fail again and wedge every later write.
-            lost = len(writes) + len(acks) + len(tokens)
+            lost = len(in_hand.writes) + len(in_hand.acks) + len(in_hand.tokens)
             log.exception("dropping a round trip of %d writes that cannot be sent", lost)
+        for settled in in_hand.settled:
+            settled()
         self._in_hand = None
         with self._cond:
-            self._sent += handed
+            self._sent += in_hand.handed
             self._cond.notify_all()
 
-    def _send(self, tokens: list[tuple[Any, int]], writes: list[Write], acks: list[Write]) -> None:
-        calls = [self._token_chunk(chunk) for group in self._by_slot(tokens) for chunk in _chunks(group)]
-        calls += writes
+    def _send(self, in_hand: InHand) -> None:
+        tokens, writes, acks = in_hand.tokens, in_hand.writes, in_hand.acks
+        chunks = [self._token_chunk(chunk) for group in self._by_slot(tokens) for chunk in _chunks(group)]
         if not all(self._scripts.values()):
             self._load_scripts()
-        if self.by_slot:
-            self._round_trips(calls)
-            self._round_trips(acks)
+        if not self.by_slot:
+            self._round_trips(chunks + writes + acks)  # one connection: in order, all or an error
         else:
-            self._round_trips(calls + acks)
+            # A Cluster pipeline's nodes succeed or fail apart, and redis-py retries a failed node's
+            # commands one by one: a final status could land while its request's last tokens did
+            # not, or an ack while its final status did not. So three stages, each sent only once
+            # the one before it fully reached Redis; a retry after an outage resumes at the stage
+            # that failed (what reached Redis is not sent again).
+            if chunks:
+                self._round_trips(chunks)
+                self.events_sent += len(tokens)
+                in_hand.tokens = []
+            if writes:
+                self._round_trips(writes)
+                in_hand.writes = []
+            self._round_trips(acks)
+            return
         self.events_sent += len(tokens)
 
     def _by_slot(self, tokens: list[tuple[Any, int]]) -> list[list[tuple[Any, int]]]:
@@ -226,11 +271,19 @@ class Publisher(ResilientLoop):
             pipe = self.redis.pipeline(transaction=False)
             spans = []
             for call in calls:
-                start = len(pipe.command_stack)
+                # len(pipe), not len(pipe.command_stack): redis-py 8's Cluster pipeline queues its
+                # commands elsewhere and leaves command_stack empty, so every span was empty and
+                # a promoted replica's NOSCRIPT went unseen (the writes silently dropped).
+                start = len(pipe)
                 call(pipe)
-                spans.append((start, len(pipe.command_stack)))
+                spans.append((start, len(pipe)))
             replies = pipe.execute(raise_on_error=False)
             self.round_trips += 1
+            # On a Cluster, a node that stayed unreachable through redis-py's retries leaves its
+            # error in the replies instead of raising: that round trip did not reach Redis.
+            down = next((r for r in replies if isinstance(r, UNREACHABLE)), None)
+            if down is not None:
+                raise down
             again = []
             for call, (start, end) in zip(calls, spans, strict=True):
                 errors = [r for r in replies[start:end] if isinstance(r, redis.ResponseError)]
@@ -265,12 +318,14 @@ class Publisher(ResilientLoop):
         args = [self.maxlen, self.settings.result_ttl_s, self.publish, *docs]
         return lambda pipe: self._evalsha(pipe, PUBLISH_TOKENS, keys, args)
 
-    def _put(self, write: Write | None, ack: Write | None) -> None:
+    def _put(self, write: Write | None, ack: Write | None, settled: Callable[[], None] | None = None) -> None:
         with self._cond:
             if write is not None:
                 self._writes.append(write)
             if ack is not None:
                 self._acks.append(ack)
+            if settled is not None:
+                self._settled.append(settled)
             self._submitted += 1
             self._handed += 1
             self._cond.notify()

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import redis
 from redis.backoff import ExponentialBackoff
+
+from shared.redis_connect import refresh_topology
 
 log = logging.getLogger("inflightq.worker")
 
@@ -27,6 +30,10 @@ TRANSIENT = (
 
 
 class ResilientLoop(threading.Thread):
+    # The client the loop works through (set by each loop); on a Cluster, its view of who serves
+    # which slots is refreshed after every turn that found Redis unreachable.
+    redis: Any = None
+
     def __init__(self, name: str, stopping: threading.Event, *, first_s: float = 0.1, cap_s: float = 2.0) -> None:
         super().__init__(name=name, daemon=True)
         self.stopping = stopping
@@ -51,6 +58,7 @@ class ResilientLoop(threading.Thread):
                     self._failures = 0
                 except TRANSIENT as error:
                     self.after_failure()
+                    refresh_topology(self.redis)
                     delay = self._next_delay()
                     log.warning("redis unavailable during %s (%s); retrying in %.1fs", self.name, error, delay)
                     self.stopping.wait(delay)

@@ -294,19 +294,27 @@ class WorkerService:
             elif event.finish_reason is not None:
                 self._finish_done(active, event.finish_reason)
 
+    # A finished request's entry stays ours (kept fresh, never taken over, by this worker's own
+    # recovery either) until its final status and ack reach Redis: after an outage longer than
+    # reclaim_after_s, recovery would otherwise run again what only waits to be written.
     def _finish_done(self, active: ActiveRequest, finish_reason: str) -> None:
-        self._drop(active.id)
+        self._drop(active.id, keep_entry=True)
         self.counters["completed"] += 1
-        self.publisher.finish_done(active.stream, active.entry_id, active.result(finish_reason, self.name))
+        result = active.result(finish_reason, self.name)
+        self.publisher.finish_done(active.stream, active.entry_id, result, lambda: self.owned.discard(active.id))
 
     def _finish_error(self, active: ActiveRequest, status: str, error_type: str, message: str) -> None:
-        self._drop(active.id)
+        self._drop(active.id, keep_entry=True)
         index = len(active.prior_token_ids) + len(active.token_ids)
-        self.publisher.finish_error(active.id, active.stream, active.entry_id, status, error_type, message, index)
+        self.publisher.finish_error(
+            active.id, active.stream, active.entry_id, status, error_type, message, index,
+            lambda: self.owned.discard(active.id),
+        )  # fmt: skip
 
-    def _drop(self, request_id: str) -> None:
+    def _drop(self, request_id: str, *, keep_entry: bool = False) -> None:
         self._active.pop(request_id, None)
-        self.owned.discard(request_id)
+        if not keep_entry:
+            self.owned.discard(request_id)
         self.capacity_changed.set()
 
     def _hand_back(self, active: ActiveRequest, *, failed: bool = False) -> None:

@@ -18,7 +18,7 @@ import redis
 from shared.keys import Keys
 from shared.settings import Settings
 from worker.engine import EngineEvent
-from worker.publisher import Publisher
+from worker.publisher import InHand, Publisher
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,11 +32,11 @@ class GatedPublisher(Publisher):
         self.gate.set()
         self.sending = threading.Event()  # set while a round trip waits at the gate
 
-    def _send(self, tokens: list[tuple[Any, int]], writes: list[Any], acks: list[Any]) -> None:
+    def _send(self, in_hand: InHand) -> None:
         if not self.gate.is_set():
             self.sending.set()
             self.gate.wait(60)
-        super()._send(tokens, writes, acks)
+        super()._send(in_hand)
 
 
 @pytest.fixture
