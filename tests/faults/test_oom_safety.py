@@ -48,7 +48,8 @@ from worker.engine.memory import available_memory_bytes
 MiB = 1 << 20
 # What a worker may hold beyond its RSS at ready and its full cache: one step's activations
 # (a 512-token prefill chunk's attention scores and MLP, the sampled rows' logits), the allocator
-# keeping freed arenas, request state. Measured: 7-40 MiB (light), see docs/reliability.md (heavy).
+# keeping freed arenas, request state. Measured: 7-40 MiB (light); 210-240 MiB (heavy, default
+# fraction: 512-token chunks against 2,032-token contexts), see docs/reliability.md.
 ACTIVATION_ALLOWANCE = 256 * MiB
 MAX_PROMPT = 2048  # tokens: well inside any model's context, quick to prefill on a CPU
 KV_LINE = re.compile(r"KV cache: (\d+) blocks of (\d+) tokens, ([\d.]+) MiB")
