@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
             # Each try of ours against the CB try right after it: the spread says how noisy the box was.
             pairs = zip(tries["ours"], tries["transformers_cb"], strict=True)
             row["pair_ratios"] = [round(a["tok_per_s"] / b["tok_per_s"], 2) for a, b in pairs]
-            row["median_pair_ratio"] = statistics.median(row["pair_ratios"])
+            row["median_pair_ratio"] = round(statistics.median(row["pair_ratios"]), 3)
         print(
             f"[{name}] best: ours {row['ours']['tok_per_s']} tok/s (forward {row['ours']['forward_share_of_step']:.0%}"
             f" of step), transformers CB {row.get('transformers_cb', {}).get('tok_per_s')}, ratio {row.get('ratio')}"
