@@ -279,14 +279,14 @@ class Publisher(ResilientLoop):
                 spans.append((start, len(pipe)))
             replies = pipe.execute(raise_on_error=False)
             self.round_trips += 1
-            # On a Cluster, a node that stayed unreachable through redis-py's retries leaves its
-            # error in the replies instead of raising: that round trip did not reach Redis.
-            down = next((r for r in replies if isinstance(r, UNREACHABLE)), None)
-            if down is not None:
-                raise down
             again = []
             for call, (start, end) in zip(calls, spans, strict=True):
-                errors = [r for r in replies[start:end] if isinstance(r, redis.ResponseError)]
+                errors = [r for r in replies[start:end] if isinstance(r, redis.RedisError)]
+                # On a Cluster, a node that stayed unreachable through redis-py's retries leaves its
+                # error in the replies instead of raising: that round trip did not reach Redis.
+                down = next((e for e in errors if isinstance(e, UNREACHABLE)), None)
+                if down is not None:
+                    raise down
                 if any(isinstance(e, NoScriptError) for e in errors):
                     again.append(call)  # a script call that did not run at all: safe to send again
                 elif errors:

@@ -24,6 +24,7 @@ from shared.keys import CONSUMER_GROUP, Keys
 from shared.redis_connect import connect
 from shared.schemas import DoneEvent, FinalResult, Timings, TokenEvent, Usage
 from shared.settings import Settings
+from tests.worker.test_worker import wait_for
 from worker.engine import EngineEvent
 from worker.publisher import Publisher
 
@@ -38,13 +39,6 @@ def bare_cluster() -> Iterator[PrivateRedisCluster]:
     cluster = PrivateRedisCluster(replicas_per_master=0, node_timeout_ms=1000).start()
     yield cluster
     cluster.stop()
-
-
-def wait_until(predicate, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.1)
 
 
 def test_a_node_down_past_the_retries_holds_the_ack_until_every_write_landed(
@@ -89,7 +83,7 @@ def test_a_node_down_past_the_retries_holds_the_ack_until_every_write_landed(
         publisher.finish_done(stream, str(entry_id), result, settled.set)
         # Until the round trip has failed at least once: then it has been through redis-py's retries.
         # (The old publisher counted it as sent instead, and acked: the predicate's other half.)
-        wait_until(lambda: publisher._failures > 0 or acked())
+        wait_for(lambda: publisher._failures > 0 or acked(), timeout=60)
         assert not acked(), "the entry was acked while its request's final status could not be written"
         assert not settled.is_set()
         assert publisher.flush(timeout=0.1) is False
