@@ -28,14 +28,16 @@ import torch
 from bench.results_files import pyplot, save
 
 
-def runner(model_name: str, dtype: torch.dtype, compiled: bool, buckets: tuple[int, ...]) -> tuple[Any, float]:
+def runner(
+    model_name: str, dtype: torch.dtype, compiled: bool, buckets: tuple[int, ...], dynamic: bool = False
+) -> tuple[Any, float]:
     from worker.engine.config import EngineConfig
     from worker.engine.model_loader import load_model
     from worker.engine.model_runner import ModelRunner
 
     model, _ = load_model(model_name, dtype, "cpu")
     started = time.perf_counter()
-    config = EngineConfig(num_kv_blocks=4096, compile=compiled, compile_buckets=buckets)
+    config = EngineConfig(num_kv_blocks=4096, compile=compiled, compile_buckets=buckets, compile_dynamic=dynamic)
     return ModelRunner(model, config), time.perf_counter() - started
 
 
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--dynamic", action="store_true", help="the compiled runner's one symbolic-size graph")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="")
     args = parser.parse_args(argv)
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = getattr(torch, args.dtype)
     batches = tuple(int(b) for b in args.batches.split(","))
     eager, _ = runner(args.model, dtype, False, batches)
-    compiled, warmup_s = runner(args.model, dtype, True, batches)
+    compiled, warmup_s = runner(args.model, dtype, True, batches, args.dynamic)
     results: dict[str, Any] = {
         "command": "python -m bench.compile_forward " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
         "context": args.context,
         "warmup_s": round(warmup_s, 1),
         "buckets": list(batches),
+        "dynamic": args.dynamic,
         "load_average_before": os.getloadavg()[0],
         "rows": [],
     }
@@ -113,7 +117,8 @@ def write(results: dict, folder: Path, tag: str) -> None:
         f"Machine: {results['machine']}; load average {results['load_average_before']:.1f} before, "
         f"{results['load_average_after']:.1f} after  ",
         f"{results['dtype']}, {results['context']} cached tokens per sequence; compile warm-up "
-        f"{results['warmup_s']} s for buckets {results['buckets']}",
+        f"{results['warmup_s']} s for buckets {results['buckets']}"
+        + (" (dynamic: one symbolic-size graph for 2+ tokens, one for 1)" if results.get("dynamic") else ""),
         "",
         "| batch | eager ms (min / median) | compiled ms (min / median) | speedup (min) | speedup (median of pairs) "
         "| forward-only bound tok/s |",

@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.skip_anchors:
         report["anchors"], offline = run_anchors(settings, samples, bool(phases["low_load"]), args)
         report["dtype"] = report["anchors"].pop("dtype")
-    else:  # what "auto" means on this machine, as the worker resolves it (the peers run bfloat16)
+    else:  # what "auto" means on this machine, as the worker resolves it (the peers run the same)
         from worker.engine.hardware import resolve_dtype
 
         report["dtype"] = str(resolve_dtype(settings.dtype, None)).replace("torch.", "")

@@ -51,7 +51,9 @@ def run_peers(
     report: dict[str, Any],
     args: argparse.Namespace,
 ) -> None:
-    config = PeerConfig.for_run(settings, max_model_len(samples, warm), [c for _, c in points])
+    # The peers compute in our worker's dtype (bfloat16 or float32, as it resolved on this machine).
+    dtype = report.get("dtype", "bfloat16")
+    config = PeerConfig.for_run(settings, max_model_len(samples, warm), [c for _, c in points], dtype)
     peers: dict[str, Any] = report.setdefault("peers", {})
     for name in names:
         try:

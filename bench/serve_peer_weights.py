@@ -1,11 +1,11 @@
 """The weights each serving-benchmark peer loads, written out once from the model our stack serves, so
-every system runs the same numbers in BF16:
+every system runs the same numbers in the run's dtype (BF16 or F32):
 
 - vLLM loads a Hugging Face directory: for a GGUF model that is the de-quantized copy our own loader
   keeps (shared/model_source.py's ``converted_dir``, float32 safetensors + tokenizer + chat template),
-  which vLLM casts to bfloat16 as our engine does; a Hugging Face directory is used as it is.
-- llama.cpp loads a GGUF: the shipped file re-quantized to BF16 by ``llama-quantize --allow-requantize``
-  (de-quantized to float32, then rounded to bfloat16: the values our engine computes with).
+  which vLLM casts to the run's dtype as our engine does; a Hugging Face directory is used as it is.
+- llama.cpp loads a GGUF: the shipped file re-quantized by ``llama-quantize --allow-requantize`` to BF16
+  or F32 (de-quantized to float32, then rounded to the dtype: the values our engine computes with).
 
 Both are cached; the first call for a model takes about 20 s each."""
 
@@ -40,20 +40,27 @@ def hf_dir(model: str) -> Path:
     return target
 
 
-def gguf_bf16(model: str, quantize: Path, cache: Path) -> Path:
-    """The model's GGUF in BF16, made with llama.cpp's own ``llama-quantize`` (``quantize``) into ``cache``."""
+GGUF_TYPES = {"bfloat16": "BF16", "float32": "F32"}
+
+
+def gguf_in(model: str, dtype: str, quantize: Path, cache: Path) -> Path:
+    """The model's GGUF in ``dtype`` (bfloat16 or float32), made with llama.cpp's own ``llama-quantize``
+    (``quantize``) into ``cache``."""
+    if dtype not in GGUF_TYPES:
+        raise WeightsUnavailable(f"the llama.cpp peer runs {' or '.join(GGUF_TYPES)}, not {dtype}")
+    kind = GGUF_TYPES[dtype]
     source = resolve(model)
     if source.gguf_file is None:
         raise WeightsUnavailable(
             f"the llama.cpp peer needs a .gguf model; {model!r} is not one (convert it with llama.cpp's"
             " convert_hf_to_gguf.py and pass the file as --model)"
         )
-    target = cache / f"{Path(source.gguf_file).stem}.BF16.gguf"
+    target = cache / f"{Path(source.gguf_file).stem}.{kind}.gguf"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
     staging = target.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [str(quantize), "--allow-requantize", source.file, str(staging), "BF16"]
+    cmd = [str(quantize), "--allow-requantize", source.file, str(staging), kind]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         staging.unlink(missing_ok=True)

@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from bench.serve_peer_weights import gguf_bf16, hf_dir
+from bench.serve_peer_weights import gguf_in, hf_dir
 from inflightq_cli.redis_server import free_port
 from shared.model_source import cache_dir
 from shared.settings import Settings
@@ -66,9 +66,12 @@ class PeerConfig:
     max_model_len: int  # longest prompt + output in the run, with room to spare
     slots: int  # parallel sequences llama.cpp keeps (it splits its context evenly over them)
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+    dtype: str = "bfloat16"  # what our worker computes in: bfloat16 or float32
 
     @classmethod
-    def for_run(cls, settings: Settings, max_model_len: int, concurrency: list[int | None]) -> PeerConfig:
+    def for_run(
+        cls, settings: Settings, max_model_len: int, concurrency: list[int | None], dtype: str = "bfloat16"
+    ) -> PeerConfig:
         uncapped = any(c is None for c in concurrency) or not concurrency
         slots = settings.max_num_seqs if uncapped else min(settings.max_num_seqs, max(c or 1 for c in concurrency))
         kv_tokens = (settings.num_kv_blocks or 3072) * settings.block_size
@@ -79,6 +82,7 @@ class PeerConfig:
             kv_tokens,
             max_model_len,
             slots,
+            dtype=dtype,
         )
 
 
@@ -203,7 +207,7 @@ def vllm_server(config: PeerConfig, root: Path | None = None) -> PeerServer:
     weights = hf_dir(config.model)
     command = [
         str(exe), "serve", str(weights), "--host", "127.0.0.1", "--served-model-name", config.model,
-        "--dtype", "bfloat16", "--max-num-seqs", str(config.max_num_seqs),
+        "--dtype", config.dtype, "--max-num-seqs", str(config.max_num_seqs),
         "--max-num-batched-tokens", str(max(config.max_num_batched_tokens, 256)),
         "--max-model-len", str(config.max_model_len), "--no-enable-prefix-caching",
         "--uvicorn-log-level", "warning",
@@ -227,7 +231,8 @@ def vllm_server(config: PeerConfig, root: Path | None = None) -> PeerServer:
 def _kv_gib(weights: Path, config: PeerConfig) -> int:
     c = json.loads((weights / "config.json").read_text())
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    per_token = 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * 2
+    width = 4 if config.dtype == "float32" else 2
+    per_token = 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * width
     return max(1, math.ceil(config.kv_tokens * per_token / 2**30))
 
 
@@ -241,7 +246,7 @@ def llamacpp_server(config: PeerConfig, root: Path | None = None) -> PeerServer:
     version = "llama-cpp-python " + (markers[0].name.removeprefix(".installed-") if markers else "?")
     if (root / LLAMACPP / "version.txt").exists():  # llama.cpp's own build number, written by the installer
         version += ", " + (root / LLAMACPP / "version.txt").read_text().strip()
-    weights = gguf_bf16(config.model, quantize, root / "weights")
+    weights = gguf_in(config.model, config.dtype, quantize, root / "weights")
     # llama.cpp splits its context evenly over its slots: each slot holds the run's longest request.
     command = [
         str(exe), "-m", str(weights), "--host", "127.0.0.1", "--alias", config.model,

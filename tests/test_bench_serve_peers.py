@@ -18,6 +18,7 @@ from bench.serve_clients import openai_chat_sender
 from bench.serve_dataset import ChatSample
 from bench.serve_metrics import summarize
 from bench.serve_peer_runs import max_model_len
+from bench.serve_peer_weights import WeightsUnavailable
 from bench.serve_peers import LLAMACPP, VLLM, PeerConfig, PeerUnavailable, llamacpp_server, parse_peers, vllm_server
 from bench.serve_report import peers_lines, peers_table, point_label, write
 from shared.settings import get_settings
@@ -166,3 +167,30 @@ def test_report_has_a_row_per_peer_and_level_and_plots_them(tmp_path: Path) -> N
     stem = write(report, tmp_path, tag="t")
     assert stem.with_suffix(".png").exists()
     assert "| 2 streams |" in stem.with_suffix(".md").read_text()
+
+
+def test_the_peers_compute_in_the_runs_dtype(tmp_path: Path) -> None:
+    """A float32 run (``auto`` on a CPU without native bf16) gives vLLM ``--dtype float32`` and a KV room of
+    4-byte values, and llama.cpp a GGUF that ``llama-quantize`` wrote as F32; bfloat16 gives BF16."""
+    (tmp_path / VLLM / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / VLLM / "venv" / "bin" / "vllm").touch()
+    (tmp_path / VLLM / ".installed-0.32.0").touch()
+    bin_dir = tmp_path / LLAMACPP / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "llama-server").touch()
+    # llama-quantize's command line is "--allow-requantize IN OUT TYPE": record the type, write OUT.
+    quantize = bin_dir / "llama-quantize"
+    quantize.write_text('#!/bin/sh\necho "$4" > "$3"\n')
+    quantize.chmod(0o755)
+    sizes = {}
+    for dtype, gguf_type in (("float32", "F32"), ("bfloat16", "BF16")):
+        config = PeerConfig("smollm2-135m-instruct", 64, 512, 2_000_000, 768, slots=2, dtype=dtype)
+        vllm = vllm_server(config, tmp_path)
+        assert vllm.command[vllm.command.index("--dtype") + 1] == dtype
+        sizes[dtype] = int(vllm.env["VLLM_CPU_KVCACHE_SPACE"])
+        llama = llamacpp_server(config, tmp_path)
+        weights = Path(llama.command[llama.command.index("-m") + 1])
+        assert weights.name.endswith(f".{gguf_type}.gguf") and weights.read_text().strip() == gguf_type
+    assert sizes["float32"] > sizes["bfloat16"]  # 2 M tokens: 86 vs 43 GiB of K/V for the default model
+    with pytest.raises(WeightsUnavailable, match="float16"):
+        llamacpp_server(PeerConfig("smollm2-135m-instruct", 64, 512, 49152, 768, slots=2, dtype="float16"), tmp_path)

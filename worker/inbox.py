@@ -69,6 +69,7 @@ class Inbox:
 class OwnedEntries:
     def __init__(self) -> None:
         self._where: dict[str, tuple[str, str]] = {}  # request id -> (stream, entry id)
+        self._settling: set[str] = set()  # finished: only their final write and ack are still on the way
         self._lock = threading.Lock()
 
     def add(self, active: ActiveRequest) -> None:
@@ -78,6 +79,17 @@ class OwnedEntries:
     def discard(self, request_id: str) -> None:
         with self._lock:
             self._where.pop(request_id, None)
+            self._settling.discard(request_id)
+
+    def settling(self, request_id: str) -> None:
+        """The request has finished; its entry stays ours until ``discard`` (its ack has landed)."""
+        with self._lock:
+            if request_id in self._where:
+                self._settling.add(request_id)
+
+    def is_settling(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._settling
 
     def by_stream(self) -> dict[str, list[str]]:
         grouped: dict[str, list[str]] = {}

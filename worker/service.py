@@ -151,6 +151,10 @@ class WorkerService:
 
     def lost(self, stream: str, entry_id: str) -> None:
         owner = self.owned.owner(stream, entry_id)
+        if owner is not None and self.owned.is_settling(owner):
+            # Finished here: its ack landed just before the publisher's settled callback removed it
+            # from ours, so it is no longer pending. Nothing runs to drop, and nobody took it over.
+            return
         if owner is not None:
             log.warning("request %s was taken over by another worker; dropping it here", owner)
             self.inbox.put(InboxItem("lost", owner))
@@ -313,7 +317,9 @@ class WorkerService:
 
     def _drop(self, request_id: str, *, keep_entry: bool = False) -> None:
         self._active.pop(request_id, None)
-        if not keep_entry:
+        if keep_entry:
+            self.owned.settling(request_id)
+        else:
             self.owned.discard(request_id)
         self.capacity_changed.set()
 

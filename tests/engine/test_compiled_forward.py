@@ -1,8 +1,9 @@
 """The compiled forward (torch.compile over padded token-count buckets) gives transformers'
 ``generate`` output token for token, and no step compiles after the warm-up.
 
-One fp32 engine with two small buckets keeps this to one compile of two graphs (about a minute
-on a 2-core box; seconds once inductor's cache holds them)."""
+Two fp32 engines (one graph per bucket; one symbolic-size graph for 2+ tokens), each with two
+small buckets, keep this to two compiles of two graphs each (about a minute each on a 2-core box;
+seconds once inductor's cache holds them)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,17 @@ from worker.engine.model_loader import load_model
 MAX_NEW = 10
 
 
-@pytest.fixture(scope="module")
-def compiled_llm(tiny_model_dir: Any) -> LLM:
+@pytest.fixture(scope="module", params=[False, True], ids=["per-bucket", "dynamic"])
+def compiled_llm(request: pytest.FixtureRequest, tiny_model_dir: Any) -> LLM:
     model, tokenizer = load_model(str(tiny_model_dir), torch.float32, "cpu")
-    config = EngineConfig(num_kv_blocks=256, block_size=4, max_num_seqs=4, compile=True, compile_buckets=(1, 4))
+    config = EngineConfig(
+        num_kv_blocks=256,
+        block_size=4,
+        max_num_seqs=4,
+        compile=True,
+        compile_buckets=(1, 4),
+        compile_dynamic=request.param,
+    )
     llm = LLM.__new__(LLM)
     llm.engine, llm._next_id = LLMEngine(model, tokenizer, config), 0
     return llm
@@ -32,7 +40,8 @@ def compiled_llm(tiny_model_dir: Any) -> LLM:
 def test_compiled_forward_matches_generate_token_for_token(compiled_llm: LLM, tiny_model_dir: Any) -> None:
     ref_model, _ = load_model(str(tiny_model_dir), torch.float32, "cpu")
     rng = random.Random(3)
-    # 3 prompts decode in the 4-token bucket (one padding row), then 2, then 1 as they finish.
+    # 3 prompts decode in the 4-token bucket (one padding row; dynamic: the 2+ graph at size 3),
+    # then 2, then 1 as they finish.
     prompts = [[rng.randrange(3, 40_000) for _ in range(n)] for n in (5, 11, 17)]
     params = [SamplingParams(max_new_tokens=n) for n in (MAX_NEW, MAX_NEW - 3, MAX_NEW - 6)]
     with torch._dynamo.config.patch(error_on_recompile=True):  # every shape was compiled at warm-up
@@ -44,7 +53,9 @@ def test_compiled_forward_matches_generate_token_for_token(compiled_llm: LLM, ti
 
 def test_warmup_time_is_reported(compiled_llm: LLM) -> None:
     assert compiled_llm.engine.stats.warmup_s > 0
-    assert compiled_llm.engine.runner.compiled.buckets == (1, 4)  # type: ignore[union-attr]
+    compiled = compiled_llm.engine.runner.compiled
+    assert compiled is not None
+    assert compiled.buckets == ((1, 2) if compiled.dynamic else (1, 4))
 
 
 def test_buckets_past_the_step_budget_are_dropped() -> None:

@@ -36,6 +36,9 @@ class EngineConfig:
     compile_cache_dir: str | None = None  # inductor's caches; None: ~/.cache/inflightq/inductor
     # Token counts compiled for; a step runs the smallest bucket >= its tokens, bigger steps run eager.
     compile_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    # One graph for 2..max(compile_buckets) tokens (symbolic size, no padding) plus one for a single
+    # token, instead of one graph per bucket: two compiles at warm-up instead of len(buckets).
+    compile_dynamic: bool = False
     converted_model_dir: str | None = None  # a .gguf's de-quantized copy; None: ~/.cache/inflightq/models/<name>
 
     @property

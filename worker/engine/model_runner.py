@@ -63,7 +63,9 @@ class ModelRunner:
             if prepack_weights:
                 route_linears_through_ops(model)
             buckets = buckets_for(config.max_num_batched_tokens, config.compile_buckets)
-            self.compiled = CompiledForward(model, buckets, cache_dir=config.compile_cache_dir)
+            self.compiled = CompiledForward(
+                model, buckets, cache_dir=config.compile_cache_dir, dynamic=config.compile_dynamic
+            )
         else:
             if fuse_projections:
                 fuse_sibling_projections(model, pack=prepack_weights)
