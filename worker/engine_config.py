@@ -29,5 +29,6 @@ def engine_config(settings: Settings, **overrides: Any) -> EngineConfig:
         "kernel_cache_dir": settings.kernel_cache,
         "compile": settings.compile,
         "compile_cache_dir": settings.compile_cache,
+        "compile_dynamic": settings.compile_dynamic,
     }
     return EngineConfig(**(fields | overrides))
