@@ -75,6 +75,7 @@ class OwnedEntries:
     def add(self, active: ActiveRequest) -> None:
         with self._lock:
             self._where[active.id] = (active.stream, active.entry_id)
+            self._settling.discard(active.id)  # delivered again: running here, not only being written
 
     def discard(self, request_id: str) -> None:
         with self._lock:
