@@ -102,3 +102,10 @@ class OwnedEntries:
     def owner(self, stream: str, entry_id: str) -> str | None:
         with self._lock:
             return next((rid for rid, where in self._where.items() if where == (stream, entry_id)), None)
+
+    def running_owner(self, stream: str, entry_id: str) -> str | None:
+        """The request still running here on this entry; None when none, or when it has finished and
+        only its final write and ack are on the way (its ack may already have landed)."""
+        with self._lock:
+            owner = next((rid for rid, where in self._where.items() if where == (stream, entry_id)), None)
+            return None if owner in self._settling else owner

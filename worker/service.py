@@ -150,11 +150,9 @@ class WorkerService:
         self.inbox.put(InboxItem("cancel", request_id))
 
     def lost(self, stream: str, entry_id: str) -> None:
-        owner = self.owned.owner(stream, entry_id)
-        if owner is not None and self.owned.is_settling(owner):
-            # Finished here: its ack landed just before the publisher's settled callback removed it
-            # from ours, so it is no longer pending. Nothing runs to drop, and nobody took it over.
-            return
+        # A finished request is not reported: its ack may have landed just before the publisher's
+        # settled callback removed it from ours, so it is no longer pending, yet nobody took it over.
+        owner = self.owned.running_owner(stream, entry_id)
         if owner is not None:
             log.warning("request %s was taken over by another worker; dropping it here", owner)
             self.inbox.put(InboxItem("lost", owner))
