@@ -190,11 +190,11 @@ class Settings(BaseSettings):
     )
     cpu_kernels: bool = Field(
         True,
-        description="Worker CPU attention runs in a C++ kernel built on first use; 0 keeps plain-torch attention "
-        "(same results, slower) without trying a build.",
+        description="Worker CPU attention and RMSNorm run in C++ kernels built on first use; 0 keeps plain-torch "
+        "attention and norms (same results, slower) without trying a build.",
     )
     kernel_cache: str | None = Field(
-        None, description="Directory the CPU attention kernel is built into; unset = ~/.cache/inflightq/kernels."
+        None, description="Directory the CPU kernels are built into; unset = ~/.cache/inflightq/kernels."
     )
     compile: bool = Field(
         False,

@@ -116,7 +116,31 @@ def test_auto_picks_the_kernel_on_cpu_and_falls_back_without_it(monkeypatch: pyt
     assert isinstance(attention.make_backend("auto", cpu, 16), CpuKernelAttentionBackend)
     assert type(attention.make_backend("torch", cpu, 16)) is TorchAttentionBackend
     assert type(attention.make_backend("auto", cpu, 16, cpu_kernels=False)) is TorchAttentionBackend
-    monkeypatch.setattr(attention, "_has_cpu_kernel", lambda cache_dir=None: False)
+    monkeypatch.setattr(attention, "cpu_kernels_available", lambda cache_dir=None: False)
     assert type(attention.make_backend("auto", cpu, 16)) is TorchAttentionBackend
     with pytest.raises(RuntimeError, match="could not be built"):
         attention.make_backend("cpu", cpu, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_cache_write_puts_each_token_where_index_copy_does(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    heads, slots, dim, tokens = 3, 64 * BLOCK, 64, 21
+    # The model hands K/V over as [1, Hkv, T, D] views of a [1, T, Hkv, D] projection: not contiguous.
+    key = torch.randn(1, tokens, heads, dim, generator=gen).to(dtype).transpose(1, 2)
+    value = torch.randn(1, tokens, heads, dim, generator=gen).to(dtype).transpose(1, 2)
+    slot_mapping = torch.randperm(slots, generator=gen)[:tokens]
+    expected_k, expected_v = torch.zeros(heads, slots, dim, dtype=dtype), torch.zeros(heads, slots, dim, dtype=dtype)
+    expected_k.index_copy_(1, slot_mapping, key[0])
+    expected_v.index_copy_(1, slot_mapping, value[0])
+    k_cache, v_cache = torch.zeros_like(expected_k), torch.zeros_like(expected_v)
+    torch.ops.inflightq.cache_write(key, value, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_cache_write_rejects_a_slot_outside_the_cache_before_writing() -> None:
+    k_cache, v_cache = torch.zeros(2, 4 * BLOCK, 8), torch.zeros(2, 4 * BLOCK, 8)
+    key = value = torch.ones(1, 2, 3, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.inflightq.cache_write(key, value, k_cache, v_cache, torch.tensor([0, 1, 4 * BLOCK]))
+    assert not k_cache.any() and not v_cache.any()

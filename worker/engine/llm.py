@@ -35,7 +35,7 @@ class LLM:
     ) -> None:
         """``model``: a model name (``smollm2-135m-instruct``), a Hugging Face directory, a .gguf file or a hub
         id; or a loaded HF model together with ``tokenizer``. The keywords are ``EngineConfig``'s fields, with
-        its defaults: ``cpu_kernels=False`` keeps the plain-torch CPU attention (no compiled kernel),
+        its defaults: ``cpu_kernels=False`` keeps plain-torch CPU attention and norms (no compiled kernels),
         ``kernel_cache_dir`` moves the kernel's build cache from ~/.cache/inflightq/kernels; ``config_fields``
         takes the others (max_model_len, aging_steps, attention_backend, served_model_name, ...)."""
         config = EngineConfig(

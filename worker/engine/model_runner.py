@@ -15,6 +15,7 @@ from worker.engine.attention.metadata import AttentionMetadata, PrefillChunk
 from worker.engine.compiled_forward import CompiledForward, buckets_for, route_linears_through_ops
 from worker.engine.config import EngineConfig
 from worker.engine.fast_linear import prepack_linears, prepack_supported
+from worker.engine.fused_norms import fuse_rms_norms
 from worker.engine.fused_projections import fuse_sibling_projections
 from worker.engine.memory import lazy_zeros
 from worker.engine.sequence import Sequence
@@ -71,6 +72,12 @@ class ModelRunner:
                 fuse_sibling_projections(model, pack=prepack_weights)
             if prepack_weights and prepack_supported(self.device, self.dtype):
                 prepack_linears(model)
+            if (
+                config.cpu_kernels
+                and self.device.type == "cpu"
+                and attention.cpu_kernels_available(config.kernel_cache_dir)
+            ):
+                fuse_rms_norms(model)
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         self.warmup_s = self.compiled.warmup(self._warmup_step) if self.compiled is not None else 0.0
 

@@ -51,7 +51,7 @@ def make_backend(
     flash_ok = device.type == "cuda" and block_size % 256 == 0
     if name == "auto":
         if device.type == "cpu":
-            name = "cpu" if cpu_kernels and _has_cpu_kernel(kernel_cache_dir) else "torch"
+            name = "cpu" if cpu_kernels and cpu_kernels_available(kernel_cache_dir) else "torch"
         else:
             name = "flash" if flash_ok and _has_flash_attn() else "torch"
     if name == "flash" and not flash_ok:
@@ -61,7 +61,7 @@ def make_backend(
             raise ValueError("the cpu backend runs on CPU tensors only")
         if not cpu_kernels:
             raise ValueError("the cpu backend is the compiled CPU kernel, which cpu_kernels=False turns off")
-        if not _has_cpu_kernel(kernel_cache_dir):
+        if not cpu_kernels_available(kernel_cache_dir):
             raise RuntimeError("the cpu backend's kernel could not be built (see the warning above); use torch")
         from worker.engine.attention.cpu_backend import CpuKernelAttentionBackend
 
@@ -77,7 +77,8 @@ def make_backend(
     raise ValueError(f"unknown attention backend {name!r} (torch, cpu, flash, auto)")
 
 
-def _has_cpu_kernel(cache_dir: str | None = None) -> bool:
+def cpu_kernels_available(cache_dir: str | None = None) -> bool:
+    """Builds (once per machine) and loads the CPU kernels' library; False if it can't be built."""
     from worker.engine.attention.cpu_kernel import paged_decode_available
 
     return paged_decode_available(cache_dir)

@@ -19,6 +19,10 @@ from worker.engine.attention.torch_backend import TorchAttentionBackend
 class CpuKernelAttentionBackend(TorchAttentionBackend):
     needs_decode_bias = False
 
+    def _write_cache(self, meta: AttentionMetadata, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        k_cache, v_cache = meta.kv_caches[layer]
+        torch.ops.inflightq.cache_write(key, value, k_cache, v_cache, meta.slot_mapping)
+
     def _attend_decodes(
         self, meta: AttentionMetadata, layer: int, q: torch.Tensor, out: torch.Tensor, scale: float
     ) -> None:

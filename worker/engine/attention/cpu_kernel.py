@@ -1,4 +1,5 @@
-"""Builds and loads the CPU paged-decode kernel (``paged_decode.cpp``) on first use.
+"""Builds and loads the CPU kernels on first use: the paged-decode attention and KV-cache write
+(``paged_decode.cpp``) and the fused RMSNorm (``../rms_norm.cpp``), one shared library.
 
 The kernel is compiled with ``torch.utils.cpp_extension`` for this machine's CPU
 (``-march=native``) into ``~/.cache/inflightq/kernels/<key>``, where the key hashes the source,
@@ -23,7 +24,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode.cpp")
+SOURCES = (Path(__file__).with_name("paged_decode.cpp"), Path(__file__).parent.parent / "rms_norm.cpp")
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 DEFAULT_CACHE = Path("~/.cache/inflightq/kernels")
 STALE_LOCK_S = 600
@@ -40,7 +41,8 @@ def _cpu_identity() -> str:
 
 def build_key() -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(CFLAGS).encode(), _cpu_identity().encode()):
+    parts = [*(source.read_bytes() for source in SOURCES), torch.__version__.encode(), " ".join(CFLAGS).encode()]
+    for part in [*parts, _cpu_identity().encode()]:
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()[:16]
@@ -80,7 +82,7 @@ def _build(name: str, build_dir: Path) -> None:
     log.info("building the CPU paged-decode kernel into %s (once per machine)", build_dir)
     cpp_extension.load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(source) for source in SOURCES],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),

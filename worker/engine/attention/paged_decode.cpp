@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -162,9 +163,50 @@ void paged_decode(
   });
 }
 
+// Writes a step's K/V ([1, Hkv, T, D], any strides with unit stride along D) into the caches'
+// slots ([Hkv, slots, D]). index_copy_ does the same but costs ~25 us per call for a few dozen
+// rows (two calls per layer per step: ~1.5 ms of a 32-sequence step on the 2-core box).
+template <typename scalar_t>
+void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) {
+  const int64_t heads = src.size(1), tokens = src.size(2), dim = src.size(3);
+  const int64_t sh = src.stride(1), st = src.stride(2);
+  const int64_t num_slots = cache.size(1);
+  const scalar_t* s = src.const_data_ptr<scalar_t>();
+  scalar_t* c = cache.data_ptr<scalar_t>();
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t t = 0; t < tokens; ++t)
+      std::memcpy(c + (h * num_slots + slots[t]) * dim, s + h * sh + t * st, dim * sizeof(scalar_t));
+}
+
+void cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
+                 const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.device().is_cpu(), "cache_write runs on CPU tensors");
+  TORCH_CHECK(key.dim() == 4 && key.size(0) == 1 && key.sizes() == value.sizes(), "key/value must be [1, Hkv, T, D]");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "caches must be contiguous [Hkv, slots, D]");
+  TORCH_CHECK(k_cache.size(0) == key.size(1) && k_cache.size(2) == key.size(3), "key/value and caches differ in shape");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == k_cache.scalar_type(),
+              "key/value and caches must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == key.size(2),
+              "slot_mapping must be int64 [T]");
+  const at::Tensor k = key.stride(3) == 1 ? key : key.contiguous();
+  const at::Tensor v = value.stride(3) == 1 ? value : value.contiguous();
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* slot_ptr = slots.const_data_ptr<int64_t>();
+  // A bad slot would write outside the cache: check them all before writing any.
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    TORCH_CHECK(slot_ptr[t] >= 0 && slot_ptr[t] < k_cache.size(1), "slot ", slot_ptr[t], " outside the cache");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "cache_write", [&] {
+    write_rows<scalar_t>(k, k_cache, slot_ptr);
+    write_rows<scalar_t>(v, v_cache, slot_ptr);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(inflightq, m) {
+  m.def("cache_write(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.impl("cache_write", c10::DispatchKey::CPU, TORCH_FN(cache_write));
   m.def(
       "paged_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor context_lens, "
       "int block_size, float scale, Tensor(a!) out) -> ()");

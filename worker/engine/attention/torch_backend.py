@@ -34,8 +34,7 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         k_cache, v_cache = meta.kv_caches[layer]
         num_kv_heads, _, head_dim = k_cache.shape
-        k_cache.index_copy_(1, meta.slot_mapping, key[0])
-        v_cache.index_copy_(1, meta.slot_mapping, value[0])
+        self._write_cache(meta, layer, key, value)
         blocks_k = k_cache.view(num_kv_heads, -1, meta.block_size, head_dim)
         blocks_v = v_cache.view(num_kv_heads, -1, meta.block_size, head_dim)
 
@@ -57,6 +56,11 @@ class TorchAttentionBackend:
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, scale=scale, enable_gqa=True)
             out[chunk.start : chunk.end] = op[0].transpose(0, 1)
         return out
+
+    def _write_cache(self, meta: AttentionMetadata, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        k_cache, v_cache = meta.kv_caches[layer]
+        k_cache.index_copy_(1, meta.slot_mapping, key[0])
+        v_cache.index_copy_(1, meta.slot_mapping, value[0])
 
     def _attend_decodes(
         self, meta: AttentionMetadata, layer: int, q: torch.Tensor, out: torch.Tensor, scale: float
