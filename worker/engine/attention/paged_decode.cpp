@@ -13,15 +13,178 @@
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
+
+// One SIMD register of fp32 lanes; `load` widens bf16 (a bf16 is the top half of an fp32).
+#if defined(__AVX512F__)
+#define INFLIGHTQ_SIMD 1
+struct Vec {
+  static constexpr int kLanes = 16;
+  __m512 v;
+  static Vec zero() { return {_mm512_setzero_ps()}; }
+  static Vec set1(float x) { return {_mm512_set1_ps(x)}; }
+  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec load(const c10::BFloat16* p) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16))};
+  }
+  static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  float sum() const { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+#define INFLIGHTQ_SIMD 1
+struct Vec {
+  static constexpr int kLanes = 8;
+  __m256 v;
+  static Vec zero() { return {_mm256_setzero_ps()}; }
+  static Vec set1(float x) { return {_mm256_set1_ps(x)}; }
+  static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static Vec load(const c10::BFloat16* p) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16))};
+  }
+  static Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  float sum() const {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+};
+#endif
+
+// The SIMD paths: fp32 accumulation over an fp32 or bf16 cache (fp16 and fp64 take the plain loops).
+template <typename acc_t, typename scalar_t>
+constexpr bool kSimd =
+    std::is_same_v<acc_t, float> && (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>);
+
+// q . k over one head. A plain loop under `omp simd reduction` was compiled (gcc 12) into vector
+// multiplies followed by a chain of dependent scalar adds per token and head, which made the
+// scores a third of the kernel; here the lanes are summed by a shuffle tree once per dot.
+template <typename acc_t, typename scalar_t>
+inline acc_t dot(const acc_t* q, const scalar_t* k, int64_t n) {
+  int64_t d = 0;
+  acc_t total = 0;
+#ifdef INFLIGHTQ_SIMD
+  if constexpr (kSimd<acc_t, scalar_t>) {
+    Vec acc = Vec::zero();
+    for (; d + Vec::kLanes <= n; d += Vec::kLanes) acc = Vec::fma(Vec::load(q + d), Vec::load(k + d), acc);
+    total = acc.sum();
+  }
+#endif
+  for (; d < n; ++d) total += q[d] * static_cast<acc_t>(k[d]);
+  return total;
+}
+
+// o = sum_t p[t] * v_t over a sequence's cached V rows of one kv head, for one query head. The
+// head's NV registers of o stay in registers across all rows (a plain loop kept o in memory: a
+// load-add-store chain per row and head).
+#ifdef INFLIGHTQ_SIMD
+template <int NV, typename scalar_t>
+void simd_weighted_rows(const float* p, const scalar_t* v_head, const int64_t* table, int64_t block_size, int64_t len,
+                        float* o) {
+  constexpr int64_t kDim = NV * Vec::kLanes;
+  Vec acc[NV];
+  for (int c = 0; c < NV; ++c) acc[c] = Vec::zero();
+  for (int64_t start = 0; start < len; start += block_size) {
+    const int64_t n = std::min(block_size, len - start);
+    const scalar_t* v_block = v_head + table[start / block_size] * block_size * kDim;
+    for (int64_t i = 0; i < n; ++i) {
+      const Vec w = Vec::set1(p[start + i]);
+      for (int c = 0; c < NV; ++c) acc[c] = Vec::fma(w, Vec::load(v_block + i * kDim + c * Vec::kLanes), acc[c]);
+    }
+  }
+  for (int c = 0; c < NV; ++c) acc[c].store(o + c * Vec::kLanes);
+}
+#endif
+
+// The SIMD weighted sum for head sizes whose registers fit (64 and 128 on AVX-512, 64 on AVX2);
+// false: the caller runs the plain loop.
+template <typename acc_t, typename scalar_t>
+bool weighted_rows(const acc_t* p, const scalar_t* v_head, const int64_t* table, int64_t block_size, int64_t len,
+                   int64_t head_dim, acc_t* o) {
+#ifdef INFLIGHTQ_SIMD
+  if constexpr (kSimd<acc_t, scalar_t>) {
+    if (head_dim == 4 * Vec::kLanes) {
+      simd_weighted_rows<4>(p, v_head, table, block_size, len, o);
+      return true;
+    }
+    if (Vec::kLanes == 16 && head_dim == 8 * Vec::kLanes) {
+      simd_weighted_rows<8>(p, v_head, table, block_size, len, o);
+      return true;
+    }
+  }
+#endif
+  return false;
+}
+
+// Softmax's numerator in place, s[t] = exp(s[t] - max(s)); returns the sum. exp is SLEEF's vector
+// exp (1 ulp), the one torch's own softmax calls, from libtorch_cpu: a scalar libm exp per score
+// was a third of the kernel's time at 200-token contexts.
+#if defined(__AVX512F__)
+extern "C" __m512 Sleef_expf16_u10(__m512);
+inline float simd_exp_in_place(float* s, int64_t n) {
+  __m512 peak_v = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) peak_v = _mm512_max_ps(peak_v, _mm512_loadu_ps(s + t));
+  float peak = _mm512_reduce_max_ps(peak_v);
+  for (; t < n; ++t) peak = std::max(peak, s[t]);
+  const __m512 shift = _mm512_set1_ps(peak);
+  __m512 total_v = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= n; t += 16) {
+    const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_loadu_ps(s + t), shift));
+    _mm512_storeu_ps(s + t, e);
+    total_v = _mm512_add_ps(total_v, e);
+  }
+  float total = _mm512_reduce_add_ps(total_v);
+  for (; t < n; ++t) total += (s[t] = std::exp(s[t] - peak));
+  return total;
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+extern "C" __m256 Sleef_expf8_u10(__m256);
+inline float simd_exp_in_place(float* s, int64_t n) {
+  __m256 peak_v = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) peak_v = _mm256_max_ps(peak_v, _mm256_loadu_ps(s + t));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, peak_v);
+  float peak = *std::max_element(lanes, lanes + 8);
+  for (; t < n; ++t) peak = std::max(peak, s[t]);
+  const __m256 shift = _mm256_set1_ps(peak);
+  __m256 total_v = _mm256_setzero_ps();
+  for (t = 0; t + 8 <= n; t += 8) {
+    const __m256 e = Sleef_expf8_u10(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
+    _mm256_storeu_ps(s + t, e);
+    total_v = _mm256_add_ps(total_v, e);
+  }
+  float total = Vec{total_v}.sum();
+  for (; t < n; ++t) total += (s[t] = std::exp(s[t] - peak));
+  return total;
+}
+#endif
+
+template <typename acc_t>
+inline acc_t exp_in_place(acc_t* s, int64_t n) {
+#ifdef INFLIGHTQ_SIMD
+  if constexpr (std::is_same_v<acc_t, float>) return simd_exp_in_place(s, n);
+#endif
+  acc_t peak = -std::numeric_limits<acc_t>::infinity();
+  for (int64_t t = 0; t < n; ++t) peak = std::max(peak, s[t]);
+  acc_t total = 0;
+  for (int64_t t = 0; t < n; ++t) total += (s[t] = std::exp(s[t] - peak));
+  return total;
+}
 
 template <typename scalar_t>
 void paged_decode_kernel(
@@ -54,6 +217,7 @@ void paged_decode_kernel(
     std::vector<acc_t> q_acc(group * head_dim);
     std::vector<acc_t> o_acc(group * head_dim);
     std::vector<acc_t> scores;
+    std::vector<acc_t> inv_sum(group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / num_kv_heads;
       const int64_t kv_head = task % num_kv_heads;
@@ -74,33 +238,24 @@ void paged_decode_kernel(
         const scalar_t* k_block = k_head + table[start / block_size] * block_size * head_dim;
         for (int64_t i = 0; i < n; ++i) {
           const scalar_t* k_row = k_block + i * head_dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const acc_t* q_g = q_acc.data() + g * head_dim;
-            acc_t dot = 0;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += q_g[d] * static_cast<acc_t>(k_row[d]);
-            scores[g * len + start + i] = dot * scale_acc;
-          }
+          for (int64_t g = 0; g < group; ++g)
+            scores[g * len + start + i] = dot(q_acc.data() + g * head_dim, k_row, head_dim) * scale_acc;
         }
       }
 
       // Softmax per query head, normalised at the end so the weights stay in acc_t.
       std::fill(o_acc.begin(), o_acc.end(), acc_t(0));
-      std::vector<acc_t> inv_sum(group);
       for (int64_t g = 0; g < group; ++g) {
-        acc_t* s = scores.data() + g * len;
-        acc_t peak = -std::numeric_limits<acc_t>::infinity();
-        for (int64_t t = 0; t < len; ++t) peak = std::max(peak, s[t]);
-        acc_t total = 0;
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - peak);
-          total += s[t];
-        }
-        inv_sum[g] = acc_t(1) / total;
+        inv_sum[g] = acc_t(1) / exp_in_place(scores.data() + g * len, len);
       }
 
-      // Weighted sum of V rows, again reading each row once for the whole group.
-      for (int64_t start = 0; start < len; start += block_size) {
+      // Weighted sum of V rows per query head (the SIMD path re-reads a kv head's rows from cache per
+      // query head of its group; the plain loop reads each row once for the whole group).
+      bool done = true;
+      for (int64_t g = 0; g < group && done; ++g)
+        done = weighted_rows(scores.data() + g * len, v_head, table, block_size, len, head_dim,
+                             o_acc.data() + g * head_dim);
+      for (int64_t start = 0; start < len && !done; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
         const scalar_t* v_block = v_head + table[start / block_size] * block_size * head_dim;
         for (int64_t i = 0; i < n; ++i) {
