@@ -79,7 +79,7 @@ def _build(name: str, build_dir: Path) -> None:
     # A build takes well under STALE_LOCK_S; an older lock is a dead builder's.
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
         lock.unlink(missing_ok=True)
-    log.info("building the CPU paged-decode kernel into %s (once per machine)", build_dir)
+    log.info("building the CPU kernels into %s (once per machine)", build_dir)
     cpp_extension.load(
         name=name,
         sources=[str(source) for source in SOURCES],

@@ -3,12 +3,13 @@
 // The plain-torch path gathers every decode's context out of the paged cache (index_select)
 // and then runs two batched matmuls over the copy: on a 2-core box at 32 sequences of ~200
 // tokens that is ~40% of a decode step, mostly memory traffic for the copy. This kernel walks
-// each sequence's block table and reads each cached K and V row once, for all the query heads
-// that share its kv head (grouped-query attention), with scores and the softmax in the
-// accumulation type (fp32 for fp32/bf16/fp16, fp64 for fp64) as the torch path does.
+// each sequence's block table and reads each cached K row once for all the query heads that
+// share its kv head (grouped-query attention), and its V rows once from memory (the SIMD path
+// goes over them once per query head of the group, from cache), with scores and the softmax in
+// the accumulation type (fp32 for fp32/bf16/fp16, fp64 for fp64) as the torch path does.
 //
 // Built on first use by worker/engine/attention/cpu_kernel.py (torch.utils.cpp_extension) and
-// registered as torch.ops.inflightq.paged_decode.
+// registered as torch.ops.inflightq.paged_decode, beside torch.ops.inflightq.cache_write.
 
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
