@@ -148,6 +148,22 @@ class PrivateRedisCluster:
                     return next(n for n in self.nodes if n.port == int(master[1]))
         raise LookupError(f"no master serves slot {slot}")
 
+    def wait_replicated(self, key: str, timeout: float = 10.0) -> None:
+        """Until every replica of ``key``'s master has what that master has written so far. Replication
+        is asynchronous: a write acknowledged in a master's last milliseconds can die with it, so a
+        test that kills a master after a write must wait for this first."""
+        master = self.node_of(key)
+        with master.client() as client:
+            target = int(client.info("replication")["master_repl_offset"])
+
+        def caught_up() -> bool:
+            with master.client() as client:
+                info = client.info("replication")
+            replicas = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+            return bool(replicas) and all(int(r.get("offset", -1)) >= target for r in replicas)
+
+        _wait_for(caught_up, timeout, f"the replicas of {master.url} did not catch up")
+
     def wait_failover(self, timeout: float = 30.0) -> None:
         """After a master died: until its replica is promoted and every slot is served again."""
         _wait_for(self.healthy, timeout, "no replica took over the dead master's slots")

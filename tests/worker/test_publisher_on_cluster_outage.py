@@ -127,6 +127,10 @@ def test_after_a_failover_the_publisher_writes_to_the_promoted_replica(
     try:
         publisher.publish_tokens([(EngineEvent(request_id, 0, 100, "t0"), 0)])
         assert publisher.flush(timeout=30)
+        # Replication is asynchronous (docs/operations.md): token 0 is only safe from the kill below
+        # once the replica has it. Without this wait the test lost it now and then (a CI run of
+        # 2026-12-02): Redis's documented window, not the publisher's doing.
+        cluster.wait_replicated(keys.replay_log(request_id))
         cluster.node_of(keys.replay_log(request_id)).kill()
         publisher.publish_tokens([(EngineEvent(request_id, i, 100 + i, f"t{i}"), 0) for i in range(1, TOKENS)])
         cluster.wait_failover(timeout=60)
