@@ -178,14 +178,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for system, by_level in report["throughput"].items():
         medians = [statistics.median(by_level[c]) for c in levels]
-        ax.plot(levels, medians, marker="o", label=system)
-        for c in levels:
-            ax.scatter([c] * len(by_level[c]), by_level[c], s=8, alpha=0.5)
+        (line,) = ax.plot(levels, medians, marker="o", label=system.split(" (")[0])
+        for c in levels:  # each round's figure, in its system's colour
+            ax.scatter([c] * len(by_level[c]), by_level[c], s=10, alpha=0.5, color=line.get_color())
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("output tok/s (median over rounds; dots: each round)")
     ax.set_title(f"Interleaved, {report['dtype']}, {report['machine'].split(',')[1].strip()}")
-    ax.legend()
+    ax.legend(loc="upper left", fontsize="small")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
