@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import statistics
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
 from bench.results_files import pyplot, save
-from bench.serve import Runner, bench_settings, machine
+from bench.serve import Runner, bench_settings, report_head
 from bench.serve_dataset import synthetic_chat
 from bench.serve_metrics import print_summary
 from bench.serve_peer_runs import drive, max_model_len
@@ -87,15 +85,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     warm = synthetic_chat(tokenizer, 8, input_len=(40, 60), output_len=(4, 4), seed=args.seed + 1)
     levels = [int(c) for c in args.concurrency.split(",")]
     dtype = str(resolve_dtype(settings.dtype, None)).replace("torch.", "")
-    report: dict[str, Any] = {
-        "command": "python -m bench.peers_interleaved " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "model": settings.model,
-        "dtype": dtype,
-        "requests_per_run": args.num_requests,
-        "rounds": [],
-    }
+    report = report_head("python -m bench.peers_interleaved", argv, settings, samples, args)
+    report |= {"dtype": dtype, "requests_per_run": args.num_requests, "rounds": []}
     keys = [f"bench-{uuid.uuid4().hex[:12]}" for _ in range(256)]
     stack = Stack(settings, keys)
     servers: dict[str, PeerServer] = {}

@@ -101,11 +101,14 @@ class OwnedEntries:
 
     def owner(self, stream: str, entry_id: str) -> str | None:
         with self._lock:
-            return next((rid for rid, where in self._where.items() if where == (stream, entry_id)), None)
+            return self._owner(stream, entry_id)
 
     def running_owner(self, stream: str, entry_id: str) -> str | None:
         """The request still running here on this entry; None when none, or when it has finished and
         only its final write and ack are on the way (its ack may already have landed)."""
         with self._lock:
-            owner = next((rid for rid, where in self._where.items() if where == (stream, entry_id)), None)
+            owner = self._owner(stream, entry_id)
             return None if owner in self._settling else owner
+
+    def _owner(self, stream: str, entry_id: str) -> str | None:  # under the lock
+        return next((rid for rid, where in self._where.items() if where == (stream, entry_id)), None)

@@ -110,21 +110,20 @@ void simd_weighted_rows(const float* p, const scalar_t* v_head, const int64_t* t
 }
 #endif
 
-// The SIMD weighted sum for head sizes whose registers fit (64 and 128 on AVX-512, 64 on AVX2);
-// false: the caller runs the plain loop.
+// The SIMD weighted sums of every query head of a group (p: [group][len], o: [group][head_dim]), for
+// head sizes whose registers fit (64 and 128 on AVX-512, 64 on AVX2); false, having done nothing,
+// where the caller must run the plain loop.
 template <typename acc_t, typename scalar_t>
-bool weighted_rows(const acc_t* p, const scalar_t* v_head, const int64_t* table, int64_t block_size, int64_t len,
-                   int64_t head_dim, acc_t* o) {
+bool simd_weighted_sums(const acc_t* p, int64_t group, const scalar_t* v_head, const int64_t* table,
+                        int64_t block_size, int64_t len, int64_t head_dim, acc_t* o) {
 #ifdef INFLIGHTQ_SIMD
   if constexpr (kSimd<acc_t, scalar_t>) {
-    if (head_dim == 4 * Vec::kLanes) {
-      simd_weighted_rows<4>(p, v_head, table, block_size, len, o);
+    auto each_head = [&](auto one_head) {
+      for (int64_t g = 0; g < group; ++g) one_head(p + g * len, v_head, table, block_size, len, o + g * head_dim);
       return true;
-    }
-    if (Vec::kLanes == 16 && head_dim == 8 * Vec::kLanes) {
-      simd_weighted_rows<8>(p, v_head, table, block_size, len, o);
-      return true;
-    }
+    };
+    if (head_dim == 4 * Vec::kLanes) return each_head(simd_weighted_rows<4, scalar_t>);
+    if (Vec::kLanes == 16 && head_dim == 8 * Vec::kLanes) return each_head(simd_weighted_rows<8, scalar_t>);
   }
 #endif
   return false;
@@ -252,11 +251,8 @@ void paged_decode_kernel(
 
       // Weighted sum of V rows per query head (the SIMD path re-reads a kv head's rows from cache per
       // query head of its group; the plain loop reads each row once for the whole group).
-      bool done = true;
-      for (int64_t g = 0; g < group && done; ++g)
-        done = weighted_rows(scores.data() + g * len, v_head, table, block_size, len, head_dim,
-                             o_acc.data() + g * head_dim);
-      for (int64_t start = 0; start < len && !done; start += block_size) {
+      const bool simd = simd_weighted_sums(scores.data(), group, v_head, table, block_size, len, head_dim, o_acc.data());
+      for (int64_t start = 0; start < len && !simd; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
         const scalar_t* v_block = v_head + table[start / block_size] * block_size * head_dim;
         for (int64_t i = 0; i < n; ++i) {
