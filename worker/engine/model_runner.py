@@ -14,7 +14,7 @@ from worker.engine.attention.custom_op import step_metadata
 from worker.engine.attention.metadata import AttentionMetadata, PrefillChunk
 from worker.engine.compiled_forward import CompiledForward, buckets_for, route_linears_through_ops
 from worker.engine.config import EngineConfig
-from worker.engine.fast_linear import prepack_linears, prepack_supported
+from worker.engine.fast_linear import decode_kernel_applies, prepack_linears, prepack_supported
 from worker.engine.fused_norms import fuse_rms_norms
 from worker.engine.fused_projections import fuse_sibling_projections
 from worker.engine.memory import lazy_zeros
@@ -68,15 +68,17 @@ class ModelRunner:
                 model, buckets, cache_dir=config.compile_cache_dir, dynamic=config.compile_dynamic
             )
         else:
-            if fuse_projections:
-                fuse_sibling_projections(model, pack=prepack_weights)
-            if prepack_weights and prepack_supported(self.device, self.dtype):
-                prepack_linears(model)
-            if (
+            kernels = (
                 config.cpu_kernels
                 and self.device.type == "cpu"
                 and attention.cpu_kernels_available(config.kernel_cache_dir)
-            ):
+            )
+            decode_kernel = kernels and decode_kernel_applies(self.dtype)
+            if fuse_projections:
+                fuse_sibling_projections(model, pack=prepack_weights, decode_kernel=decode_kernel)
+            if prepack_weights and prepack_supported(self.device, self.dtype):
+                prepack_linears(model, decode_kernel=decode_kernel)
+            if kernels:
                 fuse_rms_norms(model)
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         self.warmup_s = self.compiled.warmup(self._warmup_step) if self.compiled is not None else 0.0

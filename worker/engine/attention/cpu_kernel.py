@@ -1,5 +1,6 @@
 """Builds and loads the CPU kernels on first use: the paged-decode attention and KV-cache write
-(``paged_decode.cpp``) and the fused RMSNorm (``../rms_norm.cpp``), one shared library.
+(``paged_decode.cpp``), the fused RMSNorm (``../rms_norm.cpp``) and the small-row bf16 linear
+(``../decode_linear.cpp``), one shared library.
 
 The kernel is compiled with ``torch.utils.cpp_extension`` for this machine's CPU
 (``-march=native``) into ``~/.cache/inflightq/kernels/<key>``, where the key hashes the source,
@@ -24,7 +25,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("paged_decode.cpp"), Path(__file__).parent.parent / "rms_norm.cpp")
+SOURCES = (
+    Path(__file__).with_name("paged_decode.cpp"),
+    Path(__file__).parent.parent / "rms_norm.cpp",
+    Path(__file__).parent.parent / "decode_linear.cpp",
+)
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 DEFAULT_CACHE = Path("~/.cache/inflightq/kernels")
 STALE_LOCK_S = 600

@@ -1,0 +1,100 @@
+"""The small-row bf16 linear (``decode_linear.cpp``) computes what a bf16 matmul computes: exact
+products summed in fp32, the bias added, one rounding to bf16. So each output is the exact
+result rounded once, give or take an ulp where the fp32 sum lands next to a rounding boundary;
+``PackedLinear`` sends only calls of 1-4 rows to it and keeps oneDNN for the rest."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.ci_skips import missing
+from worker.engine.attention.cpu_kernel import paged_decode_available
+from worker.engine.fast_linear import DECODE_ROWS, PackedLinear, prepack_linears, prepack_supported
+from worker.engine.model_loader import load_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip(missing("a C++ compiler (the engine keeps oneDNN's matmul without one)", "apt-get install g++"))
+    assert paged_decode_available(), "the CPU kernels failed to build although a compiler is present"
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 values at |x| (8 significant bits)."""
+    exponent = torch.floor(torch.log2(x.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)))
+    return torch.pow(2.0, exponent - 7)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("out_features", "in_features"), [(37, 64), (576, 576), (96, 1536)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_each_output_is_the_exact_result_rounded_once(
+    rows: int, out_features: int, in_features: int, with_bias: bool
+) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(1, rows, in_features, generator=gen).to(torch.bfloat16)
+    exact = x.double() @ weight.double().T + (bias.double() if bias is not None else 0.0)
+
+    laid_out = torch.ops.inflightq.decode_linear_layout(weight)
+    got = torch.ops.inflightq.decode_linear(x, laid_out, bias.float() if bias is not None else None, out_features)
+
+    assert got.dtype == torch.bfloat16 and got.shape == (1, rows, out_features)
+    assert ((got.double() - exact).abs() <= bf16_ulp(exact)).all()
+    assert (got == exact.to(torch.bfloat16)).float().mean() >= 0.99
+
+
+def test_calls_it_cannot_take_are_refused() -> None:
+    laid_out = torch.ops.inflightq.decode_linear_layout(torch.zeros(8, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        torch.ops.inflightq.decode_linear(torch.zeros(DECODE_ROWS + 1, 64, dtype=torch.bfloat16), laid_out, None, 8)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.inflightq.decode_linear_layout(torch.zeros(8, 48, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="out_features"):
+        torch.ops.inflightq.decode_linear(torch.zeros(1, 64, dtype=torch.bfloat16), laid_out, None, 9)
+
+
+def ops_run(fn: object, *args: torch.Tensor) -> tuple[torch.Tensor, set[str]]:
+    with torch.profiler.profile() as prof:
+        out = fn(*args)  # type: ignore[operator]
+    return out, {event.key for event in prof.key_averages()}
+
+
+@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.float32), reason="hardware: no oneDNN on this CPU")
+def test_packed_linear_sends_only_small_calls_to_the_kernel() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(40, 96, generator=gen) * 0.1).to(torch.bfloat16)
+    bias = torch.randn(40, generator=gen).to(torch.bfloat16)
+    linear = PackedLinear(weight, bias, decode_kernel=True)
+    for rows, kernel in ((1, True), (DECODE_ROWS, True), (DECODE_ROWS + 1, False), (37, False)):
+        x = torch.randn(1, rows, 96, generator=gen).to(torch.bfloat16)
+        got, ops = ops_run(linear, x)
+        assert ("inflightq::decode_linear" in ops) is kernel, (rows, ops)
+        expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+        assert got.dtype == torch.bfloat16 and got.shape == (1, rows, 40)
+        assert torch.allclose(got.float(), expected, atol=1e-2, rtol=1e-2)
+    # Without the setting (the engine's choice on CPUs without AVX512-BF16) nothing goes to it.
+    _, ops = ops_run(PackedLinear(weight, bias), torch.randn(1, 1, 96, generator=gen).to(torch.bfloat16))
+    assert "inflightq::decode_linear" not in ops
+
+
+@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.float32), reason="hardware: no oneDNN on this CPU")
+def test_a_model_on_the_kernel_gives_the_same_decode_logits(tiny_model_dir: Path) -> None:
+    plain, _ = load_model(str(tiny_model_dir), torch.bfloat16, "cpu")
+    fast, _ = load_model(str(tiny_model_dir), torch.bfloat16, "cpu")
+    assert prepack_linears(fast, decode_kernel=True) == 2 * 7 + 1
+    for length in (1, 3):  # decode-sized calls: every linear goes through the kernel
+        ids = torch.randint(3, 40_000, (1, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            expected = plain(ids).logits.float()
+            got, ops = ops_run(fast, ids)
+        assert "inflightq::decode_linear" in ops
+        got = got.logits.float()
+        assert torch.allclose(got, expected, atol=0.05 * expected.abs().max().item())
+        assert (got.argmax(-1) == expected.argmax(-1)).float().mean() == 1.0
