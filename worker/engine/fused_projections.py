@@ -52,7 +52,7 @@ class FusedProjection:
         self._output: torch.Tensor | None = None
         self._pending = 0  # siblings yet to take their slice of _output
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.packed(x)
         return F.linear(x, self.weight, self.bias)
@@ -60,7 +60,7 @@ class FusedProjection:
     def slice_for(self, index: int, x: torch.Tensor) -> torch.Tensor:
         # ``is``: the group holds a reference to its input, so a new tensor can't reuse its identity.
         if x is not self._input or self._output is None:
-            self._input, self._output = x, self._matmul(x)
+            self._input, self._output = x, self.matmul(x)
             self._pending = len(self.bounds)
         lo, hi = self.bounds[index]
         out = self._output[..., lo:hi]

@@ -15,6 +15,7 @@ from worker.engine.attention.metadata import AttentionMetadata, PrefillChunk
 from worker.engine.compiled_forward import CompiledForward, buckets_for, route_linears_through_ops
 from worker.engine.config import EngineConfig
 from worker.engine.fast_linear import decode_kernel_applies, prepack_linears, prepack_supported
+from worker.engine.fused_decoder_layer import fuse_decoder_layers
 from worker.engine.fused_norms import fuse_rms_norms
 from worker.engine.fused_projections import fuse_sibling_projections
 from worker.engine.memory import lazy_zeros
@@ -80,6 +81,7 @@ class ModelRunner:
                 prepack_linears(model, decode_kernel=decode_kernel)
             if kernels:
                 fuse_rms_norms(model)
+                fuse_decoder_layers(model)
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         self.warmup_s = self.compiled.warmup(self._warmup_step) if self.compiled is not None else 0.0
 

@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 
 namespace {
 
@@ -77,9 +78,32 @@ at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double ep
   return out;
 }
 
+template <typename scalar_t>
+void add_rows(const scalar_t* x, const scalar_t* residual, scalar_t* sum, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) sum[i] = narrow<scalar_t>(widen(residual[i]) + widen(x[i]));
+}
+
+// The decoder layer's residual step and the next norm: sum = residual + x (rounded to the dtype, as
+// the layer's ``residual + hidden_states`` is), then the norm of the sum; returns (normed, sum).
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& input, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  TORCH_CHECK(input.sizes() == residual.sizes() && input.scalar_type() == residual.scalar_type(),
+              "add_rms_norm: input and residual must match in shape and dtype");
+  at::Tensor sum = at::empty_like(input, at::MemoryFormat::Contiguous);
+  const at::Tensor x = input.contiguous();
+  const at::Tensor r = residual.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    add_rows<scalar_t>(x.const_data_ptr<scalar_t>(), r.const_data_ptr<scalar_t>(), sum.data_ptr<scalar_t>(), x.numel());
+  });
+  return {rms_norm(sum, weight, eps), sum};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inflightq, m) {
   m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.def("add_rms_norm(Tensor input, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
 }

@@ -1,6 +1,7 @@
 """Builds and loads the CPU kernels on first use: the paged-decode attention and KV-cache write
-(``paged_decode.cpp``), the fused RMSNorm (``../rms_norm.cpp``) and the small-row bf16 linear
-(``../decode_linear.cpp``), one shared library.
+(``paged_decode.cpp``), the fused RMSNorm (``../rms_norm.cpp``), the small-row bf16 linear
+(``../decode_linear.cpp``) and the decoder layer's elementwise steps (``../decoder_layer_ops.cpp``),
+one shared library.
 
 The kernel is compiled with ``torch.utils.cpp_extension`` for this machine's CPU
 (``-march=native``) into ``~/.cache/inflightq/kernels/<key>``, where the key hashes the source,
@@ -29,8 +30,10 @@ SOURCES = (
     Path(__file__).with_name("paged_decode.cpp"),
     Path(__file__).parent.parent / "rms_norm.cpp",
     Path(__file__).parent.parent / "decode_linear.cpp",
+    Path(__file__).parent.parent / "decoder_layer_ops.cpp",
 )
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+# No contraction of a * b + c into one fused multiply-add: the kernels keep torch's roundings.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 DEFAULT_CACHE = Path("~/.cache/inflightq/kernels")
 STALE_LOCK_S = 600
 

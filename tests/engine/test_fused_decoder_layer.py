@@ -1,0 +1,131 @@
+"""The fused decoder layer computes what transformers' Llama layer computes, with its rounding steps,
+bit for bit: the rotary split, the residual add and SiLU (whose exp is the one torch's vectorized
+SiLU calls); an fp32 engine on it gives ``generate``'s greedy tokens, ragged batches and chunked
+prefills included; only Llama-code layers with fused projections and norms are rerouted."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from tests.ci_skips import missing
+from tests.engine.conftest import reference
+from tests.engine.test_engine_exactness import random_prompts
+from worker.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from worker.engine.attention.cpu_kernel import paged_decode_available
+from worker.engine.fused_decoder_layer import FusedDecoderLayer, fuse_decoder_layers
+from worker.engine.fused_norms import fuse_rms_norms
+from worker.engine.fused_projections import fuse_sibling_projections
+from worker.engine.model_loader import load_model
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip(missing("a C++ compiler (the engine keeps transformers' layer without one)", "apt-get install g++"))
+    assert paged_decode_available(), "the CPU kernels failed to build although a compiler is present"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_rotary_split_is_transformers_rotary_bit_for_bit(dtype: torch.dtype, tokens: int) -> None:
+    heads, kv_heads, dim = 9, 3, 64
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = (torch.randn(1, tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 3).to(dtype)
+    angles = torch.rand(1, tokens, dim // 2, generator=gen) * 50
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    expected_q, expected_k = apply_rotary_pos_emb(
+        q.view(1, tokens, heads, dim).transpose(1, 2), k.view(1, tokens, kv_heads, dim).transpose(1, 2), cos, sin
+    )
+
+    got_q, got_k, got_v = torch.ops.inflightq.rotary_split(qkv, cos, sin, heads, kv_heads, dim)
+
+    assert got_q.shape == (tokens, heads, dim) and got_k.shape == got_v.shape == (tokens, kv_heads, dim)
+    assert torch.equal(got_q, expected_q[0].transpose(0, 1))
+    assert torch.equal(got_k, expected_k[0].transpose(0, 1))
+    assert torch.equal(got_v, v.view(tokens, kv_heads, dim))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_is_the_residual_add_then_the_norm(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x, residual = ((torch.randn(1, 7, 576, generator=gen) * 4).to(dtype) for _ in range(2))
+    weight = torch.randn(576, generator=gen).to(dtype)
+    normed, total = torch.ops.inflightq.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(total, residual + x)
+    assert torch.equal(normed, torch.ops.inflightq.rms_norm(residual + x, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "inter"), [(1, 1536), (3, 1536), (33, 1536), (2, 96), (2, 100), (5, 7)])
+def test_silu_mul_is_the_mlp_activation_times_up(dtype: torch.dtype, rows: int, inter: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(1, rows, 2 * inter, generator=gen) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, -1)
+    expected = torch.nn.functional.silu(gate.contiguous()) * up
+    got = torch.ops.inflightq.silu_mul(gate_up)
+    assert got.shape == expected.shape and got.dtype == dtype
+    if inter % 32 == 0:  # whole vectors, as models' widths are: torch's values exactly
+        assert torch.equal(got, expected)
+    else:  # a row's tail takes libm's exp here, torch's flat loop may take SLEEF's: an ulp apart
+        bound = torch.finfo(dtype).eps * expected.float().abs() + torch.finfo(dtype).tiny
+        assert ((got.float() - expected.float()).abs() <= bound).all()
+
+
+def fused_model(model_dir: Path, dtype: torch.dtype) -> tuple[Any, int]:
+    model, _ = load_model(str(model_dir), dtype, "cpu")
+    fuse_sibling_projections(model)
+    fuse_rms_norms(model)
+    return model, fuse_decoder_layers(model)
+
+
+def test_only_llama_layers_with_fused_parts_are_rerouted(tiny_model_dir: Path) -> None:
+    model, count = fused_model(tiny_model_dir, torch.float32)
+    assert count == model.config.num_hidden_layers
+    assert fuse_decoder_layers(model) == 0  # already rerouted
+
+    f64, count64 = fused_model(tiny_model_dir, torch.float64)
+    assert count64 == 0 and fuse_decoder_layers(f64) == 0  # the exactness tests' dtype: norms unfused, layers kept
+
+    unfused, _ = load_model(str(tiny_model_dir), torch.float32, "cpu")
+    assert fuse_decoder_layers(unfused) == 0  # projections and norms not fused: nothing to call
+
+    hooked, _ = load_model(str(tiny_model_dir), torch.float32, "cpu")
+    fuse_sibling_projections(hooked)
+    fuse_rms_norms(hooked)
+    hooked.model.layers[0].mlp.register_forward_hook(lambda *args: None)
+    assert fuse_decoder_layers(hooked) == hooked.config.num_hidden_layers - 1  # a hook would be skipped
+
+
+def test_a_call_without_the_engine_metadata_runs_transformers_layer(tiny_model_dir: Path) -> None:
+    plain, _ = load_model(str(tiny_model_dir), torch.float32, "cpu")
+    model, count = fused_model(tiny_model_dir, torch.float32)
+    assert count
+    ids = torch.randint(3, 40_000, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, plain(ids).logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_an_fp32_engine_on_fused_layers_matches_generate(tiny_model_dir: Path, chunk: int | None) -> None:
+    model, tokenizer = load_model(str(tiny_model_dir), torch.float32, "cpu")
+    ref, _ = load_model(str(tiny_model_dir), torch.float32, "cpu")
+    config = EngineConfig(num_kv_blocks=256, block_size=4, max_num_batched_tokens=chunk or 2048)
+    engine = LLMEngine(model, tokenizer, config)
+    assert sum(isinstance(m.__dict__.get("forward"), FusedDecoderLayer) for m in model.modules()) == 2
+    llm = LLM.__new__(LLM)
+    llm.engine, llm._next_id = engine, 0
+    prompts = random_prompts(6, seed=3)
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=10))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == reference(ref, prompt, 10)
+    assert engine.num_free_blocks == engine.num_total_blocks

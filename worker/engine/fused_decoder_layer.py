@@ -1,0 +1,176 @@
+"""A Llama-style decoder layer's forward in a dozen ops on CPU, instead of about forty-five.
+
+At one to a few streams a decode step of a small model is mostly dispatch: transformers' layer
+runs its norm, three projections, the rotary embedding (views, slices, negations, cats), the
+attention call, the residual adds and the MLP as ~45 tensor ops and 8 module calls, each a few
+microseconds of Python and dispatcher for a few hundred values of arithmetic. This forward
+calls the same weights through the fused pieces the engine already has (the q/k/v and gate/up
+groups of ``fused_projections``, the ``rms_norm`` op) and three more ops of
+``decoder_layer_ops.cpp`` / ``rms_norm.cpp``: ``rotary_split`` (split q/k/v, rotate q and k),
+``add_rms_norm`` (the residual add and the next norm) and ``silu_mul``. Each keeps the module
+code's rounding steps, so a bf16 model gives the module's values (bit for bit but for an ulp
+where the order of a sum or the exp differs).
+
+Only layers whose code is Llama's own are rerouted (transformers copies it verbatim into
+Mistral, Qwen2 and others): the layer's, its attention's and its MLP's ``forward`` and the
+rotary function must have Llama's source, the activation must be SiLU, and the projections and
+norms must already be fused. Anything else (Qwen3's q/k norms, Gemma's scaled embeddings,
+float64 models, a call without the engine's attention metadata) keeps transformers' forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.engine.fused_norms import FusedRMSNorm
+from worker.engine.fused_projections import FusedProjection
+
+FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def fused_layer_ops_available() -> bool:
+    """Whether the CPU kernels' library (built by ``attention.cpu_kernel``) is loaded with the ops."""
+    ops = getattr(torch.ops, "inflightq", None)
+    return ops is not None and all(hasattr(ops, name) for name in ("rotary_split", "add_rms_norm", "silu_mul"))
+
+
+@functools.cache
+def _llama_sources() -> dict[str, str]:
+    from transformers.models.llama import modeling_llama as llama
+
+    return {
+        "layer": inspect.getsource(llama.LlamaDecoderLayer.forward),
+        "attention": inspect.getsource(llama.LlamaAttention.forward),
+        "mlp": inspect.getsource(llama.LlamaMLP.forward),
+        "rotary": inspect.getsource(llama.apply_rotary_pos_emb) + inspect.getsource(llama.rotate_half),
+    }
+
+
+@functools.cache
+def _has_llama_code(layer_cls: type, attention_cls: type, mlp_cls: type) -> bool:
+    try:
+        module = sys.modules[attention_cls.__module__]
+        rotary = inspect.getsource(module.apply_rotary_pos_emb) + inspect.getsource(module.rotate_half)
+        sources = {
+            "layer": inspect.getsource(layer_cls.forward),
+            "attention": inspect.getsource(attention_cls.forward),
+            "mlp": inspect.getsource(mlp_cls.forward),
+            "rotary": rotary,
+        }
+    except (AttributeError, OSError, TypeError):  # no source, no rotary function: don't guess
+        return False
+    return sources == _llama_sources()
+
+
+def _group(module: nn.Module, size: int) -> FusedProjection | None:
+    """The fused group ``module`` is the first sibling of, if it has ``size`` siblings."""
+    forward = module.__dict__.get("forward")
+    group = getattr(forward, "group", None)
+    if not isinstance(group, FusedProjection) or getattr(forward, "index", None) != 0 or len(group.bounds) != size:
+        return None
+    return group
+
+
+def _is_silu(act: object) -> bool:
+    from transformers.activations import SiLUActivation
+
+    return type(act) in (nn.SiLU, SiLUActivation) and "forward" not in act.__dict__
+
+
+def _no_hooks(*modules: nn.Module) -> bool:
+    return all(not (m._forward_hooks or m._forward_pre_hooks) for m in modules)
+
+
+class FusedDecoderLayer:
+    """The rerouted ``forward`` of one decoder layer."""
+
+    def __init__(self, layer: nn.Module, qkv: FusedProjection, gate_up: FusedProjection, num_heads: int) -> None:
+        attention, mlp = layer.self_attn, layer.mlp
+        in_norm, post_norm = layer.input_layernorm.forward, layer.post_attention_layernorm.forward
+        self.module_forward = layer.forward  # the class's own, bound before the reroute
+        self.layer_idx: int = attention.layer_idx
+        self.scale = float(attention.scaling)
+        self.head_dim: int = attention.head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = (qkv.bounds[1][1] - qkv.bounds[1][0]) // self.head_dim
+        self.dtype = qkv.weight.dtype
+        self.in_weight, self.in_eps = in_norm.weight, in_norm.eps
+        self.post_weight, self.post_eps = post_norm.weight, post_norm.eps
+        self.qkv, self.gate_up = qkv, gate_up
+        # Their forwards, called directly: a module call costs more than the packed matmul's dispatch.
+        self.o_proj, self.down_proj = attention.o_proj.forward, mlp.down_proj.forward
+
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        meta = kwargs.get("inflightq_meta")
+        if meta is None or position_embeddings is None or hidden_states.dtype != self.dtype:
+            return self.module_forward(
+                hidden_states,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
+        ops = torch.ops.inflightq
+        cos, sin = position_embeddings
+        normed = ops.rms_norm(hidden_states, self.in_weight, self.in_eps)
+        q, k, v = ops.rotary_split(
+            self.qkv.matmul(normed), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim
+        )  # each [T, heads, D]
+        # The backend takes transformers' layout, [1, heads, T, D], and returns [T, heads, D].
+        attended = meta.backend.forward(
+            meta,
+            self.layer_idx,
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            self.scale,
+        )
+        attn_out = self.o_proj(attended.view(*hidden_states.shape[:-1], -1))
+        normed, residual = ops.add_rms_norm(attn_out, hidden_states, self.post_weight, self.post_eps)
+        return residual + self.down_proj(ops.silu_mul(self.gate_up.matmul(normed)))
+
+
+@torch.no_grad()
+def fuse_decoder_layers(model: nn.Module) -> int:
+    """Reroutes every Llama-style decoder layer of a CPU bf16/fp16/fp32 ``model`` whose projections
+    and norms are already fused; returns how many."""
+    if not fused_layer_ops_available():
+        return 0
+    config = model.config.get_text_config()
+    count = 0
+    for layer in model.modules():
+        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attention is None or mlp is None or "forward" in layer.__dict__:
+            continue
+        if not _has_llama_code(type(layer), type(attention), type(mlp)):
+            continue
+        qkv = _group(getattr(attention, "q_proj", nn.Identity()), 3)
+        gate_up = _group(getattr(mlp, "gate_proj", nn.Identity()), 2)
+        norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+        if (
+            qkv is None
+            or gate_up is None
+            or not all(isinstance(n, nn.Module) and isinstance(n.__dict__.get("forward"), FusedRMSNorm) for n in norms)
+            or not _is_silu(getattr(mlp, "act_fn", None))
+            or qkv.weight.device.type != "cpu"
+            or qkv.weight.dtype not in FUSED_DTYPES
+            or qkv.bounds[0][1] != config.num_attention_heads * attention.head_dim
+            or not _no_hooks(layer, attention, mlp, *norms, attention.o_proj, mlp.down_proj)  # type: ignore[arg-type]
+        ):
+            continue
+        layer.forward = FusedDecoderLayer(layer, qkv, gate_up, config.num_attention_heads)  # type: ignore[method-assign]
+        count += 1
+    return count
