@@ -190,8 +190,9 @@ class Settings(BaseSettings):
     )
     cpu_kernels: bool = Field(
         True,
-        description="Worker CPU attention and RMSNorm run in C++ kernels built on first use; 0 keeps plain-torch "
-        "attention and norms (same results, slower) without trying a build.",
+        description="On CPU, the worker's attention, norms, Llama-style decoder layers and (with AVX512-BF16) "
+        "small bf16 matmuls run in C++ kernels built on first use; 0 keeps transformers' layers, plain-torch "
+        "attention and oneDNN matmuls (same results up to rounding order, slower) without trying a build.",
     )
     kernel_cache: str | None = Field(
         None, description="Directory the CPU kernels are built into; unset = ~/.cache/inflightq/kernels."

@@ -27,7 +27,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings (and what the KV cache holds)
     aging_steps: int | None = 256  # steps after which a waiting request gains one priority level; None: no aging
     attention_backend: str = "auto"  # auto, torch, cpu (the compiled CPU kernel), flash
-    cpu_kernels: bool = True  # False: never build or use the compiled CPU kernels (plain-torch attention, norms)
+    cpu_kernels: bool = True  # False: never build or use the compiled CPU kernels (plain-torch attention, HF layers)
     kernel_cache_dir: str | None = None  # where the CPU kernel is built; None: ~/.cache/inflightq/kernels
     # Compiled forward (torch.compile over padded token-count buckets, all compiled at start). Off by
     # default: on the 2-core CPU boxes a step is bound by streaming the weights, so compiling buys
