@@ -136,6 +136,11 @@ def test_cache_write_puts_each_token_where_index_copy_does(dtype: torch.dtype) -
     k_cache, v_cache = torch.zeros_like(expected_k), torch.zeros_like(expected_v)
     torch.ops.inflightq.cache_write(key, value, k_cache, v_cache, slot_mapping)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    # The fused decoder layer's token-major [T, Hkv, D] lands in the same places.
+    k_cache.zero_(), v_cache.zero_()
+    token_major = [t[0].transpose(0, 1).contiguous() for t in (key, value)]
+    torch.ops.inflightq.cache_write(*token_major, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
 def test_cache_write_rejects_a_slot_outside_the_cache_before_writing() -> None:

@@ -115,11 +115,14 @@ def test_a_call_without_the_engine_metadata_runs_transformers_layer(tiny_model_d
         assert torch.allclose(model(ids).logits, plain(ids).logits, atol=1e-4)
 
 
-@pytest.mark.parametrize("chunk", [None, 7])
-def test_an_fp32_engine_on_fused_layers_matches_generate(tiny_model_dir: Path, chunk: int | None) -> None:
+@pytest.mark.parametrize(("chunk", "backend"), [(None, "cpu"), (7, "cpu"), (7, "torch")])
+def test_an_fp32_engine_on_fused_layers_matches_generate(tiny_model_dir: Path, chunk: int | None, backend: str) -> None:
+    """Decode-only steps take the kernels' token-major path; steps with prefills the backend's own."""
     model, tokenizer = load_model(str(tiny_model_dir), torch.float32, "cpu")
     ref, _ = load_model(str(tiny_model_dir), torch.float32, "cpu")
-    config = EngineConfig(num_kv_blocks=256, block_size=4, max_num_batched_tokens=chunk or 2048)
+    config = EngineConfig(
+        num_kv_blocks=256, block_size=4, max_num_batched_tokens=chunk or 2048, attention_backend=backend
+    )
     engine = LLMEngine(model, tokenizer, config)
     assert sum(isinstance(m.__dict__.get("forward"), FusedDecoderLayer) for m in model.modules()) == 2
     llm = LLM.__new__(LLM)

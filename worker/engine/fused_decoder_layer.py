@@ -129,15 +129,7 @@ class FusedDecoderLayer:
         q, k, v = ops.rotary_split(
             self.qkv.matmul(normed), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim
         )  # each [T, heads, D]
-        # The backend takes transformers' layout, [1, heads, T, D], and returns [T, heads, D].
-        attended = meta.backend.forward(
-            meta,
-            self.layer_idx,
-            q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
-            self.scale,
-        )
+        attended = meta.backend.forward_tokens(meta, self.layer_idx, q, k, v, self.scale)  # [T, heads, D]
         attn_out = self.o_proj(attended.view(*hidden_states.shape[:-1], -1))
         normed, residual = ops.add_rms_norm(attn_out, hidden_states, self.post_weight, self.post_eps)
         return residual + self.down_proj(ops.silu_mul(self.gate_up.matmul(normed)))

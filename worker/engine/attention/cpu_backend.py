@@ -19,6 +19,36 @@ from worker.engine.attention.torch_backend import TorchAttentionBackend
 class CpuKernelAttentionBackend(TorchAttentionBackend):
     needs_decode_bias = False
 
+    def forward_tokens(
+        self,
+        meta: AttentionMetadata,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """A decode-only step in the fused layer's token-major layout, which is the kernels' own:
+        four ops per layer instead of a dozen views and copies around them."""
+        if meta.prefills:
+            return super().forward_tokens(meta, layer, query, key, value, scale)
+        assert meta.decode_blocks is not None and meta.decode_context_lens is not None
+        k_cache, v_cache = meta.kv_caches[layer]
+        torch.ops.inflightq.cache_write(key, value, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(query)
+        nd = meta.num_decodes
+        torch.ops.inflightq.paged_decode(
+            query,
+            k_cache,
+            v_cache,
+            meta.decode_blocks.view(nd, -1),
+            meta.decode_context_lens,
+            meta.block_size,
+            scale,
+            out,
+        )
+        return out
+
     def _write_cache(self, meta: AttentionMetadata, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         k_cache, v_cache = meta.kv_caches[layer]
         torch.ops.inflightq.cache_write(key, value, k_cache, v_cache, meta.slot_mapping)

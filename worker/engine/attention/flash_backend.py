@@ -26,6 +26,18 @@ class FlashAttentionBackend:
     def cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (num_blocks, block_size, num_kv_heads, head_dim)  # what flash-attn's paged kernels read
 
+    def forward_tokens(
+        self,
+        meta: AttentionMetadata,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (query, key, value)]
+        return self.forward(meta, layer, *heads_first, scale)
+
     def forward(
         self,
         meta: AttentionMetadata,

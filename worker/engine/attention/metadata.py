@@ -56,3 +56,14 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
+
+    def forward_tokens(
+        self,
+        meta: AttentionMetadata,
+        layer: int,
+        query: torch.Tensor,  # [T, Hq, D], token-major as a fused layer produces it
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        ...

@@ -330,10 +330,15 @@ void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) 
       std::memcpy(c + (h * num_slots + slots[t]) * dim, s + h * sh + t * st, dim * sizeof(scalar_t));
 }
 
-void cache_write(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
+// key/value: transformers' layout [1, Hkv, T, D], or the fused layer's token-major [T, Hkv, D].
+void cache_write(const at::Tensor& key_in, const at::Tensor& value_in, at::Tensor k_cache, at::Tensor v_cache,
                  const at::Tensor& slot_mapping) {
-  TORCH_CHECK(key.device().is_cpu(), "cache_write runs on CPU tensors");
-  TORCH_CHECK(key.dim() == 4 && key.size(0) == 1 && key.sizes() == value.sizes(), "key/value must be [1, Hkv, T, D]");
+  TORCH_CHECK(key_in.device().is_cpu(), "cache_write runs on CPU tensors");
+  const bool token_major = key_in.dim() == 3;
+  const at::Tensor key = token_major ? key_in.transpose(0, 1).unsqueeze(0) : key_in;
+  const at::Tensor value = token_major ? value_in.transpose(0, 1).unsqueeze(0) : value_in;
+  TORCH_CHECK(key.dim() == 4 && key.size(0) == 1 && key.sizes() == value.sizes(),
+              "key/value must be [1, Hkv, T, D] or [T, Hkv, D]");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "caches must be contiguous [Hkv, slots, D]");
   TORCH_CHECK(k_cache.size(0) == key.size(1) && k_cache.size(2) == key.size(3), "key/value and caches differ in shape");

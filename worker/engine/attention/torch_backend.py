@@ -57,6 +57,18 @@ class TorchAttentionBackend:
             out[chunk.start : chunk.end] = op[0].transpose(0, 1)
         return out
 
+    def forward_tokens(
+        self,
+        meta: AttentionMetadata,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (query, key, value)]
+        return self.forward(meta, layer, *heads_first, scale)
+
     def _write_cache(self, meta: AttentionMetadata, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         k_cache, v_cache = meta.kv_caches[layer]
         k_cache.index_copy_(1, meta.slot_mapping, key[0])
