@@ -1,0 +1,152 @@
+"""What each CPU kernel of the decode step is worth: one engine, its decode steps interleaved.
+
+The default model is loaded once into an engine with every CPU kernel on. At each batch size,
+decode steps then alternate between variants that switch kernels off in place (the same
+weights, KV cache and sequences): ``all`` (the default), ``no decode_linear`` (small bf16
+matmuls back on oneDNN), ``no fused layers`` (transformers' decoder layers over the fused
+projections and norms) and ``neither``. Interleaving step by step puts every variant under the
+same machine noise; each figure is a median over ``--steps`` steps per variant, and every ratio
+is against ``neither`` in the same run.
+
+    python -m bench.step_ab --dtype bfloat16 --batches 1,4,8,32 --steps 30 --out bench/results --tag X
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VARIANTS = ("all", "no decode_linear", "no fused layers", "neither")
+
+
+def _switches(model: Any) -> tuple[Callable[[bool], None], Callable[[bool], None], int, int]:
+    """(set decode_linear on/off, set fused layers on/off, how many of each) for a built engine's model."""
+    from worker.engine.fast_linear import PackedLinear
+    from worker.engine.fused_decoder_layer import FusedDecoderLayer
+
+    linears: list[tuple[PackedLinear, torch.Tensor]] = []
+    layers: list[tuple[torch.nn.Module, FusedDecoderLayer]] = []
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        group = getattr(forward, "group", None)
+        for linear in (forward, getattr(group, "packed", None)):
+            fresh = all(linear is not seen for seen, _ in linears)
+            if isinstance(linear, PackedLinear) and linear.laid_out is not None and fresh:
+                linears.append((linear, linear.laid_out))
+        if isinstance(forward, FusedDecoderLayer):
+            layers.append((module, forward))
+
+    def set_linears(on: bool) -> None:
+        for linear, laid_out in linears:
+            linear.laid_out = laid_out if on else None
+
+    def set_layers(on: bool) -> None:
+        for module, forward in layers:
+            if on:
+                module.forward = forward
+            else:
+                module.__dict__.pop("forward", None)
+
+    return set_linears, set_layers, len(linears), len(layers)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="bench.step_ab", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batches", default="1,4,8,32")
+    parser.add_argument("--steps", type=int, default=30, help="decode steps per variant and batch size")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--tag", default="")
+    args = parser.parse_args(argv)
+    from worker.engine import EngineConfig, LLMEngine, SamplingParams
+    from worker.engine.model_loader import load_model
+
+    model, tokenizer = load_model(args.model, getattr(torch, args.dtype), "cpu")
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=4096))
+    set_linears, set_layers, num_linears, num_layers = _switches(model)
+    prompt = tokenizer.encode("Tell me a long story about a brave mouse who sails the sea.")
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        ids = [f"{batch}-{i}" for i in range(batch)]
+        for request_id in ids:
+            params = SamplingParams(max_new_tokens=len(VARIANTS) * args.steps + 8, ignore_eos=True)
+            engine.add_request(request_id, prompt, params)
+        engine.step()  # the prefill
+        engine.step()
+        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        for step in range(len(VARIANTS) * args.steps):
+            variant = VARIANTS[(step + step // len(VARIANTS)) % len(VARIANTS)]  # rotate the order each round
+            set_linears(variant in ("all", "no fused layers"))
+            set_layers(variant in ("all", "no decode_linear"))
+            started = time.perf_counter()
+            engine.step()
+            times[variant].append(time.perf_counter() - started)
+        set_linears(True)
+        set_layers(True)
+        for request_id in ids:
+            engine.abort(request_id)
+        medians = {v: statistics.median(t) * 1e3 for v, t in times.items()}
+        row = {
+            "batch": batch,
+            "step_ms": {v: round(m, 2) for v, m in medians.items()},
+            "speedup_vs_neither": {v: round(medians["neither"] / m, 2) for v, m in medians.items()},
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    report = {
+        "command": "python -m bench.step_ab " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": _machine(),
+        "model": args.model,
+        "dtype": args.dtype,
+        "rerouted": {"decode_linear weights": num_linears, "fused decoder layers": num_layers},
+        "rows": rows,
+    }
+    if args.out:
+        _write(report, Path(args.out), args.tag)
+    return report
+
+
+def _machine() -> str:
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    except OSError:
+        name = "?"
+    return f"{platform.machine()} {name}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+
+
+def _write(report: dict[str, Any], out: Path, tag: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"step-ab-{report['date'][:10]}" + (f"-{tag}" if tag else "")
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [
+        f"# Decode step with and without the CPU kernels, {report['date']}",
+        "",
+        f"Command: `{report['command']}`  ",
+        f"Machine: {report['machine']}; model `{report['model']}`, {report['dtype']}; rerouted: {report['rerouted']}",
+        "",
+        "Median ms per decode step (variants interleaved step by step in one engine), and speed-up over `neither`:",
+        "",
+        "| batch | " + " | ".join(VARIANTS) + " |",
+        "|---|" + "---|" * len(VARIANTS),
+    ]
+    for row in report["rows"]:
+        cells = [f"{row['step_ms'][v]} ({row['speedup_vs_neither'][v]}x)" for v in VARIANTS]
+        lines.append(f"| {row['batch']} | " + " | ".join(cells) + " |")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
