@@ -13,7 +13,7 @@ import torch
 
 from tests.ci_skips import missing
 from worker.engine.attention.cpu_kernel import paged_decode_available
-from worker.engine.fast_linear import DECODE_ROWS, PackedLinear, prepack_linears, prepack_supported
+from worker.engine.fast_linear import DECODE_ROWS, PackedLinear, decode_copy_fits, prepack_linears, prepack_supported
 from worker.engine.model_loader import load_model
 
 
@@ -98,3 +98,23 @@ def test_a_model_on_the_kernel_gives_the_same_decode_logits(tiny_model_dir: Path
         got = got.logits.float()
         assert torch.allclose(got, expected, atol=0.05 * expected.abs().max().item())
         assert (got.argmax(-1) == expected.argmax(-1)).float().mean() == 1.0
+
+
+@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.float32), reason="hardware: no oneDNN on this CPU")
+def test_the_second_copy_is_taken_only_where_it_fits(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.engine import EngineConfig, LLMEngine, model_runner
+
+    model, tokenizer = load_model(str(tiny_model_dir), torch.bfloat16, "cpu")
+    weights = sum(m.weight.numel() * 2 for m in model.modules() if type(m) is torch.nn.Linear)
+    assert decode_copy_fits(model, 10 * weights) and not decode_copy_fits(model, 9 * weights)
+
+    def laid_out(engine: LLMEngine) -> int:
+        packed = [m.__dict__.get("forward") for m in engine.runner.model.modules()]
+        return sum(isinstance(p, PackedLinear) and p.laid_out is not None for p in packed)
+
+    monkeypatch.setattr(model_runner, "decode_kernel_applies", lambda dtype: True)  # as on an AVX512-BF16 CPU
+    monkeypatch.setattr(model_runner, "available_memory_bytes", lambda device: 9 * weights)
+    assert laid_out(LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64))) == 0
+    model, tokenizer = load_model(str(tiny_model_dir), torch.bfloat16, "cpu")
+    monkeypatch.setattr(model_runner, "available_memory_bytes", lambda device: 10 * weights)
+    assert laid_out(LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64))) > 0
