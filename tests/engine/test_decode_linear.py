@@ -52,7 +52,7 @@ def test_each_output_is_the_exact_result_rounded_once(
 
 def test_calls_it_cannot_take_are_refused() -> None:
     laid_out = torch.ops.inflightq.decode_linear_layout(torch.zeros(8, 64, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+    with pytest.raises(RuntimeError, match="0 to 4 rows"):
         torch.ops.inflightq.decode_linear(torch.zeros(DECODE_ROWS + 1, 64, dtype=torch.bfloat16), laid_out, None, 8)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.inflightq.decode_linear_layout(torch.zeros(8, 48, dtype=torch.bfloat16))
@@ -72,7 +72,7 @@ def test_packed_linear_sends_only_small_calls_to_the_kernel() -> None:
     weight = (torch.randn(40, 96, generator=gen) * 0.1).to(torch.bfloat16)
     bias = torch.randn(40, generator=gen).to(torch.bfloat16)
     linear = PackedLinear(weight, bias, decode_kernel=True)
-    for rows, kernel in ((1, True), (DECODE_ROWS, True), (DECODE_ROWS + 1, False), (37, False)):
+    for rows, kernel in ((0, True), (1, True), (DECODE_ROWS, True), (DECODE_ROWS + 1, False), (37, False)):
         x = torch.randn(1, rows, 96, generator=gen).to(torch.bfloat16)
         got, ops = ops_run(linear, x)
         assert ("inflightq::decode_linear" in ops) is kernel, (rows, ops)
@@ -118,3 +118,30 @@ def test_the_second_copy_is_taken_only_where_it_fits(tiny_model_dir: Path, monke
     model, tokenizer = load_model(str(tiny_model_dir), torch.bfloat16, "cpu")
     monkeypatch.setattr(model_runner, "available_memory_bytes", lambda device: 10 * weights)
     assert laid_out(LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64))) > 0
+
+
+@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.float32), reason="hardware: no oneDNN on this CPU")
+def test_a_bf16_engine_on_the_kernel_serves_prompts_longer_than_a_step(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunked prefill: a step whose only chunk ends mid-prompt samples nothing, so the head is
+    called with zero rows; the kernel returns an empty result instead of failing the step."""
+    from tests.engine.test_engine_exactness import random_prompts
+    from worker.engine import LLM, EngineConfig, LLMEngine, SamplingParams, model_runner
+
+    monkeypatch.setattr(model_runner, "decode_kernel_applies", lambda dtype: True)  # as on an AVX512-BF16 CPU
+    outputs = []
+    for kernel in (True, False):
+        monkeypatch.setattr(model_runner, "decode_copy_fits", lambda model, available, kernel=kernel: kernel)
+        model, tokenizer = load_model(str(tiny_model_dir), torch.bfloat16, "cpu")
+        engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=128, block_size=4, max_num_batched_tokens=8))
+        llm = LLM.__new__(LLM)
+        llm.engine, llm._next_id = engine, 0
+        prompts = random_prompts(3, seed=5, low=20, high=40)  # each longer than a step's 8 tokens
+        with torch.profiler.profile() as prof:
+            outs = llm.generate(prompts, SamplingParams(max_new_tokens=6))
+        ran = {event.key for event in prof.key_averages()}
+        assert ("inflightq::decode_linear" in ran) is kernel
+        assert all(len(out.token_ids) == 6 for out in outs)
+        outputs.append([out.token_ids for out in outs])
+    assert outputs[0] == outputs[1]  # bf16 sums in another order, the same greedy tokens here
