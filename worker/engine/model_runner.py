@@ -69,24 +69,32 @@ class ModelRunner:
                 model, buckets, cache_dir=config.compile_cache_dir, dynamic=config.compile_dynamic
             )
         else:
-            kernels = (
-                config.cpu_kernels
-                and self.device.type == "cpu"
-                and attention.cpu_kernels_available(config.kernel_cache_dir)
-            )
-            decode_kernel = kernels and decode_kernel_applies(self.dtype)
-            if decode_kernel and not decode_copy_fits(model, available_memory_bytes(self.device)):
-                log.info("small bf16 matmuls stay on oneDNN: a second copy of the weights would not fit")
-                decode_kernel = False
-            if fuse_projections:
-                fuse_sibling_projections(model, pack=prepack_weights, decode_kernel=decode_kernel)
-            if prepack_weights and prepack_supported(self.device, self.dtype):
-                prepack_linears(model, decode_kernel=decode_kernel)
-            if kernels:
-                fuse_rms_norms(model)
-                fuse_decoder_layers(model)
+            self._reroute_eager(model, config, prepack_weights=prepack_weights, fuse_projections=fuse_projections)
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         self.warmup_s = self.compiled.warmup(self._warmup_step) if self.compiled is not None else 0.0
+
+    def _reroute_eager(
+        self, model: Any, config: EngineConfig, *, prepack_weights: bool, fuse_projections: bool
+    ) -> None:
+        """The eager forward's fused and prepacked pieces, each where it applies: sibling matmuls
+        fused, linears prepacked (and laid out for ``decode_linear``), then on CPU with the kernels
+        built the fused norms and decoder layers, which call those pieces."""
+        kernels = (
+            config.cpu_kernels
+            and self.device.type == "cpu"
+            and attention.cpu_kernels_available(config.kernel_cache_dir)
+        )
+        decode_kernel = kernels and decode_kernel_applies(self.dtype)
+        if decode_kernel and not decode_copy_fits(model, available_memory_bytes(self.device)):
+            log.info("small bf16 matmuls stay on oneDNN: a second copy of the weights would not fit")
+            decode_kernel = False
+        if fuse_projections:
+            fuse_sibling_projections(model, pack=prepack_weights, decode_kernel=decode_kernel)
+        if prepack_weights and prepack_supported(self.device, self.dtype):
+            prepack_linears(model, decode_kernel=decode_kernel)
+        if kernels:
+            fuse_rms_norms(model)
+            fuse_decoder_layers(model)
 
     @staticmethod
     def kv_bytes_per_block(model: Any, block_size: int, dtype: torch.dtype) -> int:
