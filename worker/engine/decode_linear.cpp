@@ -23,6 +23,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "rounding.h"
+
 #include <cstdint>
 #include <cstring>
 
@@ -37,12 +39,8 @@ constexpr int64_t CHUNK = 32;       // input-dimension values per chunk (one 512
 constexpr int64_t MAX_ROWS = 4;     // input rows one call takes
 constexpr int64_t GRAIN_BLOCKS = 16;  // 64 output rows per task: a 576-wide weight splits 9 ways
 
-inline float widen(uint16_t v) { return __builtin_bit_cast(float, static_cast<uint32_t>(v) << 16); }
-
-inline uint16_t to_bf16(float v) {  // round to nearest even, NaN kept quiet (as c10::BFloat16)
-  const uint32_t bits = __builtin_bit_cast(uint32_t, v);
-  return v != v ? 0x7FC0u : static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
+using inflightq_rounding::bf16_bits;
+using inflightq_rounding::widen_bf16_bits;
 
 // Output rows [BLOCK_ROWS * b0, BLOCK_ROWS * b1) for M input rows; y is [M, n] (n = real rows).
 template <int M>
@@ -77,7 +75,7 @@ void blocks(const uint16_t* w, const uint16_t* x, const float* bias, uint16_t* y
         for (int m = 0; m < M; ++m) {
           float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t i = 0; i < CHUNK; ++i) s += widen(chunk[r * CHUNK + i]) * widen(x[m * k + c + i]);
+          for (int64_t i = 0; i < CHUNK; ++i) s += widen_bf16_bits(chunk[r * CHUNK + i]) * widen_bf16_bits(x[m * k + c + i]);
           sums[r][m] += s;
         }
     }
@@ -85,7 +83,7 @@ void blocks(const uint16_t* w, const uint16_t* x, const float* bias, uint16_t* y
     for (int r = 0; r < BLOCK_ROWS; ++r) {
       const int64_t row = b * BLOCK_ROWS + r;
       if (row >= n) break;  // the last block's padding rows
-      for (int m = 0; m < M; ++m) y[m * n + row] = to_bf16(sums[r][m] + (bias ? bias[row] : 0.f));
+      for (int m = 0; m < M; ++m) y[m * n + row] = bf16_bits(sums[r][m] + (bias ? bias[row] : 0.f));
     }
   }
 }

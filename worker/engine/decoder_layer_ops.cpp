@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "rounding.h"
+
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
@@ -28,26 +30,7 @@
 
 namespace {
 
-inline float widen(c10::BFloat16 v) { return __builtin_bit_cast(float, static_cast<uint32_t>(v.x) << 16); }
-inline float widen(float v) { return v; }
-inline float widen(c10::Half v) { return static_cast<float>(v); }
-
-template <typename scalar_t>
-inline scalar_t narrow(float v) {
-  return static_cast<scalar_t>(v);
-}
-template <>
-inline c10::BFloat16 narrow<c10::BFloat16>(float v) {
-  const uint32_t bits = __builtin_bit_cast(uint32_t, v);
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  c10::BFloat16 out;
-  out.x = static_cast<uint16_t>(v != v ? 0x7FC0u : rounded);
-  return out;
-}
-template <typename scalar_t>
-inline float round_to(float v) {  // v rounded to scalar_t, as a float
-  return widen(narrow<scalar_t>(v));
-}
+using namespace inflightq_rounding;
 
 template <typename scalar_t>
 void rotate_heads(const scalar_t* src, scalar_t* dst, const scalar_t* cos, const scalar_t* sin, int64_t heads,

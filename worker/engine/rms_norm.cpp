@@ -13,30 +13,15 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "rounding.h"
+
 #include <cmath>
 #include <cstdint>
 #include <tuple>
 
 namespace {
 
-// c10's BFloat16 conversions are scalar (a NaN branch per value); these are the same rounding
-// (to nearest even, NaN kept quiet) written so the compiler vectorizes the loops below.
-inline float widen(c10::BFloat16 v) { return __builtin_bit_cast(float, static_cast<uint32_t>(v.x) << 16); }
-inline float widen(float v) { return v; }
-inline float widen(c10::Half v) { return static_cast<float>(v); }
-
-template <typename scalar_t>
-inline scalar_t narrow(float v) {
-  return static_cast<scalar_t>(v);
-}
-template <>
-inline c10::BFloat16 narrow<c10::BFloat16>(float v) {
-  const uint32_t bits = __builtin_bit_cast(uint32_t, v);
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  c10::BFloat16 out;
-  out.x = static_cast<uint16_t>(v != v ? 0x7FC0u : rounded);
-  return out;
-}
+using namespace inflightq_rounding;
 
 template <typename scalar_t>
 void rms_norm_rows(const scalar_t* x, const scalar_t* w, scalar_t* out, int64_t rows, int64_t dim, float eps) {

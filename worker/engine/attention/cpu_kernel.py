@@ -32,6 +32,7 @@ SOURCES = (
     Path(__file__).parent.parent / "decode_linear.cpp",
     Path(__file__).parent.parent / "decoder_layer_ops.cpp",
 )
+HEADERS = (Path(__file__).parent.parent / "rounding.h",)  # part of the build key: a change rebuilds
 # No contraction of a * b + c into one fused multiply-add: the kernels keep torch's roundings.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 DEFAULT_CACHE = Path("~/.cache/inflightq/kernels")
@@ -49,7 +50,11 @@ def _cpu_identity() -> str:
 
 def build_key() -> str:
     digest = hashlib.sha256()
-    parts = [*(source.read_bytes() for source in SOURCES), torch.__version__.encode(), " ".join(CFLAGS).encode()]
+    parts = [
+        *(source.read_bytes() for source in (*SOURCES, *HEADERS)),
+        torch.__version__.encode(),
+        " ".join(CFLAGS).encode(),
+    ]
     for part in [*parts, _cpu_identity().encode()]:
         digest.update(part)
         digest.update(b"\0")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.attention.metadata import AttentionMetadata
+from worker.engine.attention.metadata import AttentionMetadata, heads_first
 
 
 class FlashAttentionBackend:
@@ -35,8 +35,7 @@ class FlashAttentionBackend:
         value: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (query, key, value)]
-        return self.forward(meta, layer, *heads_first, scale)
+        return self.forward(meta, layer, *heads_first(query, key, value), scale)
 
     def forward(
         self,

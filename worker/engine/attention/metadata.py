@@ -40,6 +40,12 @@ class AttentionMetadata:
     max_context_len: int = 0
 
 
+def heads_first(*token_major: torch.Tensor) -> list[torch.Tensor]:
+    """[T, heads, D] tensors as transformers' [1, heads, T, D] views: ``forward_tokens`` of a backend
+    whose own layout is transformers' passes them on to its ``forward``."""
+    return [t.transpose(0, 1).unsqueeze(0) for t in token_major]
+
+
 class AttentionBackend(Protocol):
     needs_flat_views: bool  # wants block_tables / cu_seqlens rather than gathered slots
     needs_decode_bias: bool  # wants decode_bias (the padding mask of the gathered decode contexts)

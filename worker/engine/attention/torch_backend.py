@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker.engine.attention.metadata import AttentionMetadata
+from worker.engine.attention.metadata import AttentionMetadata, heads_first
 
 
 class TorchAttentionBackend:
@@ -66,8 +66,7 @@ class TorchAttentionBackend:
         value: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        heads_first = [t.transpose(0, 1).unsqueeze(0) for t in (query, key, value)]
-        return self.forward(meta, layer, *heads_first, scale)
+        return self.forward(meta, layer, *heads_first(query, key, value), scale)
 
     def _write_cache(self, meta: AttentionMetadata, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         k_cache, v_cache = meta.kv_caches[layer]
