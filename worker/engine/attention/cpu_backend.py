@@ -32,21 +32,9 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         four ops per layer instead of a dozen views and copies around them."""
         if meta.prefills:
             return super().forward_tokens(meta, layer, query, key, value, scale)
-        assert meta.decode_blocks is not None and meta.decode_context_lens is not None
-        k_cache, v_cache = meta.kv_caches[layer]
-        torch.ops.inflightq.cache_write(key, value, k_cache, v_cache, meta.slot_mapping)
+        self._write_cache(meta, layer, key, value)
         out = torch.empty_like(query)
-        nd = meta.num_decodes
-        torch.ops.inflightq.paged_decode(
-            query,
-            k_cache,
-            v_cache,
-            meta.decode_blocks.view(nd, -1),
-            meta.decode_context_lens,
-            meta.block_size,
-            scale,
-            out,
-        )
+        self._paged_decode(meta, layer, query, out, scale)
         return out
 
     def _write_cache(self, meta: AttentionMetadata, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -56,17 +44,22 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
     def _attend_decodes(
         self, meta: AttentionMetadata, layer: int, q: torch.Tensor, out: torch.Tensor, scale: float
     ) -> None:
+        query = q[:, : meta.num_decodes].transpose(0, 1).contiguous()  # [B, Hq, D]; already contiguous for HF's layout
+        self._paged_decode(meta, layer, query, out[: meta.num_decodes], scale)
+
+    def _paged_decode(
+        self, meta: AttentionMetadata, layer: int, query: torch.Tensor, out: torch.Tensor, scale: float
+    ) -> None:
+        """Decodes' attention, query and out [B, Hq, D] contiguous, straight from the paged cache."""
         assert meta.decode_blocks is not None and meta.decode_context_lens is not None
         k_cache, v_cache = meta.kv_caches[layer]
-        nd = meta.num_decodes
-        query = q[:, :nd].transpose(0, 1).contiguous()  # [B, Hq, D]; already contiguous for HF's layout
         torch.ops.inflightq.paged_decode(
             query,
             k_cache,
             v_cache,
-            meta.decode_blocks.view(nd, -1),
+            meta.decode_blocks.view(meta.num_decodes, -1),
             meta.decode_context_lens,
             meta.block_size,
             scale,
-            out[:nd],
+            out,
         )
