@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -23,6 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from bench.results_files import pyplot, save
+from bench.serve import machine
 
 VARIANTS = ("all", "no decode_linear", "no fused layers", "neither")
 
@@ -103,34 +107,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append(row)
         print(json.dumps(row), flush=True)
     report = {
-        "command": "python -m bench.step_ab " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+        "command": "python -m bench.step_ab " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": _machine(),
+        "machine": machine(),
         "model": args.model,
         "dtype": args.dtype,
         "rerouted": {"decode_linear weights": num_linears, "fused decoder layers": num_layers},
         "rows": rows,
     }
     if args.out:
-        _write(report, Path(args.out), args.tag)
+        stem = Path(args.out) / (f"step-ab-{report['date'][:10]}" + (f"-{args.tag}" if args.tag else ""))
+        save(stem, report, markdown(report), plot)
     return report
 
 
-def _machine() -> str:
-    import platform
-
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
-    except OSError:
-        name = "?"
-    return f"{platform.machine()} {name}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
-
-
-def _write(report: dict[str, Any], out: Path, tag: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"step-ab-{report['date'][:10]}" + (f"-{tag}" if tag else "")
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+def markdown(report: dict[str, Any]) -> list[str]:
     lines = [
         f"# Decode step with and without the CPU kernels, {report['date']}",
         "",
@@ -145,7 +136,27 @@ def _write(report: dict[str, Any], out: Path, tag: str) -> None:
     for row in report["rows"]:
         cells = [f"{row['step_ms'][v]} ({row['speedup_vs_neither'][v]}x)" for v in VARIANTS]
         lines.append(f"| {row['batch']} | " + " | ".join(cells) + " |")
-    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    return lines
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    batches = [row["batch"] for row in report["rows"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(VARIANTS)
+    for i, variant in enumerate(VARIANTS):
+        xs = [b + (i - (len(VARIANTS) - 1) / 2) * width for b in range(len(batches))]
+        ax.bar(xs, [row["step_ms"][variant] for row in report["rows"]], width, label=variant)
+    ax.set_xticks(range(len(batches)), [str(b) for b in batches])
+    ax.set_xlabel("sequences in the decode step")
+    ax.set_ylabel("ms per step (median)")
+    ax.set_title(f"Decode step, CPU kernels on and off ({report['dtype']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
