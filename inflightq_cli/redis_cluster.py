@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -18,7 +20,15 @@ from pathlib import Path
 
 import redis
 
-from inflightq_cli.redis_server import find_redis_binary, free_port
+from inflightq_cli.redis_server import find_redis_binary
+
+# Node ports, and their cluster bus ports (port + 10000), are drawn below the kernel's ephemeral
+# range (32768 and up on Linux): a port picked from that range can be taken by any outgoing
+# connection before redis-server binds it, and with hundreds of test connections that happened
+# (a node that "did not start" because its bus port was a client's source port).
+_PORT_LOW, _PORT_HIGH = 10000, 22000
+_BUS_OFFSET = 10000
+_START_ATTEMPTS = 3
 
 
 @dataclass
@@ -46,7 +56,13 @@ class ClusterNode:
             "--dir", str(self.workdir),
             "--daemonize", "no",
         ]  # fmt: skip
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # The log is kept: when a node fails to start, its reason is in workdir/redis.log.
+        with open(self.workdir / "redis.log", "ab") as log:
+            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+
+    def log_tail(self, lines: int = 5) -> str:
+        path = self.workdir / "redis.log"
+        return " | ".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True, socket_timeout=2)
@@ -84,11 +100,9 @@ class PrivateRedisCluster:
         atexit.register(self.stop)
         count = self.masters * (1 + self.replicas_per_master)
         self.nodes = [ClusterNode(port, self.workdir / str(port)) for port in _free_ports(count)]
-        for node in self.nodes:
-            node.start(self.binary, self.node_timeout_ms)
         try:
-            for node in self.nodes:
-                _wait_for(lambda n=node: _answers(n), timeout, f"node {node.port} did not start")
+            for index in range(count):
+                self.nodes[index] = self._start_node(self.nodes[index], timeout)
             cli = shutil.which("redis-cli") or str(Path(self.binary).with_name("redis-cli"))
             subprocess.run(
                 [cli, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
@@ -103,6 +117,23 @@ class PrivateRedisCluster:
             self.stop()
             raise
         return self
+
+    def _start_node(self, node: ClusterNode, timeout: float) -> ClusterNode:
+        """Start ``node``; if it exits at once (a port taken between the check and the bind),
+        start it again on other free ports, a few times, before giving up with its log."""
+        for _attempt in range(_START_ATTEMPTS):
+            node.start(self.binary, self.node_timeout_ms)
+            _wait_for(
+                lambda n=node: _answers(n) or n.process.poll() is not None,  # type: ignore[union-attr]
+                timeout,
+                f"node {node.port} did not start",
+            )
+            if node.process is not None and node.process.poll() is None:
+                return node
+            taken = {n.port for n in self.nodes}
+            port = next(p for p in _free_ports(len(taken) + 1) if p not in taken)
+            node = ClusterNode(port, self.workdir / str(port))
+        raise RuntimeError(f"no cluster node started after {_START_ATTEMPTS} tries: {node.log_tail()}")
 
     def healthy(self) -> bool:
         """Every live node says ok and agrees that all slots are served by as many masters as were made."""
@@ -182,14 +213,27 @@ def _answers(node: ClusterNode) -> bool:
         return False
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def _free_ports(count: int) -> list[int]:
-    """Ports whose cluster bus port (port + 10000) is free too."""
+    """Distinct ports, outside the ephemeral range, that are free and whose cluster bus port
+    (port + 10000) is free too."""
     ports: list[int] = []
-    while len(ports) < count:
-        port = free_port()
-        if port + 10000 < 65536 and port not in ports:
+    candidates = list(range(_PORT_LOW, _PORT_HIGH))
+    random.shuffle(candidates)  # two clusters started at once rarely draw the same ports
+    for port in candidates:
+        if _bindable(port) and _bindable(port + _BUS_OFFSET):
             ports.append(port)
-    return ports
+            if len(ports) == count:
+                return ports
+    raise RuntimeError(f"fewer than {count} free port pairs in {_PORT_LOW}-{_PORT_HIGH}")
 
 
 def _wait_for(check: object, timeout: float, message: str) -> None:
