@@ -45,6 +45,7 @@ import httpx
 import redis.asyncio as aioredis
 
 from bench.serve_clients import ENDPOINTS, Sender, chat_sender, queue_sender, run_load, tgi_sender
+from bench.serve_cpu import WORKERS, CpuMeter, local_redis_pid
 from bench.serve_dataset import ChatSample, describe, synthetic_chat
 from bench.serve_low_load import OneRequest, interleaved, paired_added_ms
 from bench.serve_metrics import RequestResult, print_summary, summarize
@@ -68,6 +69,7 @@ class Runner:
         self.used = 0
         self.quiet = quiet  # None: measure whatever else runs
         self.report: dict[str, Any] = {}
+        self.cpu = CpuMeter()  # which processes' CPU each run reports (bench/serve_cpu.py)
 
     def _sender(
         self, endpoint: str, http: httpx.AsyncClient, queue: AsyncQueueClient, priority: int | None = None
@@ -174,7 +176,14 @@ def run_phase(
         one = functools.partial(
             runner.run, spec["endpoint"], samples[spec["phase"]], rate=rate, concurrency=concurrency
         )
-        metrics, contended = measure(lambda _, one=one: asyncio.run(one()), runner.quiet, title)
+
+        def metered(_: int, one: Any = one) -> dict[str, Any]:
+            runner.cpu.start()
+            out = asyncio.run(one())
+            cpu = runner.cpu.stop(out["total_output_tokens"])
+            return {**out, "cpu": cpu} if cpu else out
+
+        metrics, contended = measure(metered, runner.quiet, title)
         row = {**spec, "rate": rate_label(rate), "system": LABELS[spec["endpoint"]], "metrics": metrics}
         if contended:
             row["contended_by"] = contended
@@ -391,6 +400,7 @@ def run_stack(
         else:
             runner = Runner(settings, args.base_url, [args.api_key] if args.api_key else [], None)
         runner.report = report
+        runner.cpu.groups = stack_processes(settings, stack)
         warm_stack(runner, endpoints, warm)
         if phases["low_load"]:
             run_low_load(runner, endpoints, phases["low_load"], workers[0], offline)
@@ -407,6 +417,7 @@ def run_stack(
             stack.restart_workers(count)
             own = {c.pid for c in [stack.api, *stack.workers] if c is not None}
             runner.quiet = runner.quiet.with_own(own) if runner.quiet else None
+            runner.cpu.groups = stack_processes(settings, stack)
             warm_stack(runner, endpoints[:1], warm)
             scale = [
                 {"phase": "scale", "endpoint": endpoints[0], "workers": count, "concurrency": args.max_concurrency}
@@ -415,6 +426,27 @@ def run_stack(
     finally:
         if stack is not None:
             stack.stop()
+
+
+def stack_processes(settings: Settings, stack: Stack | None) -> dict[str, list[int]]:
+    """The processes whose CPU a run reports: the API and workers this benchmark started, and the
+    Redis server when it runs on this machine. (With --base-url: Redis only, when local.)"""
+    import redis
+
+    groups: dict[str, list[int]] = {}
+    if stack is not None:
+        groups["api"] = [stack.api.pid] if stack.api is not None else []
+        groups[WORKERS] = [w.pid for w in stack.workers]
+    pid = None  # on a Cluster, many servers: no Redis column
+    if not settings.redis_cluster:
+        with (
+            contextlib.suppress(redis.RedisError, ValueError),
+            redis.Redis.from_url(settings.redis_url, socket_timeout=2) as client,
+        ):
+            pid = local_redis_pid(client.info("server"))
+    if pid is not None:
+        groups["redis"] = [pid]
+    return groups
 
 
 def warm_stack(runner: Runner, endpoints: list[str], warm: list[ChatSample]) -> None:

@@ -8,6 +8,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench.serve_cpu import table as cpu_table
+
 PARTIAL = Path(tempfile.gettempdir()) / "inflightq-bench-serve-partial.json"
 
 
@@ -288,6 +290,9 @@ def write(report: dict[str, Any], folder: Path, tag: str = "") -> Path:
     if report["runs"]:
         plot(report, stem.with_suffix(".png"))
     body = [*header(report), "", *table(report), "", *targets_lines(report)]
+    cpu = cpu_table(report["runs"])
+    if cpu:
+        body += ["", *cpu]
     if report.get("peers"):
         compared = peers_table(report)
         if compared:

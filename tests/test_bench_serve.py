@@ -80,10 +80,18 @@ def test_bench_serve_reports_consistent_figures_for_a_real_stack(
         assert m["token_count_mismatches"] == 0 and m["timing_inconsistencies"] == 0
         if run["phase"] == "sweep":
             assert m["total_output_tokens"] == requested
+            # Each run says where the box's CPU went: the stack's processes and this load generator.
+            cpu = m["cpu"]
+            assert set(cpu["cpu_s"]) == {"api", "workers", "redis", "load generator"}
+            assert cpu["cpu_s"]["workers"] > 0 and cpu["cpu_s"]["load generator"] > 0
+            assert min(cpu["cpu_s"].values()) >= 0 and 0 < cpu["bound"] < 1
         for stat in ("mean", "p50", "p90", "p99"):
             assert m["ttft_ms"][stat] <= m["e2e_ms"][stat]
         assert m["ttft_ms"]["p50"] <= m["ttft_ms"]["p90"] <= m["ttft_ms"]["p99"]
         assert math.isclose(m["output_throughput"], m["total_output_tokens"] / m["duration_s"], rel_tol=0.01)
+    # (/proc counts in 10 ms ticks: one short run may show none; the API's runs together do.)
+    api_runs = [r for r in report["runs"] if r["phase"] == "sweep" and r["endpoint"] != "queue"]
+    assert sum(r["metrics"]["cpu"]["cpu_s"]["api"] for r in api_runs) > 0
 
     assert set(report["targets"]) == {"throughput_vs_offline_engine", "p50_ttft_added_ms_at_low_load"}
     # Low load is interleaved prompt by prompt: every path is paired with the offline engine (and the API
@@ -102,4 +110,5 @@ def test_bench_serve_reports_consistent_figures_for_a_real_stack(
     assert json.loads(stem.with_suffix(".json").read_text())["dataset"]["requests"] == NUM_REQUESTS
     assert stem.with_suffix(".png").stat().st_size > 0
     assert "API /generate_stream" in stem.with_suffix(".md").read_text()
+    assert "CPU per generated token by process" in stem.with_suffix(".md").read_text()
     assert f"{stem.name}.png" in (tmp_path / "README-serve.md").read_text()
