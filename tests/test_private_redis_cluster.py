@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +25,7 @@ def test_ports_are_outside_the_ephemeral_range_and_skip_a_held_bus_port() -> Non
     first = redis_cluster._free_ports(1)[0]
     with _listen_on(first + 10000):
         ports = redis_cluster._free_ports(200)
-    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     assert first not in ports
     assert len(set(ports)) == 200
     assert all(port + 10000 < low for port in ports)
@@ -37,9 +38,7 @@ def held_port() -> Iterator[int]:
         yield port
 
 
-def test_a_node_whose_port_was_taken_starts_again_elsewhere(
-    held_port: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_node_whose_port_was_taken_starts_again_elsewhere(held_port: int, monkeypatch: pytest.MonkeyPatch) -> None:
     real = redis_cluster._free_ports
     calls: list[int] = []
 
