@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from bench.results_files import pyplot, save
+from bench.results_files import pyplot, save, stem
 from bench.serve import machine
 
 BURST_MS = 1.0
@@ -146,8 +146,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
     }
     if args.out:
-        stem = Path(args.out) / (f"contention-{report['date'][:10]}" + (f"-{args.tag}" if args.tag else ""))
-        save(stem, report, markdown(report), plot)
+        save(stem(args.out, "contention", report["date"], args.tag), report, markdown(report), plot)
     return report
 
 

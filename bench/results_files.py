@@ -21,6 +21,11 @@ def pyplot() -> Any | None:
     return plt
 
 
+def stem(folder: Path | str, kind: str, date: str, tag: str = "") -> Path:
+    """``folder/<kind>-<YYYY-MM-DD>[-<tag>]``: where a run of one benchmark keeps its files."""
+    return Path(folder) / f"{kind}-{date[:10]}{'-' + tag if tag else ''}"
+
+
 def save(stem: Path, results: dict, markdown: list[str], plot: Callable[[dict, Path], None]) -> None:
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")

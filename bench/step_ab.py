@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from bench.results_files import pyplot, save
+from bench.results_files import pyplot, save, stem
 from bench.serve import machine
 
 VARIANTS = ("all", "no decode_linear", "no fused layers", "neither")
@@ -116,8 +116,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
     }
     if args.out:
-        stem = Path(args.out) / (f"step-ab-{report['date'][:10]}" + (f"-{args.tag}" if args.tag else ""))
-        save(stem, report, markdown(report), plot)
+        save(stem(args.out, "step-ab", report["date"], args.tag), report, markdown(report), plot)
     return report
 
 
