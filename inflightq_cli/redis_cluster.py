@@ -11,7 +11,6 @@ import contextlib
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -20,12 +19,12 @@ from pathlib import Path
 
 import redis
 
-from inflightq_cli.redis_server import find_redis_binary
+from inflightq_cli.redis_server import find_redis_binary, port_bindable
 
 # Node ports, and their cluster bus ports (port + 10000), are drawn below the kernel's ephemeral
-# range (32768 and up on Linux): a port picked from that range can be taken by any outgoing
-# connection before redis-server binds it, and with hundreds of test connections that happened
-# (a node that "did not start" because its bus port was a client's source port).
+# range (32768 and up on Linux), as free_port's are: a port picked from that range can be taken by
+# any outgoing connection before redis-server binds it, and with hundreds of test connections that
+# happened (a node that "did not start" because its bus port was a client's source port).
 _PORT_LOW, _PORT_HIGH = 10000, 22000
 _BUS_OFFSET = 10000
 _START_ATTEMPTS = 3
@@ -213,15 +212,6 @@ def _answers(node: ClusterNode) -> bool:
         return False
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def _free_ports(count: int) -> list[int]:
     """Distinct ports, outside the ephemeral range, that are free and whose cluster bus port
     (port + 10000) is free too."""
@@ -229,7 +219,7 @@ def _free_ports(count: int) -> list[int]:
     candidates = list(range(_PORT_LOW, _PORT_HIGH))
     random.shuffle(candidates)  # two clusters started at once rarely draw the same ports
     for port in candidates:
-        if _bindable(port) and _bindable(port + _BUS_OFFSET):
+        if port_bindable(port) and port_bindable(port + _BUS_OFFSET):
             ports.append(port)
             if len(ports) == count:
                 return ports

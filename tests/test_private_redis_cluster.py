@@ -57,3 +57,13 @@ def test_a_node_whose_port_was_taken_starts_again_elsewhere(held_port: int, monk
         assert cluster.healthy()
     finally:
         cluster.stop()
+
+
+def test_free_ports_for_single_servers_are_outside_the_ephemeral_range_too() -> None:
+    from inflightq_cli.redis_server import free_port, port_bindable
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(50)}
+    assert all(port < low and port_bindable(port) for port in ports)
+    with _listen_on(next(iter(ports))) as held:
+        assert not port_bindable(held.getsockname()[1])

@@ -4,7 +4,6 @@ Settings), a fake worker heartbeat for admission without consumption, and a real
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import pytest
 import redis
 import uvicorn
 
+from inflightq_cli.redis_server import free_port
 from producer_api.app import create_app
 from producer_api.tokenization import Tokenizers
 from shared.keys import Keys
@@ -29,12 +29,6 @@ from shared.settings import Settings
 from tests.conftest import RedisBackend
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ApiServer:

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from inflightq_cli.redis_server import free_port
 from shared.keys import Keys
 from shared.settings import Settings
-from tests.api.conftest import ApiServer, fake_heartbeat, free_port
+from tests.api.conftest import ApiServer, fake_heartbeat
 
 
 @pytest.fixture
