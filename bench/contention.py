@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from bench.results_files import pyplot, save, stem
+from bench.results_files import pyplot, save, stem, write_figure
 from bench.serve import machine
 
 BURST_MS = 1.0
@@ -185,9 +185,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("throughput vs alone (%)")
     ax.set_title(f"{report['model']}, {report['dtype']}, {report['workload']['requests']} requests")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    write_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.results_files import pyplot, save
+from bench.results_files import pyplot, save, write_figure
 from bench.serve import Runner, bench_settings, report_head
 from bench.serve_dataset import synthetic_chat
 from bench.serve_metrics import print_summary
@@ -177,9 +177,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("output tok/s (median over rounds; dots: each round)")
     ax.set_title(f"Interleaved, {report['dtype']}, {report['machine'].split(',')[1].strip()}")
     ax.legend(loc="upper left", fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    write_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,13 @@ def pyplot() -> Any | None:
     return plt
 
 
+def write_figure(fig: Any, path: Path) -> None:
+    """Lays out ``fig``, writes it to ``path`` and frees it (pyplot keeps every open figure)."""
+    fig.tight_layout()
+    fig.savefig(path)
+    pyplot().close(fig)  # type: ignore[union-attr]  # a figure exists, so matplotlib does
+
+
 def stem(folder: Path | str, kind: str, date: str, tag: str = "") -> Path:
     """``folder/<kind>-<YYYY-MM-DD>[-<tag>]``: where a run of one benchmark keeps its files."""
     return Path(folder) / f"{kind}-{date[:10]}{'-' + tag if tag else ''}"

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from bench.results_files import pyplot, save, stem
+from bench.results_files import pyplot, save, stem, write_figure
 from bench.serve import machine
 
 VARIANTS = ("all", "no decode_linear", "no fused layers", "neither")
@@ -153,9 +153,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("ms per step (median)")
     ax.set_title(f"Decode step, CPU kernels on and off ({report['dtype']})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    write_figure(fig, path)
 
 
 if __name__ == "__main__":

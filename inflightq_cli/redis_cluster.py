@@ -19,14 +19,14 @@ from pathlib import Path
 
 import redis
 
-from inflightq_cli.redis_server import find_redis_binary, port_bindable
+from inflightq_cli.redis_server import LISTEN_PORTS, find_redis_binary, port_bindable
 
 # Node ports, and their cluster bus ports (port + 10000), are drawn below the kernel's ephemeral
 # range (32768 and up on Linux), as free_port's are: a port picked from that range can be taken by
 # any outgoing connection before redis-server binds it, and with hundreds of test connections that
 # happened (a node that "did not start" because its bus port was a client's source port).
-_PORT_LOW, _PORT_HIGH = 10000, 22000
 _BUS_OFFSET = 10000
+_PORT_LOW, _PORT_HIGH = LISTEN_PORTS.start, LISTEN_PORTS.stop - _BUS_OFFSET  # bus ports stay in range too
 _START_ATTEMPTS = 3
 
 

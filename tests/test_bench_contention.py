@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import contention
+from bench.serve_cpu import process_cpu_s
 
 
 def test_burners_add_up_to_the_share_asked_for() -> None:
@@ -27,16 +28,11 @@ def test_a_burner_takes_about_its_share_and_stops() -> None:
     cores = os.cpu_count() or 1
     burner = contention.Burner(0.1, cores)
     with burner:
-        started = [_cpu_s(p.pid) for p in burner.processes]
+        started = [process_cpu_s(p.pid) for p in burner.processes]
         time.sleep(2.0)
-        used = sum(_cpu_s(p.pid) - s for p, s in zip(burner.processes, started, strict=True))
+        used = sum(process_cpu_s(p.pid) - s for p, s in zip(burner.processes, started, strict=True))
     assert 0.5 * 0.1 * cores * 2.0 <= used <= 1.5 * 0.1 * cores * 2.0
     assert all(p.poll() is not None for p in burner.processes)
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_contention_reports_each_share_against_the_engine_alone(tiny_model_dir: Path, tmp_path: Path) -> None:
