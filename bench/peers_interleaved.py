@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     from shared.model_source import load_tokenizer
-    from worker.engine.hardware import resolve_dtype
+    from worker.engine_config import settings_dtype
 
     settings = bench_settings(args)
     tokenizer = load_tokenizer(settings.model)
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     warm = synthetic_chat(tokenizer, 8, input_len=(40, 60), output_len=(4, 4), seed=args.seed + 1)
     levels = [int(c) for c in args.concurrency.split(",")]
-    dtype = str(resolve_dtype(settings.dtype, None)).replace("torch.", "")
+    dtype = str(settings_dtype(settings)).replace("torch.", "")
     report = report_head("python -m bench.peers_interleaved", argv, settings, samples, args)
     report |= {"dtype": dtype, "requests_per_run": args.num_requests, "rounds": []}
     keys = [f"bench-{uuid.uuid4().hex[:12]}" for _ in range(256)]

@@ -426,10 +426,10 @@ def run_transformers(
 ) -> dict[str, Any]:
     """The first requests of the mixed load on the same schedule, through transformers' CB (FCFS)."""
     from bench.serve_anchors import transformers_cb_online
-    from worker.engine.hardware import resolve_dtype
+    from worker.engine_config import settings_dtype
 
     w = report["workload"]
-    dtype = resolve_dtype(settings.dtype, None)
+    dtype = settings_dtype(settings)
     if settings.torch_threads:  # the threads the worker had (INFLIGHTQ_TORCH_THREADS), for a like-for-like anchor
         import torch
 

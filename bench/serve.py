@@ -294,9 +294,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["anchors"], offline = run_anchors(settings, samples, bool(phases["low_load"]), args)
         report["dtype"] = report["anchors"].pop("dtype")
     else:  # what "auto" means on this machine, as the worker resolves it (the peers run the same)
-        from worker.engine.hardware import resolve_dtype
+        from worker.engine_config import settings_dtype
 
-        report["dtype"] = str(resolve_dtype(settings.dtype, None)).replace("torch.", "")
+        report["dtype"] = str(settings_dtype(settings)).replace("torch.", "")
     checkpoint(report)
     if endpoints:  # --endpoints '': no runs through our stack (e.g. to try a peer alone)
         run_stack(settings, args, endpoints, args.points, workers, phases, warm, report, offline)
@@ -352,9 +352,9 @@ def run_anchors(
     """Each anchor measured on a quiet machine (see ``measure``); what still overlapped is recorded.
     Returns the anchors and, for the low-load phase that interleaves it with the stack, the offline LLM."""
     from bench.serve_anchors import load_offline, offline_generate, transformers_cb, warm_up
-    from worker.engine.hardware import resolve_dtype
+    from worker.engine_config import settings_dtype
 
-    dtype = resolve_dtype(settings.dtype, None)
+    dtype = settings_dtype(settings)
     anchors: dict[str, Any] = {"dtype": str(dtype).replace("torch.", "")}
     llm = load_offline(settings, dtype)
     warm_up(llm, len(llm.tokenizer))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from shared.model_source import resolve
 from shared.settings import Settings
 from worker.engine import EngineConfig
@@ -32,3 +34,13 @@ def engine_config(settings: Settings, **overrides: Any) -> EngineConfig:
         "compile_dynamic": settings.compile_dynamic,
     }
     return EngineConfig(**(fields | overrides))
+
+
+def settings_dtype(settings: Settings, device: torch.device | None = None) -> torch.dtype:
+    """What ``settings.dtype`` means on ``device`` for a worker with these settings (``auto``
+    depends on whether its CPU kernels are on: ``worker.engine.hardware.resolve_dtype``)."""
+    from worker.engine.hardware import resolve_dtype
+
+    return resolve_dtype(
+        settings.dtype, device, cpu_kernels=settings.cpu_kernels, kernel_cache_dir=settings.kernel_cache
+    )

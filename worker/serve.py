@@ -33,8 +33,8 @@ def run_worker(settings: Settings, *, name: str | None = None) -> int:
     import torch
 
     from worker.engine import LLMEngine
-    from worker.engine.hardware import resolve_device, resolve_dtype
-    from worker.engine_config import engine_config
+    from worker.engine.hardware import resolve_device
+    from worker.engine_config import engine_config, settings_dtype
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.torch_threads:
@@ -42,7 +42,7 @@ def run_worker(settings: Settings, *, name: str | None = None) -> int:
         # barriers (measured: 2 workers x 2 threads on 2 cores gave 0.24x one worker's throughput).
         torch.set_num_threads(settings.torch_threads)
     device = resolve_device(settings.device)
-    dtype = resolve_dtype(settings.dtype, device)
+    dtype = settings_dtype(settings, device)
     engine = LLMEngine.from_config(engine_config(settings, device=device, dtype=dtype))
     log_kv_cache(settings, engine)
     service = WorkerService(

@@ -15,9 +15,18 @@
 // Results: products of bf16 values are exact in fp32 and summed in fp32, bias added in fp32,
 // rounded once to bf16 -- what a native bf16 matmul (oneDNN's included) does, in another order.
 //
+// With AVX-512F but no AVX512-BF16 (Ice Lake, Skylake and Cascade Lake Xeons, Zen 3) there is no
+// bf16 dot product, and the engine's other choice is oneDNN in fp32 on an upcast copy of the
+// weights, which streams twice the bytes. Here each 32-bit lane of a loaded chunk holds two bf16
+// values: the lane shifted left by 16 is the even one as an fp32, the lane with its low half
+// cleared the odd one, so two integer ops widen 16 pairs with no shuffle, and plain
+// fp32 FMAs sum them (a product of two bf16 values is exact in fp32, so the fused multiply-add
+// rounds only the sum, as dpbf16 does). Measured on a 2-core AVX-512 Ice Lake without BF16:
+// see bench/results/step-ab-2026-12-02-icelake-*.
+//
 // Built with the attention kernel by worker/engine/attention/cpu_kernel.py; registered as
-// torch.ops.inflightq.decode_linear. Without AVX512-BF16 (where the engine does not route to it)
-// a plain loop gives the same results, so the op exists and is tested on every CPU.
+// torch.ops.inflightq.decode_linear. Without AVX-512 (where the engine does not route to it) a plain
+// loop gives the same results, so the op exists and is tested on every CPU.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,10 +34,11 @@
 
 #include "rounding.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -36,54 +46,101 @@ namespace {
 
 constexpr int64_t BLOCK_ROWS = 4;   // output rows interleaved in one block of the laid-out weight
 constexpr int64_t CHUNK = 32;       // input-dimension values per chunk (one 512-bit register of bf16)
-constexpr int64_t MAX_ROWS = 4;     // input rows one call takes
+constexpr int64_t GROUP_ROWS = 4;   // input rows whose sums one pass over a block keeps in registers
+constexpr int64_t MAX_ROWS = 16;    // input rows one call takes
 constexpr int64_t GRAIN_BLOCKS = 16;  // 64 output rows per task: a 576-wide weight splits 9 ways
 
 using inflightq_rounding::bf16_bits;
 using inflightq_rounding::widen_bf16_bits;
 
-// Output rows [BLOCK_ROWS * b0, BLOCK_ROWS * b1) for M input rows; y is [M, n] (n = real rows).
+// One block's BLOCK_ROWS output rows for M input rows (x is [M, k]), as fp32 sums.
 template <int M>
-void blocks(const uint16_t* w, const uint16_t* x, const float* bias, uint16_t* y, int64_t n, int64_t k,
+void block_sums(const uint16_t* block, const uint16_t* x, int64_t k, float (&sums)[BLOCK_ROWS][M]) {
+#if defined(__AVX512BF16__)
+  __m512 acc[BLOCK_ROWS][M];
+  for (int r = 0; r < BLOCK_ROWS; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += CHUNK) {
+    const uint16_t* chunk = block + c * BLOCK_ROWS;
+    // The block's next 2 KB: the hardware prefetcher alone leaves the stream at ~30 GB/s.
+    for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(chunk + 1024 + 32 * line), _MM_HINT_T0);
+    __m512bh xs[M];
+    for (int m = 0; m < M; ++m) xs[m] = (__m512bh)_mm512_loadu_si512(x + m * k + c);
+    for (int r = 0; r < BLOCK_ROWS; ++r) {
+      const __m512bh ws = (__m512bh)_mm512_loadu_si512(chunk + r * CHUNK);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], ws, xs[m]);
+    }
+  }
+  for (int r = 0; r < BLOCK_ROWS; ++r)
+    for (int m = 0; m < M; ++m) sums[r][m] = _mm512_reduce_add_ps(acc[r][m]);
+#elif defined(__AVX512F__)
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 acc[BLOCK_ROWS][M];
+  for (int r = 0; r < BLOCK_ROWS; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += CHUNK) {
+    const uint16_t* chunk = block + c * BLOCK_ROWS;
+    for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(chunk + 1024 + 32 * line), _MM_HINT_T0);
+    __m512 xe[M], xo[M];  // the chunk's even and odd input values, widened
+    for (int m = 0; m < M; ++m) {
+      const __m512i v = _mm512_loadu_si512(x + m * k + c);
+      xe[m] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      xo[m] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+    }
+    for (int r = 0; r < BLOCK_ROWS; ++r) {
+      const __m512i v = _mm512_loadu_si512(chunk + r * CHUNK);
+      const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(wo, xo[m], _mm512_fmadd_ps(we, xe[m], acc[r][m]));
+    }
+  }
+  for (int r = 0; r < BLOCK_ROWS; ++r)
+    for (int m = 0; m < M; ++m) sums[r][m] = _mm512_reduce_add_ps(acc[r][m]);
+#else
+  for (int r = 0; r < BLOCK_ROWS; ++r)
+    for (int m = 0; m < M; ++m) sums[r][m] = 0.f;
+  for (int64_t c = 0; c < k; c += CHUNK) {
+    const uint16_t* chunk = block + c * BLOCK_ROWS;
+    for (int r = 0; r < BLOCK_ROWS; ++r)
+      for (int m = 0; m < M; ++m) {
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = 0; i < CHUNK; ++i) s += widen_bf16_bits(chunk[r * CHUNK + i]) * widen_bf16_bits(x[m * k + c + i]);
+        sums[r][m] += s;
+      }
+  }
+#endif
+}
+
+// Block b's output rows for M input rows; y is [M, n] (n = real rows).
+template <int M>
+void write_block(const uint16_t* block, const uint16_t* x, const float* bias, uint16_t* y, int64_t n, int64_t k,
+                 int64_t b) {
+  float sums[BLOCK_ROWS][M];
+  block_sums<M>(block, x, k, sums);
+  for (int r = 0; r < BLOCK_ROWS; ++r) {
+    const int64_t row = b * BLOCK_ROWS + r;
+    if (row >= n) break;  // the last block's padding rows
+    for (int m = 0; m < M; ++m) y[m * n + row] = bf16_bits(sums[r][m] + (bias ? bias[row] : 0.f));
+  }
+}
+
+// Output rows [BLOCK_ROWS * b0, BLOCK_ROWS * b1) for m input rows. More than GROUP_ROWS input rows
+// would not fit the registers' sums, so they go in groups, each group's pass over a block reading
+// it from L1 (a block is at most a few KB): the weight still streams in from memory once.
+void blocks(const uint16_t* w, const uint16_t* x, const float* bias, uint16_t* y, int64_t n, int64_t k, int64_t m,
             int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     const uint16_t* block = w + b * BLOCK_ROWS * k;
-    float sums[BLOCK_ROWS][M];
-#if defined(__AVX512BF16__)
-    __m512 acc[BLOCK_ROWS][M];
-    for (int r = 0; r < BLOCK_ROWS; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < k; c += CHUNK) {
-      const uint16_t* chunk = block + c * BLOCK_ROWS;
-      // The block's next 2 KB: the hardware prefetcher alone leaves the stream at ~30 GB/s.
-      for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(chunk + 1024 + 32 * line), _MM_HINT_T0);
-      __m512bh xs[M];
-      for (int m = 0; m < M; ++m) xs[m] = (__m512bh)_mm512_loadu_si512(x + m * k + c);
-      for (int r = 0; r < BLOCK_ROWS; ++r) {
-        const __m512bh ws = (__m512bh)_mm512_loadu_si512(chunk + r * CHUNK);
-        for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], ws, xs[m]);
+    for (int64_t g = 0; g < m; g += GROUP_ROWS) {
+      const uint16_t* xg = x + g * k;
+      uint16_t* yg = y + g * n;
+      switch (std::min(GROUP_ROWS, m - g)) {
+        case 1: write_block<1>(block, xg, bias, yg, n, k, b); break;
+        case 2: write_block<2>(block, xg, bias, yg, n, k, b); break;
+        case 3: write_block<3>(block, xg, bias, yg, n, k, b); break;
+        default: write_block<4>(block, xg, bias, yg, n, k, b); break;
       }
-    }
-    for (int r = 0; r < BLOCK_ROWS; ++r)
-      for (int m = 0; m < M; ++m) sums[r][m] = _mm512_reduce_add_ps(acc[r][m]);
-#else
-    for (int r = 0; r < BLOCK_ROWS; ++r)
-      for (int m = 0; m < M; ++m) sums[r][m] = 0.f;
-    for (int64_t c = 0; c < k; c += CHUNK) {
-      const uint16_t* chunk = block + c * BLOCK_ROWS;
-      for (int r = 0; r < BLOCK_ROWS; ++r)
-        for (int m = 0; m < M; ++m) {
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t i = 0; i < CHUNK; ++i) s += widen_bf16_bits(chunk[r * CHUNK + i]) * widen_bf16_bits(x[m * k + c + i]);
-          sums[r][m] += s;
-        }
-    }
-#endif
-    for (int r = 0; r < BLOCK_ROWS; ++r) {
-      const int64_t row = b * BLOCK_ROWS + r;
-      if (row >= n) break;  // the last block's padding rows
-      for (int m = 0; m < M; ++m) y[m * n + row] = bf16_bits(sums[r][m] + (bias ? bias[row] : 0.f));
     }
   }
 }
@@ -125,14 +182,8 @@ at::Tensor decode_linear(const at::Tensor& input, const at::Tensor& laid_out, co
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, num_blocks, GRAIN_BLOCKS, [&](int64_t b0, int64_t b1) {
-    switch (m) {
-      case 1: blocks<1>(wp, xp, bp, yp, out_features, k, b0, b1); break;
-      case 2: blocks<2>(wp, xp, bp, yp, out_features, k, b0, b1); break;
-      case 3: blocks<3>(wp, xp, bp, yp, out_features, k, b0, b1); break;
-      default: blocks<4>(wp, xp, bp, yp, out_features, k, b0, b1); break;
-    }
-  });
+  at::parallel_for(0, num_blocks, GRAIN_BLOCKS,
+                   [&](int64_t b0, int64_t b1) { blocks(wp, xp, bp, yp, out_features, k, m, b0, b1); });
   return out;
 }
 

@@ -12,12 +12,15 @@ exact fp32 upcast and the matmul runs in fp32 on the upcast input, rounding the 
 the same products and fp32 accumulation a native bf16 matmul does, at fp32 speed, for twice
 the weight memory.
 
-With ``decode_kernel`` (the engine turns it on where the CPU kernels are built and the CPU has
-AVX512-BF16), a bf16 weight also gets the layout of ``decode_linear.cpp``, and calls of 1 to
-``DECODE_ROWS`` rows -- the decode steps of one to four streams -- go through that kernel, which
-streams the weight 1.4-1.6x faster than oneDNN there; larger calls stay on oneDNN. The cost is
-one more copy of the weights, so the engine takes it only while that copy is a small share of the
-free memory (``decode_copy_fits``): a 135M model's 0.3 GB, not a 7B model's 14 GB.
+With ``decode_rows`` (the engine sets it from ``decode_rows_for`` where the CPU kernels are
+built), a bf16 weight also gets the layout of ``decode_linear.cpp``, and calls of 1 to
+``decode_rows`` rows -- the decode steps of a few streams -- go through that kernel, which
+streams the bf16 weight; larger calls stay on oneDNN. Where the CPU has AVX512-BF16 it is 1.4-1.6x
+faster than oneDNN's native bf16 matmul at 1-4 rows. Where it has AVX-512 but no bf16 unit it
+reads half the bytes of the fp32 upcast and is 2.3x faster at 1-4 rows, 1.9x at 8 and 1.35x at
+16 (a whole model's linears, the 2-core Ice Lake). The cost is one more copy of the weights, so
+the engine takes it only while that copy is a small share of the free memory
+(``decode_copy_fits``): a 135M model's 0.3 GB, not a 7B model's 14 GB.
 """
 
 from __future__ import annotations
@@ -27,10 +30,15 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from worker.engine.hardware import cpu_has_fast_bf16
+from worker.engine.hardware import cpu_has_avx512, cpu_has_fast_bf16
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)  # float64 stays on plain F.linear (exactness tests)
-DECODE_ROWS = 4  # the most rows decode_linear takes; beyond it oneDNN's blocking wins
+KERNEL_MAX_ROWS = 16  # the most rows the decode_linear op takes
+# Rows up to which decode_linear beats oneDNN (measured, a whole model's linears in one process):
+# against native bf16 (AVX512-BF16) oneDNN's blocking wins past 4; against the fp32 upcast
+# (AVX-512 without bf16) the kernel reads half the bytes and still wins at 16.
+DECODE_ROWS_NATIVE_BF16 = 4
+DECODE_ROWS_UPCAST = 16
 DECODE_CHUNK = 32  # decode_linear reads in_features in chunks of this many values
 DECODE_COPY_MAX_SHARE = 0.1  # of the free memory the decode layouts may take
 
@@ -61,10 +69,14 @@ def upcast_bf16_matmuls() -> bool:
     return not cpu_has_fast_bf16()
 
 
-def decode_kernel_applies(dtype: torch.dtype) -> bool:
-    """Whether ``decode_linear`` is faster than oneDNN for small bf16 calls on this CPU (it needs
-    AVX512-BF16's dot product; elsewhere its plain loop is only there to keep the op testable)."""
-    return dtype == torch.bfloat16 and cpu_has_fast_bf16()
+def decode_rows_for(dtype: torch.dtype) -> int:
+    """Rows up to which ``decode_linear`` beats oneDNN for a bf16 linear on this CPU; 0 = never
+    (without AVX-512 its plain loop is only there to keep the op testable)."""
+    if dtype != torch.bfloat16:
+        return 0
+    if cpu_has_fast_bf16():
+        return DECODE_ROWS_NATIVE_BF16
+    return DECODE_ROWS_UPCAST if cpu_has_avx512() else 0
 
 
 def decode_copy_fits(model: nn.Module, available_bytes: int) -> bool:
@@ -76,9 +88,9 @@ def decode_copy_fits(model: nn.Module, available_bytes: int) -> bool:
 
 class PackedLinear:
     """``x -> x @ weight.T + bias`` through a packed copy of ``weight`` (and, with
-    ``decode_kernel``, ``decode_linear``'s layout of it for calls of a few rows)."""
+    ``decode_rows``, ``decode_linear``'s layout of it for calls of up to that many rows)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, decode_kernel: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, decode_rows: int = 0) -> None:
         self.upcast = weight.dtype == torch.bfloat16 and upcast_bf16_matmuls()
         compute = torch.float32 if self.upcast else weight.dtype
         self.packed = pack_weight(weight.detach().to(compute))
@@ -86,10 +98,10 @@ class PackedLinear:
         self.out_features, self.in_features = weight.shape
         self.laid_out: torch.Tensor | None = None
         self.bias32: torch.Tensor | None = None
-        if decode_kernel and weight.dtype == torch.bfloat16 and self.in_features % DECODE_CHUNK == 0:
+        if decode_rows and weight.dtype == torch.bfloat16 and self.in_features % DECODE_CHUNK == 0:
             self.laid_out = torch.ops.inflightq.decode_linear_layout(weight.detach())
             self.bias32 = bias.detach().float() if bias is not None else None
-        self.decode_numel = DECODE_ROWS * self.in_features
+        self.decode_numel = min(decode_rows, KERNEL_MAX_ROWS) * self.in_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.laid_out is not None and x.numel() <= self.decode_numel:
@@ -100,15 +112,15 @@ class PackedLinear:
 
 
 @torch.no_grad()
-def prepack_linears(model: nn.Module, *, decode_kernel: bool = False) -> int:
+def prepack_linears(model: nn.Module, *, decode_rows: int = 0) -> int:
     """Routes every bf16/fp32 nn.Linear of ``model`` through a packed weight; returns how many.
-    ``decode_kernel``: small bf16 calls through ``decode_linear`` (see ``decode_kernel_applies``)."""
+    ``decode_rows``: bf16 calls of up to that many rows through ``decode_linear`` (``decode_rows_for``)."""
     count = 0
     for module in model.modules():
         if type(module) is not nn.Linear or module.weight.dtype not in PACKED_DTYPES:
             continue
         if "forward" in module.__dict__:  # already rerouted (a fused sibling projection)
             continue
-        module.forward = PackedLinear(module.weight, module.bias, decode_kernel=decode_kernel)  # type: ignore[method-assign]
+        module.forward = PackedLinear(module.weight, module.bias, decode_rows=decode_rows)  # type: ignore[method-assign]
         count += 1
     return count

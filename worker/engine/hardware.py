@@ -24,16 +24,39 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 @functools.cache
-def cpu_has_fast_bf16() -> bool:
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo); empty where it can't be read."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            lines = [line for line in f if line.startswith("flags")]
     except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+        return frozenset()
+    return frozenset(flag for line in lines for flag in line.split(":", 1)[-1].split())
 
 
-def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None) -> torch.dtype:
+def cpu_has_fast_bf16() -> bool:
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+
+
+def cpu_has_avx512() -> bool:
+    return "avx512f" in cpu_flags()
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype = "auto",
+    device: torch.device | None = None,
+    *,
+    cpu_kernels: bool = True,
+    kernel_cache_dir: str | None = None,
+) -> torch.dtype:
+    """``auto``: bf16 on a GPU that has it (else fp16); on a CPU, bf16 where it is faster than fp32.
+
+    That is where the CPU has bf16 units (AVX512-BF16, AMX), and where it has AVX-512 without them
+    but the engine's CPU kernels are built (``cpu_kernels``, the build cached under
+    ``kernel_cache_dir``): there decode steps read the bf16 weights through ``decode_linear`` and
+    larger matmuls run in fp32 on an upcast copy, 1.35-1.97x fp32 at 1-8 streams and level at 32
+    (``bench.dtype_ab`` on the 2-core Ice Lake). Elsewhere bf16 matmuls are emulated or upcast
+    and slower than fp32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
@@ -43,5 +66,11 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None
     device = device or resolve_device()
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    # Without native bf16 instructions bf16 matmuls are emulated and slower than fp32.
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    if cpu_has_fast_bf16():
+        return torch.bfloat16
+    if cpu_kernels and cpu_has_avx512():
+        from worker.engine.attention.cpu_kernel import paged_decode_available
+
+        if paged_decode_available(kernel_cache_dir):  # builds them once per machine, as the engine would
+            return torch.bfloat16
+    return torch.float32

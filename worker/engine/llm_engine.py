@@ -87,9 +87,10 @@ class LLMEngine:
         from worker.engine.model_loader import load_model
 
         device = resolve_device(config.device)
-        model, tokenizer = load_model(
-            config.model, resolve_dtype(config.dtype, device), device, config.converted_model_dir
+        dtype = resolve_dtype(
+            config.dtype, device, cpu_kernels=config.cpu_kernels, kernel_cache_dir=config.kernel_cache_dir
         )
+        model, tokenizer = load_model(config.model, dtype, device, config.converted_model_dir)
         return cls(model, tokenizer, config)
 
     # --- what it holds, read by the worker ------------------------------------------------------

@@ -14,7 +14,7 @@ from worker.engine.attention.custom_op import step_metadata
 from worker.engine.attention.metadata import AttentionMetadata, PrefillChunk
 from worker.engine.compiled_forward import CompiledForward, buckets_for, route_linears_through_ops
 from worker.engine.config import EngineConfig
-from worker.engine.fast_linear import decode_copy_fits, decode_kernel_applies, prepack_linears, prepack_supported
+from worker.engine.fast_linear import decode_copy_fits, decode_rows_for, prepack_linears, prepack_supported
 from worker.engine.fused_decoder_layer import fuse_decoder_layers
 from worker.engine.fused_norms import fuse_rms_norms
 from worker.engine.fused_projections import fuse_sibling_projections
@@ -84,14 +84,14 @@ class ModelRunner:
             and self.device.type == "cpu"
             and attention.cpu_kernels_available(config.kernel_cache_dir)
         )
-        decode_kernel = kernels and decode_kernel_applies(self.dtype)
-        if decode_kernel and not decode_copy_fits(model, available_memory_bytes(self.device)):
+        decode_rows = decode_rows_for(self.dtype) if kernels else 0
+        if decode_rows and not decode_copy_fits(model, available_memory_bytes(self.device)):
             log.info("small bf16 matmuls stay on oneDNN: a second copy of the weights would not fit")
-            decode_kernel = False
+            decode_rows = 0
         if fuse_projections:
-            fuse_sibling_projections(model, pack=prepack_weights, decode_kernel=decode_kernel)
+            fuse_sibling_projections(model, pack=prepack_weights, decode_rows=decode_rows)
         if prepack_weights and prepack_supported(self.device, self.dtype):
-            prepack_linears(model, decode_kernel=decode_kernel)
+            prepack_linears(model, decode_rows=decode_rows)
         if kernels:
             fuse_rms_norms(model)
             fuse_decoder_layers(model)

@@ -1,0 +1,56 @@
+"""What ``auto`` resolves to on a CPU: bf16 where it is faster than fp32 (bf16 units, or AVX-512
+with the engine's kernels built, ``bench.dtype_ab``), fp32 elsewhere; a named dtype as named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.engine import hardware
+from worker.engine.attention import cpu_kernel
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("fast_bf16", "avx512", "kernels_on", "kernels_built", "expected"),
+    [
+        (True, True, True, True, torch.bfloat16),  # AVX512-BF16 / AMX
+        (True, False, False, False, torch.bfloat16),  # bf16 units need no kernels of ours
+        (False, True, True, True, torch.bfloat16),  # Ice Lake: decode_linear reads bf16 weights
+        (False, True, False, True, torch.float32),  # kernels turned off: bf16 would be upcast, slower
+        (False, True, True, False, torch.float32),  # kernels failed to build (no compiler)
+        (False, False, True, True, torch.float32),  # AVX2 only
+    ],
+)
+def test_auto_on_a_cpu_is_bf16_only_where_it_beats_fp32(
+    monkeypatch: pytest.MonkeyPatch,
+    fast_bf16: bool,
+    avx512: bool,
+    kernels_on: bool,
+    kernels_built: bool,
+    expected: torch.dtype,
+) -> None:
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: fast_bf16)
+    monkeypatch.setattr(hardware, "cpu_has_avx512", lambda: avx512)
+    asked: list[str | None] = []
+
+    def built(cache_dir: str | None = None) -> bool:
+        asked.append(cache_dir)
+        return kernels_built
+
+    monkeypatch.setattr(cpu_kernel, "paged_decode_available", built)
+    assert hardware.resolve_dtype("auto", CPU, cpu_kernels=kernels_on, kernel_cache_dir="/k") == expected
+    assert asked in ([], ["/k"])  # the kernels' own cache is where it looks
+    assert hardware.resolve_dtype("float32", CPU) == torch.float32
+    assert hardware.resolve_dtype("bf16", CPU) == torch.bfloat16
+
+
+def test_the_cpu_flags_are_this_machines() -> None:
+    with open("/proc/cpuinfo") as f:
+        text = f.read()
+    flags = hardware.cpu_flags()
+    assert ("avx512f" in flags) == (" avx512f " in text.replace("\n", " "))
+    assert hardware.cpu_has_avx512() == ("avx512f" in flags)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        hardware.resolve_dtype("float8", CPU)
