@@ -15,7 +15,7 @@
 // Results: products of bf16 values are exact in fp32 and summed in fp32, bias added in fp32,
 // rounded once to bf16 -- what a native bf16 matmul (oneDNN's included) does, in another order.
 //
-// With AVX-512F but no AVX512-BF16 (Ice Lake, Skylake and Cascade Lake Xeons, Zen 3) there is no
+// With AVX-512F but no AVX512-BF16 (Ice Lake, Skylake and Cascade Lake Xeons) there is no
 // bf16 dot product, and the engine's other choice is oneDNN in fp32 on an upcast copy of the
 // weights, which streams twice the bytes. Here each 32-bit lane of a loaded chunk holds two bf16
 // values: the lane shifted left by 16 is the even one as an fp32, the lane with its low half
