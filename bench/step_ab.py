@@ -2,7 +2,8 @@
 
 The default model is loaded once into an engine with every CPU kernel on. At each batch size,
 decode steps then alternate between variants that switch kernels off in place (the same
-weights, KV cache and sequences): ``all`` (the default), ``no decode_linear`` (small bf16
+weights, KV cache and sequences): ``all`` (the default), ``no one-op layer`` (the fused layer's
+ops called one by one from Python instead of ``decode_layer``), ``no decode_linear`` (small bf16
 matmuls back on oneDNN), ``no fused layers`` (transformers' decoder layers over the fused
 projections and norms) and ``neither``. Interleaving step by step puts every variant under the
 same machine noise; each figure is a median over ``--steps`` steps per variant, and every ratio
@@ -28,11 +29,12 @@ import torch
 from bench.results_files import pyplot, save, stem, write_figure
 from bench.serve import machine
 
-VARIANTS = ("all", "no decode_linear", "no fused layers", "neither")
+VARIANTS = ("all", "no one-op layer", "no decode_linear", "no fused layers", "neither")
 
 
-def _switches(model: Any) -> tuple[Callable[[bool], None], Callable[[bool], None], int, int]:
-    """(set decode_linear on/off, set fused layers on/off, how many of each) for a built engine's model."""
+def _switches(model: Any) -> tuple[Callable[[bool], None], Callable[..., None], int, int]:
+    """(set decode_linear on/off, set fused layers on/off (and their one op), how many of each) for a
+    built engine's model."""
     from worker.engine.fast_linear import PackedLinear
     from worker.engine.fused_decoder_layer import FusedDecoderLayer
 
@@ -52,8 +54,9 @@ def _switches(model: Any) -> tuple[Callable[[bool], None], Callable[[bool], None
         for linear, laid_out in linears:
             linear.laid_out = laid_out if on else None
 
-    def set_layers(on: bool) -> None:
+    def set_layers(on: bool, one_op: bool = True) -> None:
         for module, forward in layers:
+            forward.one_op = one_op
             if on:
                 module.forward = forward
             else:
@@ -89,8 +92,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         times: dict[str, list[float]] = {v: [] for v in VARIANTS}
         for step in range(len(VARIANTS) * args.steps):
             variant = VARIANTS[(step + step // len(VARIANTS)) % len(VARIANTS)]  # rotate the order each round
-            set_linears(variant in ("all", "no fused layers"))
-            set_layers(variant in ("all", "no decode_linear"))
+            set_linears(variant in ("all", "no one-op layer", "no fused layers"))
+            set_layers(variant in ("all", "no one-op layer", "no decode_linear"), one_op=variant != "no one-op layer")
             started = time.perf_counter()
             engine.step()
             times[variant].append(time.perf_counter() - started)

@@ -132,3 +132,58 @@ def test_an_fp32_engine_on_fused_layers_matches_generate(tiny_model_dir: Path, c
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == reference(ref, prompt, 10)
     assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def _bf16_engine_on_decode_linear(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> LLM:
+    from worker.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "decode_rows_for", lambda dtype: 4)  # as on an AVX-512 CPU
+    monkeypatch.setattr(model_runner, "decode_copy_fits", lambda model, available: True)
+    model, tokenizer = load_model(str(tiny_model_dir), torch.bfloat16, "cpu")
+    llm = LLM.__new__(LLM)
+    llm.engine, llm._next_id = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=256, block_size=4)), 0
+    return llm
+
+
+def test_a_decode_step_runs_each_layer_as_one_op_with_the_same_values(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps of up to decode_rows sequences: one decode_layer call per layer, the same
+    ops in the same order as the Python forward, so the same logprobs to the last bit. Steps
+    with a prefill, or more sequences than the kernel takes, keep the Python forward."""
+    llm = _bf16_engine_on_decode_linear(tiny_model_dir, monkeypatch)
+    layers = [m.__dict__["forward"] for m in llm.engine.runner.model.modules() if "forward" in m.__dict__]
+    layers = [f for f in layers if isinstance(f, FusedDecoderLayer)]
+    assert len(layers) == 2 and all(layer.one_op_rows == 4 for layer in layers)
+    params = SamplingParams(max_new_tokens=8, logprobs=3)
+    results = {}
+    for one_op in (True, False):
+        for layer in layers:
+            layer.one_op = one_op
+        for batch in (1, 4, 6):
+            with torch.profiler.profile() as prof:
+                outs = llm.generate(random_prompts(batch, seed=batch), params)
+            calls = {e.key: e.count for e in prof.key_averages()}.get("inflightq::decode_layer", 0)
+            # 7 decode steps of 2 layers; with 6 sequences, more rows than decode_linear takes
+            assert calls == (2 * 7 if one_op and batch <= 4 else 0), (one_op, batch, calls)
+            results[one_op, batch] = [(o.token_ids, o.logprobs, o.top_logprobs) for o in outs]
+    for batch in (1, 4, 6):
+        assert results[True, batch] == results[False, batch]
+    assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+
+
+def test_a_layer_whose_matmuls_are_not_all_on_decode_linear_keeps_the_python_forward(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = _bf16_engine_on_decode_linear(tiny_model_dir, monkeypatch)
+    layer = next(
+        m.__dict__["forward"]
+        for m in llm.engine.runner.model.modules()
+        if isinstance(m.__dict__.get("forward"), FusedDecoderLayer)
+    )
+    layer.packed[1].laid_out = None  # its o_proj back on oneDNN (as bench.step_ab switches it)
+    with torch.profiler.profile() as prof:
+        outs = llm.generate(random_prompts(1, seed=0), SamplingParams(max_new_tokens=4))
+    assert len(outs[0].token_ids) == 4
+    # 3 decode steps; the other layer still takes the one op
+    assert {e.key: e.count for e in prof.key_averages()}["inflightq::decode_layer"] == 3

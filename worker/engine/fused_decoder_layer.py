@@ -16,6 +16,11 @@ Mistral, Qwen2 and others): the layer's, its attention's and its MLP's ``forward
 rotary function must have Llama's source, the activation must be SiLU, and the projections and
 norms must already be fused. Anything else (Qwen3's q/k norms, Gemma's scaled embeddings,
 float64 models, a call without the engine's attention metadata) keeps transformers' forward.
+
+A decode-only step whose four projections all go through ``decode_linear`` (bf16, a few rows) on
+the CPU kernel attention backend runs the whole layer as one op instead (``decode_layer.cpp``):
+the same ops in the same order, called from C++, which saves their ~4-5 us each of calls from
+Python (bit for bit the same values).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.engine.attention.cpu_backend import CpuKernelAttentionBackend
+from worker.engine.fast_linear import PackedLinear
 from worker.engine.fused_norms import FusedRMSNorm
 from worker.engine.fused_projections import FusedProjection
 
@@ -37,7 +44,8 @@ FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def fused_layer_ops_available() -> bool:
     """Whether the CPU kernels' library (built by ``attention.cpu_kernel``) is loaded with the ops."""
     ops = getattr(torch.ops, "inflightq", None)
-    return ops is not None and all(hasattr(ops, name) for name in ("rotary_split", "add_rms_norm", "silu_mul"))
+    names = ("rotary_split", "add_rms_norm", "silu_mul", "decode_layer")
+    return ops is not None and all(hasattr(ops, name) for name in names)
 
 
 @functools.cache
@@ -105,6 +113,13 @@ class FusedDecoderLayer:
         self.qkv, self.gate_up = qkv, gate_up
         # Their forwards, called directly: a module call costs more than the packed matmul's dispatch.
         self.o_proj, self.down_proj = attention.o_proj.forward, mlp.down_proj.forward
+        # The four matmuls in the layer's order, where each is a PackedLinear (the one-op decode step).
+        projections = (qkv.packed, self.o_proj, gate_up.packed, self.down_proj)
+        self.packed: tuple[PackedLinear, ...] = (
+            projections if all(isinstance(p, PackedLinear) for p in projections) else ()  # type: ignore[assignment]
+        )
+        self.one_op_rows = min((p.decode_numel // p.in_features for p in self.packed), default=0)
+        self.one_op = True  # bench.step_ab turns it off in place to measure what it saves
 
     def __call__(
         self,
@@ -125,6 +140,8 @@ class FusedDecoderLayer:
             )
         ops = torch.ops.inflightq
         cos, sin = position_embeddings
+        if self._one_op_applies(meta, hidden_states):
+            return self._one_op(meta, hidden_states, cos, sin)
         normed = ops.rms_norm(hidden_states, self.in_weight, self.in_eps)
         q, k, v = ops.rotary_split(
             self.qkv.matmul(normed), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim
@@ -133,6 +150,33 @@ class FusedDecoderLayer:
         attn_out = self.o_proj(attended.view(*hidden_states.shape[:-1], -1))
         normed, residual = ops.add_rms_norm(attn_out, hidden_states, self.post_weight, self.post_eps)
         return residual + self.down_proj(ops.silu_mul(self.gate_up.matmul(normed)))
+
+    def _one_op_applies(self, meta: Any, hidden_states: torch.Tensor) -> bool:
+        """A decode-only step on the CPU kernel backend whose every matmul goes to decode_linear
+        (the PackedLinear's own test: its laid-out weight, at most its rows)."""
+        return (
+            self.one_op
+            and bool(self.packed)
+            and not meta.prefills
+            and isinstance(meta.backend, CpuKernelAttentionBackend)
+            and hidden_states.numel() <= self.one_op_rows * hidden_states.shape[-1]
+            and all(p.laid_out is not None for p in self.packed)
+        )
+
+    def _one_op(self, meta: Any, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        qkv, o, gate_up, down = self.packed
+        k_cache, v_cache = meta.kv_caches[self.layer_idx]
+        return torch.ops.inflightq.decode_layer(
+            hidden_states, self.in_weight, self.in_eps,
+            qkv.laid_out, qkv.bias32, qkv.out_features,
+            cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
+            k_cache, v_cache, meta.slot_mapping,
+            meta.decode_blocks.view(meta.num_decodes, -1), meta.decode_context_lens, meta.block_size, self.scale,
+            o.laid_out, o.bias32, o.out_features,
+            self.post_weight, self.post_eps,
+            gate_up.laid_out, gate_up.bias32, gate_up.out_features,
+            down.laid_out, down.bias32, down.out_features,
+        )  # fmt: skip
 
 
 @torch.no_grad()
