@@ -9,6 +9,11 @@ projections and norms) and ``neither``. Interleaving step by step puts every var
 same machine noise; each figure is a median over ``--steps`` steps per variant, and every ratio
 is against ``neither`` in the same run.
 
+Beside the variants, in the same rotation, ``weights read`` times one read of as many bytes as the
+step's matmul weights hold (one contiguous buffer, summed by torch on the same threads): at a few
+rows a decode step is a stream of its weights, so that is the floor any engine's step has on this
+machine at that moment, and ``all / weights read`` is how far above it ours is.
+
     python -m bench.step_ab --dtype bfloat16 --batches 1,4,8,32 --steps 30 --out bench/results --tag X
 """
 
@@ -30,11 +35,12 @@ from bench.results_files import pyplot, save, stem, write_figure
 from bench.serve import machine
 
 VARIANTS = ("all", "no one-op layer", "no decode_linear", "no fused layers", "neither")
+FLOOR = "weights read"
 
 
-def _switches(model: Any) -> tuple[Callable[[bool], None], Callable[..., None], int, int]:
-    """(set decode_linear on/off, set fused layers on/off (and their one op), how many of each) for a
-    built engine's model."""
+def _switches(model: Any) -> tuple[Callable[[bool], None], Callable[..., None], int, int, int]:
+    """(set decode_linear on/off, set fused layers on/off (and their one op), how many of each, and the
+    bytes of the weights laid out for decode_linear) for a built engine's model."""
     from worker.engine.fast_linear import PackedLinear
     from worker.engine.fused_decoder_layer import FusedDecoderLayer
 
@@ -62,7 +68,18 @@ def _switches(model: Any) -> tuple[Callable[[bool], None], Callable[..., None], 
             else:
                 module.__dict__.pop("forward", None)
 
-    return set_linears, set_layers, len(linears), len(layers)
+    weight_bytes = sum(laid_out.numel() * laid_out.element_size() for _, laid_out in linears)
+    return set_linears, set_layers, len(linears), len(layers), weight_bytes
+
+
+def _weights_read(num_bytes: int) -> Callable[[], None]:
+    """One read of ``num_bytes`` from a buffer that no cache holds (it is the size of the weights)."""
+    buffer = torch.ones(max(num_bytes // 4, 1), dtype=torch.float32)
+
+    def read() -> None:
+        buffer.sum()
+
+    return read
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -79,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     model, tokenizer = load_model(args.model, getattr(torch, args.dtype), "cpu")
     engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=4096))
-    set_linears, set_layers, num_linears, num_layers = _switches(model)
+    set_linears, set_layers, num_linears, num_layers, weight_bytes = _switches(model)
+    read_weights = _weights_read(weight_bytes)
     prompt = tokenizer.encode("Tell me a long story about a brave mouse who sails the sea.")
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
@@ -89,9 +107,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engine.add_request(request_id, prompt, params)
         engine.step()  # the prefill
         engine.step()
-        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        times: dict[str, list[float]] = {v: [] for v in (*VARIANTS, FLOOR)}
         for step in range(len(VARIANTS) * args.steps):
             variant = VARIANTS[(step + step // len(VARIANTS)) % len(VARIANTS)]  # rotate the order each round
+            if step % len(VARIANTS) == 0:  # once a round, under the same noise as the round's steps
+                started = time.perf_counter()
+                read_weights()
+                times[FLOOR].append(time.perf_counter() - started)
             set_linears(variant in ("all", "no one-op layer", "no fused layers"))
             set_layers(variant in ("all", "no one-op layer", "no decode_linear"), one_op=variant != "no one-op layer")
             started = time.perf_counter()
@@ -105,7 +127,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         row = {
             "batch": batch,
             "step_ms": {v: round(m, 2) for v, m in medians.items()},
-            "speedup_vs_neither": {v: round(medians["neither"] / m, 2) for v, m in medians.items()},
+            "speedup_vs_neither": {v: round(medians["neither"] / medians[v], 2) for v in VARIANTS},
+            "all_vs_weights_read": round(medians["all"] / medians[FLOOR], 2),
+            "weights_read_gb_s": round(weight_bytes / medians[FLOOR] / 1e6, 1),
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -116,6 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": args.model,
         "dtype": args.dtype,
         "rerouted": {"decode_linear weights": num_linears, "fused decoder layers": num_layers},
+        "weight_bytes": weight_bytes,
         "rows": rows,
     }
     if args.out:
@@ -130,13 +155,16 @@ def markdown(report: dict[str, Any]) -> list[str]:
         f"Command: `{report['command']}`  ",
         f"Machine: {report['machine']}; model `{report['model']}`, {report['dtype']}; rerouted: {report['rerouted']}",
         "",
-        "Median ms per decode step (variants interleaved step by step in one engine), and speed-up over `neither`:",
+        "Median ms per decode step (variants interleaved step by step in one engine), and speed-up over `neither`;",
+        f"`{FLOOR}`: one read of the step's {report['weight_bytes'] / 1e6:.0f} MB of matmul weights on the same",
+        "threads, in the same rotation (the floor of a step at a few rows), and `all` over it:",
         "",
-        "| batch | " + " | ".join(VARIANTS) + " |",
-        "|---|" + "---|" * len(VARIANTS),
+        "| batch | " + " | ".join(VARIANTS) + f" | {FLOOR} (GB/s) | all / {FLOOR} |",
+        "|---|" + "---|" * (len(VARIANTS) + 2),
     ]
     for row in report["rows"]:
         cells = [f"{row['step_ms'][v]} ({row['speedup_vs_neither'][v]}x)" for v in VARIANTS]
+        cells += [f"{row['step_ms'][FLOOR]} ({row['weights_read_gb_s']})", f"{row['all_vs_weights_read']}x"]
         lines.append(f"| {row['batch']} | " + " | ".join(cells) + " |")
     return lines
 
@@ -147,9 +175,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
         return
     batches = [row["batch"] for row in report["rows"]]
     fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / len(VARIANTS)
-    for i, variant in enumerate(VARIANTS):
-        xs = [b + (i - (len(VARIANTS) - 1) / 2) * width for b in range(len(batches))]
+    bars = (*VARIANTS, FLOOR)
+    width = 0.8 / len(bars)
+    for i, variant in enumerate(bars):
+        xs = [b + (i - (len(bars) - 1) / 2) * width for b in range(len(batches))]
         ax.bar(xs, [row["step_ms"][variant] for row in report["rows"]], width, label=variant)
     ax.set_xticks(range(len(batches)), [str(b) for b in batches])
     ax.set_xlabel("sequences in the decode step")

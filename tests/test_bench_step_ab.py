@@ -21,8 +21,11 @@ def test_step_ab_reports_every_variant_and_leaves_the_kernels_on(tiny_model_dir:
     assert report["rerouted"]["fused decoder layers"] == 2
     assert [row["batch"] for row in report["rows"]] == [1, 3]
     for row in report["rows"]:
-        assert set(row["step_ms"]) == set(step_ab.VARIANTS) and all(v > 0 for v in row["step_ms"].values())
+        assert set(row["step_ms"]) == {*step_ab.VARIANTS, step_ab.FLOOR} and all(v > 0 for v in row["step_ms"].values())
         assert row["speedup_vs_neither"]["neither"] == 1.0
+        assert row["all_vs_weights_read"] == pytest.approx(
+            row["step_ms"]["all"] / row["step_ms"][step_ab.FLOOR], rel=0.05
+        )
     saved = json.loads(next(tmp_path.glob("step-ab-*-t.json")).read_text())
     assert saved["rows"] == report["rows"]
     assert "| 3 |" in next(tmp_path.glob("step-ab-*-t.md")).read_text()
