@@ -2,8 +2,10 @@
 
 The default model is loaded once into an engine with every CPU kernel on. At each batch size,
 decode steps then alternate between variants that switch kernels off in place (the same
-weights, KV cache and sequences): ``all`` (the default), ``no one-op layer`` (the fused layer's
-ops called one by one from Python instead of ``decode_layer``), ``no decode_linear`` (small bf16
+weights, KV cache and sequences): ``all`` (the default), ``layouts apart`` (the decode layouts in
+allocations of their own, as the engine held them before ``gather_decode_layouts``), ``no one-op
+layer`` (the fused layer's ops called one by one from Python instead of ``decode_layer``), ``no
+decode_linear`` (small bf16
 matmuls back on oneDNN), ``no fused layers`` (transformers' decoder layers over the fused
 projections and norms) and ``neither``. Interleaving step by step puts every variant under the
 same machine noise; each figure is a median over ``--steps`` steps per variant, and every ratio
@@ -34,31 +36,32 @@ import torch
 from bench.results_files import pyplot, save, stem, write_figure
 from bench.serve import machine
 
-VARIANTS = ("all", "no one-op layer", "no decode_linear", "no fused layers", "neither")
+VARIANTS = ("all", "layouts apart", "no one-op layer", "no decode_linear", "no fused layers", "neither")
 FLOOR = "weights read"
 
 
-def _switches(model: Any) -> tuple[Callable[[bool], None], Callable[..., None], int, int, int]:
+def _switches(model: Any) -> tuple[Callable[..., None], Callable[..., None], int, int, int]:
     """(set decode_linear on/off, set fused layers on/off (and their one op), how many of each, and the
     bytes of the weights laid out for decode_linear) for a built engine's model."""
-    from worker.engine.fast_linear import PackedLinear
+    from worker.engine.fast_linear import PackedLinear, decode_layouts_in_order
     from worker.engine.fused_decoder_layer import FusedDecoderLayer
 
-    linears: list[tuple[PackedLinear, torch.Tensor]] = []
+    linears: list[tuple[PackedLinear, torch.Tensor]] = [
+        (linear, linear.laid_out) for linear in decode_layouts_in_order(model) if linear.laid_out is not None
+    ]
     layers: list[tuple[torch.nn.Module, FusedDecoderLayer]] = []
     for module in model.modules():
         forward = module.__dict__.get("forward")
-        group = getattr(forward, "group", None)
-        for linear in (forward, getattr(group, "packed", None)):
-            fresh = all(linear is not seen for seen, _ in linears)
-            if isinstance(linear, PackedLinear) and linear.laid_out is not None and fresh:
-                linears.append((linear, linear.laid_out))
         if isinstance(forward, FusedDecoderLayer):
             layers.append((module, forward))
 
-    def set_linears(on: bool) -> None:
-        for linear, laid_out in linears:
-            linear.laid_out = laid_out if on else None
+    # Each layout copied into an allocation of its own, with one of the same size between them (the
+    # oneDNN copy that PackedLinear packs just before it), as the engine held them before gathering.
+    apart: list[tuple[torch.Tensor, torch.Tensor]] = [(torch.empty_like(t), t.clone()) for _, t in linears]
+
+    def set_linears(on: bool, gathered: bool = True) -> None:
+        for (linear, laid_out), (_, copy) in zip(linears, apart, strict=True):
+            linear.laid_out = (laid_out if gathered else copy) if on else None
 
     def set_layers(on: bool, one_op: bool = True) -> None:
         for module, forward in layers:
@@ -114,8 +117,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 started = time.perf_counter()
                 read_weights()
                 times[FLOOR].append(time.perf_counter() - started)
-            set_linears(variant in ("all", "no one-op layer", "no fused layers"))
-            set_layers(variant in ("all", "no one-op layer", "no decode_linear"), one_op=variant != "no one-op layer")
+            kernel_linears = variant in ("all", "layouts apart", "no one-op layer", "no fused layers")
+            set_linears(kernel_linears, gathered=variant != "layouts apart")
+            set_layers(
+                variant in ("all", "layouts apart", "no one-op layer", "no decode_linear"),
+                one_op=variant != "no one-op layer",
+            )
             started = time.perf_counter()
             engine.step()
             times[variant].append(time.perf_counter() - started)

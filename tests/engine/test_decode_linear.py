@@ -21,6 +21,7 @@ from worker.engine.fast_linear import (
     KERNEL_MAX_ROWS,
     PackedLinear,
     decode_copy_fits,
+    decode_layouts_in_order,
     decode_rows_for,
     prepack_linears,
     prepack_supported,
@@ -161,6 +162,40 @@ def test_a_bf16_engine_on_the_kernel_serves_prompts_longer_than_a_step(
         assert all(len(out.token_ids) == 6 for out in outs)
         outputs.append([out.token_ids for out in outs])
     assert outputs[0] == outputs[1]  # bf16 sums in another order, the same greedy tokens here
+
+
+@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.float32), reason="hardware: no oneDNN on this CPU")
+def test_an_engine_keeps_its_decode_layouts_back_to_back_in_the_forward_order(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from worker.engine import EngineConfig, LLMEngine, fast_linear, model_runner
+    from worker.engine.fused_projections import fuse_sibling_projections
+
+    monkeypatch.setattr(model_runner, "decode_rows_for", lambda dtype: 4)  # as on an AVX512-BF16 CPU
+    monkeypatch.setattr(model_runner, "decode_copy_fits", lambda model, available: True)
+    reference, _ = load_model(str(tiny_model_dir), torch.bfloat16, "cpu")
+    fuse_sibling_projections(reference, decode_rows=4)
+    prepack_linears(reference, decode_rows=4)
+    expected = [linear.laid_out.clone() for linear in decode_layouts_in_order(reference)]  # type: ignore[union-attr]
+
+    model, tokenizer = load_model(str(tiny_model_dir), torch.bfloat16, "cpu")
+    LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64))
+    linears = decode_layouts_in_order(model)
+    layer = model.model.layers[0]
+    # Each layer's q/k/v, o, gate/up, down, then the head: the order a decode step reads them.
+    assert len(linears) == 4 * len(model.model.layers) + 1
+    assert linears[0] is layer.self_attn.q_proj.forward.group.packed and linears[1] is layer.self_attn.o_proj.forward
+    assert linears[2] is layer.mlp.gate_proj.forward.group.packed and linears[3] is layer.mlp.down_proj.forward
+    assert linears[-1] is model.lm_head.forward
+    layouts = [linear.laid_out for linear in linears]
+    storage = layouts[0].untyped_storage().data_ptr()  # type: ignore[union-attr]
+    offset = 0
+    for layout, before in zip(layouts, expected, strict=True):
+        assert layout is not None and layout.untyped_storage().data_ptr() == storage
+        assert layout.storage_offset() == offset and layout.is_contiguous()
+        assert torch.equal(layout, before)  # the same values: the kernel's results cannot change
+        offset += layout.numel()
+    assert fast_linear.gather_decode_layouts(torch.nn.Linear(4, 4)) == 0  # nothing laid out: nothing moved
 
 
 def test_the_kernel_takes_the_rows_it_beats_onednn_at_on_this_cpu() -> None:

@@ -124,3 +124,45 @@ def prepack_linears(model: nn.Module, *, decode_rows: int = 0) -> int:
         module.forward = PackedLinear(module.weight, module.bias, decode_rows=decode_rows)  # type: ignore[method-assign]
         count += 1
     return count
+
+
+def decode_layouts_in_order(model: nn.Module) -> list[PackedLinear]:
+    """The linears laid out for ``decode_linear``, each once, in the order ``model.modules()``
+    reaches them: for Llama-style models the forward's order (each layer's fused q/k/v, o, fused
+    gate/up, down; then the head)."""
+    found: list[PackedLinear] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        group = getattr(forward, "group", None)  # a fused sibling's slice: the group holds the matmul
+        for linear in (getattr(group, "packed", None), forward):
+            if isinstance(linear, PackedLinear) and linear.laid_out is not None and id(linear) not in seen:
+                seen.add(id(linear))
+                found.append(linear)
+    return found
+
+
+@torch.no_grad()
+def gather_decode_layouts(model: nn.Module) -> int:
+    """Moves every decode layout of ``model`` into one buffer, in the forward's order; returns its bytes.
+
+    A decode step of a few rows is a stream of these weights. Allocated one by one they lie apart,
+    and each call's stream starts cold; back to back in the order the step reads them, a model's
+    linears at one row ran 1.05-1.09x faster (bench/results/decode-linear-prefetch-2026-12-03-*).
+    Same values, so the same results. While copying, the old and new layouts both exist: twice the
+    second copy that ``decode_copy_fits`` admitted, for a moment."""
+    linears = decode_layouts_in_order(model)
+    if not linears:
+        return 0
+    layouts = [linear.laid_out for linear in linears]
+    total = sum(t.numel() for t in layouts if t is not None)
+    arena = torch.empty(total, dtype=torch.bfloat16)
+    offset = 0
+    for linear in linears:
+        old = linear.laid_out
+        assert old is not None
+        view = arena[offset : offset + old.numel()].view(old.shape)
+        view.copy_(old)
+        linear.laid_out = view
+        offset += old.numel()
+    return total * arena.element_size()

@@ -14,7 +14,13 @@ from worker.engine.attention.custom_op import step_metadata
 from worker.engine.attention.metadata import AttentionMetadata, PrefillChunk
 from worker.engine.compiled_forward import CompiledForward, buckets_for, route_linears_through_ops
 from worker.engine.config import EngineConfig
-from worker.engine.fast_linear import decode_copy_fits, decode_rows_for, prepack_linears, prepack_supported
+from worker.engine.fast_linear import (
+    decode_copy_fits,
+    decode_rows_for,
+    gather_decode_layouts,
+    prepack_linears,
+    prepack_supported,
+)
 from worker.engine.fused_decoder_layer import fuse_decoder_layers
 from worker.engine.fused_norms import fuse_rms_norms
 from worker.engine.fused_projections import fuse_sibling_projections
@@ -92,6 +98,8 @@ class ModelRunner:
             fuse_sibling_projections(model, pack=prepack_weights, decode_rows=decode_rows)
         if prepack_weights and prepack_supported(self.device, self.dtype):
             prepack_linears(model, decode_rows=decode_rows)
+        if decode_rows:
+            gather_decode_layouts(model)
         if kernels:
             fuse_rms_norms(model)
             fuse_decoder_layers(model)
