@@ -110,7 +110,7 @@ def test_json_object_format(live_api: ApiServer) -> None:
 
 def test_required_and_named_tool_choice_return_function_calls(live_api: ApiServer) -> None:
     client = sdk(live_api)
-    r = client.responses.create(input="Weather in Paris, and the time?", **CALL_BOTH)
+    r = client.responses.create(input="Weather in Paris, and the time?", **CALL_BOTH, extra_body={"seed": 5})
     assert r.status == "completed"
     check_calls(r.output, {"get_weather", "get_time"})
     assert r.tool_choice == "required" and [t.name for t in r.tools] == ["get_weather", "get_time"]
@@ -121,6 +121,7 @@ def test_required_and_named_tool_choice_return_function_calls(live_api: ApiServe
         tool_choice={"type": "function", "name": "get_weather"},
         parallel_tool_calls=False,
         max_output_tokens=200,
+        extra_body={"seed": 5},
     )
     check_calls(named.output, {"get_weather"})
     assert len(named.output) == 1 and named.parallel_tool_calls is False
