@@ -5,9 +5,8 @@ decode steps then alternate between variants that switch kernels off in place (t
 weights, KV cache and sequences): ``all`` (the default), ``layouts apart`` (the decode layouts in
 allocations of their own, as the engine held them before ``gather_decode_layouts``), ``no one-op
 layer`` (the fused layer's ops called one by one from Python instead of ``decode_layer``), ``no
-decode_linear`` (small bf16
-matmuls back on oneDNN), ``no fused layers`` (transformers' decoder layers over the fused
-projections and norms) and ``neither``. Interleaving step by step puts every variant under the
+decode_linear`` (small bf16 matmuls back on oneDNN), ``no fused layers`` (transformers' decoder
+layers over the fused projections and norms) and ``neither``. Interleaving step by step puts every variant under the
 same machine noise; each figure is a median over ``--steps`` steps per variant, and every ratio
 is against ``neither`` in the same run.
 

@@ -149,20 +149,14 @@ def gather_decode_layouts(model: nn.Module) -> int:
     A decode step of a few rows is a stream of these weights. Allocated one by one they lie apart,
     and each call's stream starts cold; back to back in the order the step reads them, a model's
     linears at one row ran 1.05-1.09x faster (bench/results/decode-linear-prefetch-2026-12-03-*).
-    Same values, so the same results. While copying, the old and new layouts both exist: twice the
-    second copy that ``decode_copy_fits`` admitted, for a moment."""
-    linears = decode_layouts_in_order(model)
-    if not linears:
-        return 0
-    layouts = [linear.laid_out for linear in linears]
-    total = sum(t.numel() for t in layouts if t is not None)
+    Same values, so the same results. While copying, the buffer and the layouts not yet moved both
+    exist: up to twice the second copy that ``decode_copy_fits`` admitted, for a moment."""
+    linears = decode_layouts_in_order(model)  # each with a layout, so ``laid_out`` is never None below
+    total = sum(linear.laid_out.numel() for linear in linears)  # type: ignore[union-attr]
     arena = torch.empty(total, dtype=torch.bfloat16)
     offset = 0
     for linear in linears:
-        old = linear.laid_out
-        assert old is not None
-        view = arena[offset : offset + old.numel()].view(old.shape)
-        view.copy_(old)
-        linear.laid_out = view
-        offset += old.numel()
+        old: torch.Tensor = linear.laid_out  # type: ignore[assignment]
+        linear.laid_out = arena[offset : offset + old.numel()].view(old.shape).copy_(old)
+        offset += old.numel()  # the old layout is freed here: at most one whole copy extra at any time
     return total * arena.element_size()
