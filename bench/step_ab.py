@@ -2,7 +2,8 @@
 
 The default model is loaded once into an engine with every CPU kernel on. At each batch size,
 decode steps then alternate between variants that switch kernels off in place (the same
-weights, KV cache and sequences): ``all`` (the default), ``layouts apart`` (the decode layouts in
+weights, KV cache and sequences): ``all`` (the default), ``no decode forward`` (transformers' model
+forward around the layers instead of ``decode_forward``'s loop), ``layouts apart`` (the decode layouts in
 allocations of their own, as the engine held them before ``gather_decode_layouts``), ``no one-op
 layer`` (the fused layer's ops called one by one from Python instead of ``decode_layer``), ``no
 decode_linear`` (small bf16 matmuls back on oneDNN), ``no fused layers`` (transformers' decoder
@@ -35,7 +36,15 @@ import torch
 from bench.results_files import pyplot, save, stem, write_figure
 from bench.serve import machine
 
-VARIANTS = ("all", "layouts apart", "no one-op layer", "no decode_linear", "no fused layers", "neither")
+VARIANTS = (
+    "all",
+    "layouts apart",
+    "no decode forward",
+    "no one-op layer",
+    "no decode_linear",
+    "no fused layers",
+    "neither",
+)
 FLOOR = "weights read"
 
 
@@ -116,17 +125,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 started = time.perf_counter()
                 read_weights()
                 times[FLOOR].append(time.perf_counter() - started)
-            kernel_linears = variant in ("all", "layouts apart", "no one-op layer", "no fused layers")
+            kernel_linears = variant in (
+                "all",
+                "layouts apart",
+                "no decode forward",
+                "no one-op layer",
+                "no fused layers",
+            )
             set_linears(kernel_linears, gathered=variant != "layouts apart")
             set_layers(
-                variant in ("all", "layouts apart", "no one-op layer", "no decode_linear"),
+                variant in ("all", "layouts apart", "no decode forward", "no one-op layer", "no decode_linear"),
                 one_op=variant != "no one-op layer",
             )
+            if engine.runner.decode_forward is not None:
+                engine.runner.decode_forward.enabled = variant != "no decode forward"
             started = time.perf_counter()
             engine.step()
             times[variant].append(time.perf_counter() - started)
         set_linears(True)
         set_layers(True)
+        if engine.runner.decode_forward is not None:
+            engine.runner.decode_forward.enabled = True
         for request_id in ids:
             engine.abort(request_id)
         medians = {v: statistics.median(t) * 1e3 for v, t in times.items()}

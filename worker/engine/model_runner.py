@@ -14,6 +14,7 @@ from worker.engine.attention.custom_op import step_metadata
 from worker.engine.attention.metadata import AttentionMetadata, PrefillChunk
 from worker.engine.compiled_forward import CompiledForward, buckets_for, route_linears_through_ops
 from worker.engine.config import EngineConfig
+from worker.engine.decode_forward import DecodeForward
 from worker.engine.fast_linear import (
     decode_copy_fits,
     decode_rows_for,
@@ -67,6 +68,7 @@ class ModelRunner:
         ]
         attention.register()
         self.compiled: CompiledForward | None = None
+        self.decode_forward: DecodeForward | None = None
         if compile_wanted(config.compile, model, self.device, self.dtype):
             if prepack_weights:
                 route_linears_through_ops(model)
@@ -76,6 +78,7 @@ class ModelRunner:
             )
         else:
             self._reroute_eager(model, config, prepack_weights=prepack_weights, fuse_projections=fuse_projections)
+            self.decode_forward = DecodeForward.build(model)
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         self.warmup_s = self.compiled.warmup(self._warmup_step) if self.compiled is not None else 0.0
 
@@ -124,6 +127,10 @@ class ModelRunner:
                 hidden = self.compiled(input_ids, positions)
             if hidden is not None:
                 return self.model.get_output_embeddings()(hidden[keep])
+        if self.decode_forward is not None:
+            logits = self.decode_forward(meta, input_ids, positions, keep)
+            if logits is not None:
+                return logits
         out = self.model(
             input_ids=input_ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
