@@ -79,7 +79,13 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& input, const a
   const at::Tensor x = input.contiguous();
   const at::Tensor r = residual.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
-    add_rows<scalar_t>(x.const_data_ptr<scalar_t>(), r.const_data_ptr<scalar_t>(), sum.data_ptr<scalar_t>(), x.numel());
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* rp = r.const_data_ptr<scalar_t>();
+    scalar_t* sp = sum.data_ptr<scalar_t>();
+    // Both threads on a prefill's rows (a decode step's few rows stay under the grain, on this thread).
+    at::parallel_for(0, x.numel(), 16384, [&](int64_t begin, int64_t end) {
+      add_rows<scalar_t>(xp + begin, rp + begin, sp + begin, end - begin);
+    });
   });
   return {rms_norm(sum, weight, eps), sum};
 }
