@@ -170,6 +170,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="bench/results", help="folder for engine-<date>.json/.md; '' to skip")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (results then named engine-<date>-cuda)")
     parser.add_argument("--compile", action="store_true", help="our engine with its compiled forward")
+    parser.add_argument(
+        "--tag", default="", help="appended to the results' name, so a second run that day keeps the first"
+    )
     args = parser.parse_args(argv)
     from worker.engine.model_loader import load_tokenizer
 
@@ -185,6 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, "
         f"torch {torch.__version__}",
         "device": args.device,
+        "tag": args.tag,
         "workload": {"prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "new_tokens": sum(lengths)},
         "runs": {},
     }
@@ -222,7 +226,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def write(results: dict, folder: Path) -> None:
     device = results.get("device", "cpu")
-    stem = folder / f"engine-{results['date'][:10]}{'' if device == 'cpu' else '-' + device}"
+    tag = results.get("tag", "")
+    stem = folder / f"engine-{results['date'][:10]}{'' if device == 'cpu' else '-' + device}{'-' + tag if tag else ''}"
     lines = [
         f"# Engine benchmark, {results['date']}",
         "",

