@@ -1,0 +1,163 @@
+"""A model's linears at each row count: oneDNN's packed matmul, ``decode_linear`` and a read of the weights.
+
+A decode step of B sequences multiplies every weight of the model by B rows. At a few rows that is a
+read of the weights (the floor: ``weights read``, one ``torch.sum`` over as many bytes on the same
+threads); past some row count the arithmetic or the kernel's own costs take over. This times the
+default model's linears (its own weights, each layer's fused q/k/v and gate/up, the head) called one
+after another at each row count, both kernels and the read interleaved round by round, and reports
+each over the read. ``decode_linear`` takes 16 rows a call, so 32 rows are two calls. It is what the
+engine's ``decode_rows`` threshold (the row count up to which ``decode_linear`` is used) rests on, and
+how far the matmuls of a 8-32-sequence step are from the memory.
+
+    python -m bench.linear_rows --rows 1,4,8,16,32 --rounds 10 --out bench/results --tag X
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.results_files import pyplot, save, stem, write_figure
+from bench.serve import machine
+
+KERNELS = ("oneDNN packed", "decode_linear")
+FLOOR = "weights read"
+KERNEL_ROWS = 16  # decode_linear's most rows a call
+
+
+def _calls(model: Any, rows: int) -> dict[str, Callable[[], None]]:
+    """One pass over the model's linears at ``rows`` rows, per kernel."""
+    from worker.engine.fast_linear import decode_layouts_in_order, packed_linear
+
+    linears = decode_layouts_in_order(model)
+    inputs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {linear.in_features for linear in linears}}
+
+    def onednn() -> None:  # what PackedLinear does past decode_rows (an fp32 upcast where bf16 has no unit)
+        for linear in linears:
+            x = inputs[linear.in_features]
+            if linear.upcast:
+                packed_linear(linear.packed, linear.bias, x.float()).to(torch.bfloat16)
+            else:
+                packed_linear(linear.packed, linear.bias, x)
+
+    def decode() -> None:
+        for linear in linears:
+            x = inputs[linear.in_features]
+            for first in range(0, rows, KERNEL_ROWS):
+                torch.ops.inflightq.decode_linear(
+                    x[first : first + KERNEL_ROWS], linear.laid_out, linear.bias32, linear.out_features
+                )
+
+    return {"oneDNN packed": onednn, "decode_linear": decode}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="bench.linear_rows", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--rows", default="1,4,8,16,32")
+    parser.add_argument("--rounds", type=int, default=10, help="passes per kernel and row count")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--tag", default="")
+    args = parser.parse_args(argv)
+    from worker.engine import EngineConfig, LLMEngine
+    from worker.engine import model_runner as runner_module
+    from worker.engine.fast_linear import decode_layouts_in_order
+    from worker.engine.model_loader import load_model
+
+    model, tokenizer = load_model(args.model, torch.bfloat16, "cpu")
+    # Every bf16 linear laid out for decode_linear, whatever this CPU's threshold, so both kernels run.
+    threshold = runner_module.decode_rows_for
+    runner_module.decode_rows_for = lambda dtype: KERNEL_ROWS  # type: ignore[assignment]
+    try:
+        LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64))
+    finally:
+        runner_module.decode_rows_for = threshold  # type: ignore[assignment]
+    linears = decode_layouts_in_order(model)
+    if not linears:
+        raise SystemExit("no linear was laid out for decode_linear: the CPU kernels did not build")
+    weight_bytes = sum(linear.laid_out.numel() * linear.laid_out.element_size() for linear in linears)  # type: ignore[union-attr]
+    buffer = torch.ones(max(weight_bytes // 4, 1))
+    rows_out = []
+    for rows in [int(r) for r in args.rows.split(",")]:
+        calls = _calls(model, rows)
+        times: dict[str, list[float]] = {name: [] for name in (*KERNELS, FLOOR)}
+        for name in KERNELS:
+            calls[name]()  # warm: oneDNN builds its kernel for this shape on the first call
+        for round_index in range(args.rounds):
+            order = list(KERNELS) if round_index % 2 == 0 else list(reversed(KERNELS))
+            for name in (FLOOR, *order):
+                started = time.perf_counter()
+                buffer.sum() if name == FLOOR else calls[name]()
+                times[name].append(time.perf_counter() - started)
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        row = {
+            "rows": rows,
+            "ms": {name: round(v, 2) for name, v in ms.items()},
+            "over_weights_read": {name: round(ms[name] / ms[FLOOR], 2) for name in KERNELS},
+            "weights_read_gb_s": round(weight_bytes / ms[FLOOR] / 1e6, 1),
+        }
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+    report = {
+        "command": "python -m bench.linear_rows " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "model": args.model,
+        "linears": len(linears),
+        "weight_bytes": weight_bytes,
+        "rows": rows_out,
+    }
+    if args.out:
+        save(stem(args.out, "linear-rows", report["date"], args.tag), report, markdown(report), plot)
+    return report
+
+
+def markdown(report: dict[str, Any]) -> list[str]:
+    lines = [
+        f"# A model's linears by row count, {report['date']}",
+        "",
+        f"Command: `{report['command']}`  ",
+        f"Machine: {report['machine']}; model `{report['model']}`, bfloat16, {report['linears']} linears, "
+        f"{report['weight_bytes'] / 1e6:.0f} MB",
+        "",
+        f"Median ms per pass over every linear (interleaved round by round), and over `{FLOOR}` (one read of",
+        "as many bytes on the same threads):",
+        "",
+        "| rows | " + " | ".join(KERNELS) + f" | {FLOOR} (GB/s) |",
+        "|---|" + "---|" * (len(KERNELS) + 1),
+    ]
+    for row in report["rows"]:
+        cells = [f"{row['ms'][k]} ({row['over_weights_read'][k]}x)" for k in KERNELS]
+        lines.append(
+            f"| {row['rows']} | " + " | ".join(cells) + f" | {row['ms'][FLOOR]} ({row['weights_read_gb_s']}) |"
+        )
+    return lines
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    rows = [row["rows"] for row in report["rows"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in (*KERNELS, FLOOR):
+        ax.plot(rows, [row["ms"][name] for row in report["rows"]], marker="o", label=name)
+    ax.set_xlabel("rows (sequences in a decode step)")
+    ax.set_ylabel("ms per pass over the model's linears")
+    ax.set_title("Linears by row count (bfloat16)")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    write_figure(fig, path)
+
+
+if __name__ == "__main__":
+    main()

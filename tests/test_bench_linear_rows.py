@@ -1,0 +1,31 @@
+"""bench.linear_rows times a model's linears through both kernels and a read of the weights, per row count."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench import linear_rows
+from tests.ci_skips import missing
+from worker.engine import model_runner
+
+
+def test_linear_rows_reports_both_kernels_against_the_read(tiny_model_dir: Path, tmp_path: Path) -> None:
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip(missing("a C++ compiler (decode_linear is one of the kernels it times)", "apt-get install g++"))
+    threshold = model_runner.decode_rows_for
+    report = linear_rows.main(
+        ["--model", str(tiny_model_dir), "--rows", "1,20", "--rounds", "2", "--out", str(tmp_path), "--tag", "t"]
+    )
+    assert model_runner.decode_rows_for is threshold  # the engine's threshold is put back
+    assert report["linears"] == 2 * 4 + 1  # per layer q/k/v, o, gate/up, down; then the head
+    assert [row["rows"] for row in report["rows"]] == [1, 20]
+    for row in report["rows"]:
+        assert set(row["ms"]) == {*linear_rows.KERNELS, linear_rows.FLOOR} and all(v > 0 for v in row["ms"].values())
+        assert set(row["over_weights_read"]) == set(linear_rows.KERNELS)
+    saved = json.loads(next(tmp_path.glob("linear-rows-*-t.json")).read_text())
+    assert saved["rows"] == report["rows"]
+    assert "| 20 |" in next(tmp_path.glob("linear-rows-*-t.md")).read_text()
