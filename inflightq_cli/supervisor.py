@@ -138,7 +138,7 @@ def ready_banner(
             "  try:",
             f"    curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\",
             f'      -d \'{{"model": "{settings.model}", '
-            '"messages": [{"role": "user", "content": "What is the capital of France?"}]}\'',
+            '"messages": [{"role": "user", "content": "Name the capital of France."}]}\'',
             "  stop:      Ctrl-C here (or kill -TERM " + str(os.getpid()) + "); then `inflightq purge --yes` deletes "
             "this deployment's keys from Redis",
         ]

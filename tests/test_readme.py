@@ -39,7 +39,7 @@ PYTHON_PREAMBLE = """
 from shared.model_source import load_tokenizer
 _tok = load_tokenizer("smollm2-135m-instruct")
 prompt_token_ids = list(_tok.apply_chat_template(
-    [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True,
+    [{"role": "user", "content": "Name the capital of France."}], add_generation_prompt=True, tokenize=True,
     return_dict=False))
 """
 

@@ -57,11 +57,14 @@ def stack(
         print(f"--- worker log ---\n{worker.log()}")
 
 
-def offline_answer(model: str, dtype: str, prompt_token_ids: list[int]) -> Any:
+def offline_answers(model: str, dtype: str, prompt_token_ids: list[int]) -> tuple[Any, Any]:
+    """The offline engine's answers to the prompt asked twice, one after the other, as the test asks the
+    API: the second reuses the first's prompt blocks from the prefix cache, as the worker's does."""
     from worker.engine import LLM, SamplingParams
 
     llm = LLM(model, dtype=dtype, device="cpu", num_kv_blocks=256)
-    return llm.generate([prompt_token_ids], SamplingParams(max_new_tokens=MAX_TOKENS))[0]
+    params = SamplingParams(max_new_tokens=MAX_TOKENS)
+    return llm.generate([prompt_token_ids], params)[0], llm.generate([prompt_token_ids], params)[0]
 
 
 def test_the_default_model_answers_through_api_and_worker_as_the_offline_engine_does(
@@ -81,11 +84,15 @@ def test_the_default_model_answers_through_api_and_worker_as_the_offline_engine_
     prompt = Tokenizers(api.settings, {default_model_name: load_tokenizer(default_model_name)}).apply_chat_template(
         default_model_name, QUESTION
     )
-    expected = offline_answer(default_model_name, dtype, prompt)
+    expected, expected_again = offline_answers(default_model_name, dtype, prompt)
     assert answer["usage"]["prompt_tokens"] == len(prompt)
     assert answer["usage"]["completion_tokens"] == len(expected.token_ids)
     assert text == expected.text, f"dtype {dtype}"
     assert "Paris" in text, f"dtype {dtype}: {text!r}"
     frames = [json.loads(c) for c in chunks if c != "[DONE]"]
     deltas = [f["choices"][0]["delta"].get("content") or "" for f in frames if f["choices"]]
-    assert chunks[-1] == "[DONE]" and "".join(deltas) == text  # the stream says the same, token by token
+    # The streamed request reuses the first one's prompt blocks (prefix cache) and computes only the last
+    # few prompt tokens, with attention over the cached keys: in bf16 that rounds differently, and this
+    # prompt's first token is a near tie ("The" 25.875 vs "L" 25.625, two bf16 steps), which on the AMX
+    # Xeon tips the greedy pick. The offline engine asked twice computes the same way, token by token.
+    assert chunks[-1] == "[DONE]" and "".join(deltas) == expected_again.text, f"dtype {dtype}"
