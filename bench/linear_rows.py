@@ -35,27 +35,30 @@ KERNEL_ROWS = 16  # decode_linear's most rows a call
 
 
 def _calls(model: Any, rows: int) -> dict[str, Callable[[], None]]:
-    """One pass over the model's linears at ``rows`` rows, per kernel."""
-    from worker.engine.fast_linear import decode_layouts_in_order, packed_linear
+    """One pass over the model's linears at ``rows`` rows, per kernel, each through the engine's own
+    ``PackedLinear``: with its layout put aside it takes oneDNN (as ``bench.step_ab`` switches it), with
+    it decode_linear (16 rows a call)."""
+    from worker.engine.fast_linear import decode_layouts_in_order
 
     linears = decode_layouts_in_order(model)
+    layouts = [linear.laid_out for linear in linears]
     inputs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {linear.in_features for linear in linears}}
 
-    def onednn() -> None:  # what PackedLinear does past decode_rows (an fp32 upcast where bf16 has no unit)
+    def onednn() -> None:  # 121 attribute sets around 121 matmuls: well under 1% of a pass
         for linear in linears:
-            x = inputs[linear.in_features]
-            if linear.upcast:
-                packed_linear(linear.packed, linear.bias, x.float()).to(torch.bfloat16)
-            else:
-                packed_linear(linear.packed, linear.bias, x)
+            linear.laid_out = None
+        try:
+            for linear in linears:
+                linear(inputs[linear.in_features])
+        finally:
+            for linear, laid_out in zip(linears, layouts, strict=True):
+                linear.laid_out = laid_out
 
     def decode() -> None:
         for linear in linears:
             x = inputs[linear.in_features]
             for first in range(0, rows, KERNEL_ROWS):
-                torch.ops.inflightq.decode_linear(
-                    x[first : first + KERNEL_ROWS], linear.laid_out, linear.bias32, linear.out_features
-                )
+                linear(x[first : first + KERNEL_ROWS])
 
     return {"oneDNN packed": onednn, "decode_linear": decode}
 

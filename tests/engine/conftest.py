@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from worker.engine import EngineConfig, LLMEngine
+from worker.engine import LLM, EngineConfig, LLMEngine
 from worker.engine.model_loader import load_model
 
 
@@ -70,3 +70,17 @@ def run_to_end(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, list[Any
         for event in engine.step():
             events.setdefault(event.request_id, []).append(event)
     raise AssertionError("engine did not finish")
+
+
+def tiny_llm(tiny_model_dir: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, *, decode_rows: int = 0) -> LLM:
+    """The tiny Llama in ``dtype`` in an ``LLM`` on the CPU kernels; ``decode_rows``: bf16 matmuls of up to
+    that many rows on decode_linear (and decode steps' layers as one op), as on an AVX-512 CPU."""
+    from worker.engine import model_runner
+
+    if decode_rows:
+        monkeypatch.setattr(model_runner, "decode_rows_for", lambda dtype: decode_rows)
+        monkeypatch.setattr(model_runner, "decode_copy_fits", lambda model, available: True)
+    model, tokenizer = load_model(str(tiny_model_dir), dtype, "cpu")
+    llm = LLM.__new__(LLM)
+    llm.engine, llm._next_id = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=256, block_size=4)), 0
+    return llm

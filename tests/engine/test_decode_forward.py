@@ -13,9 +13,9 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaModel
 
 from tests.ci_skips import missing
-from tests.engine.conftest import reference
+from tests.engine.conftest import reference, tiny_llm
 from tests.engine.test_engine_exactness import random_prompts
-from worker.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from worker.engine import LLM, SamplingParams
 from worker.engine.attention.cpu_kernel import paged_decode_available
 from worker.engine.decode_forward import DecodeForward
 from worker.engine.model_loader import load_model
@@ -31,15 +31,8 @@ def kernels() -> None:
 
 
 def _llm(tiny_model_dir: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> LLM:
-    from worker.engine import model_runner
-
-    if dtype == torch.bfloat16:  # the decode layers' one op, as on an AVX-512 CPU
-        monkeypatch.setattr(model_runner, "decode_rows_for", lambda dtype: 4)
-        monkeypatch.setattr(model_runner, "decode_copy_fits", lambda model, available: True)
-    model, tokenizer = load_model(str(tiny_model_dir), dtype, "cpu")
-    llm = LLM.__new__(LLM)
-    llm.engine, llm._next_id = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=256, block_size=4)), 0
-    return llm
+    # bf16: the decode layers' one op, as on an AVX-512 CPU
+    return tiny_llm(tiny_model_dir, dtype, monkeypatch, decode_rows=4 if dtype == torch.bfloat16 else 0)
 
 
 def _count_model_forwards(monkeypatch: pytest.MonkeyPatch) -> list[int]:

@@ -14,7 +14,7 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from tests.ci_skips import missing
-from tests.engine.conftest import reference
+from tests.engine.conftest import reference, tiny_llm
 from tests.engine.test_engine_exactness import random_prompts
 from worker.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from worker.engine.attention.cpu_kernel import paged_decode_available
@@ -143,14 +143,7 @@ def test_an_fp32_engine_on_fused_layers_matches_generate(tiny_model_dir: Path, c
 
 
 def _bf16_engine_on_decode_linear(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> LLM:
-    from worker.engine import model_runner
-
-    monkeypatch.setattr(model_runner, "decode_rows_for", lambda dtype: 4)  # as on an AVX-512 CPU
-    monkeypatch.setattr(model_runner, "decode_copy_fits", lambda model, available: True)
-    model, tokenizer = load_model(str(tiny_model_dir), torch.bfloat16, "cpu")
-    llm = LLM.__new__(LLM)
-    llm.engine, llm._next_id = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=256, block_size=4)), 0
-    return llm
+    return tiny_llm(tiny_model_dir, torch.bfloat16, monkeypatch, decode_rows=4)
 
 
 def test_a_decode_step_runs_each_layer_as_one_op_with_the_same_values(

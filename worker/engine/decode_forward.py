@@ -87,10 +87,6 @@ class DecodeForward:
         hidden = self.embed(input_ids.unsqueeze(0))
         cos, sin = self.rotary(hidden, positions.unsqueeze(0))
         for _, layer in self.layers:
-            # What FusedDecoderLayer.__call__ does with the engine's metadata, minus its kwargs.
-            if layer._one_op_applies(meta, hidden):
-                hidden = layer._one_op(meta, hidden, cos, sin)
-            else:
-                hidden = layer(hidden, position_embeddings=(cos, sin), inflightq_meta=meta)
+            hidden = layer.step(meta, hidden, cos, sin)  # what its __call__ runs, without the kwargs
         # The norm is per row: norming the kept rows only gives the values transformers' norm-then-slice does.
         return self.head(self.norm(hidden[:, keep]))[0]

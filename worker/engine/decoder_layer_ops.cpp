@@ -138,22 +138,8 @@ void silu_mul_columns(const scalar_t* gate, const scalar_t* up, scalar_t* y, int
 // The bf16 columns' loop with the widening and both roundings in vector registers: the scalar loop
 // above left them to the compiler, which kept bf16_bits' NaN branch per value scalar, and the op ran
 // at half the speed of torch's own silu then multiply on a 512-token prefill (646 vs 310 us,
-// [512, 1536], 2 threads). The same operations in the same order, so the same values.
-inline __m512 widen16(const c10::BFloat16* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
-// bf16_bits on 16 lanes: round to nearest even, NaN -> 0x7FC0; the bits in each lane's low half.
-inline __m512i bf16_bits16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-}
-
-inline __m512 bf16_round16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
-
+// [512, 1536], 2 threads). The same operations in the same order, so the same values (the vector
+// widening and roundings are rounding.h's, beside their scalar forms).
 template <>
 void silu_mul_columns<c10::BFloat16>(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* y, int64_t c0,
                                      int64_t c1, int64_t inter) {

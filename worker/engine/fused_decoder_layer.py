@@ -138,10 +138,15 @@ class FusedDecoderLayer:
                 position_embeddings=position_embeddings,
                 **kwargs,
             )
-        ops = torch.ops.inflightq
         cos, sin = position_embeddings
+        return self.step(meta, hidden_states, cos, sin)
+
+    def step(self, meta: Any, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The layer on the engine's metadata (``__call__`` once it has checked it applies;
+        ``decode_forward`` calls it directly): the one op where it applies, else the ops one by one."""
         if self._one_op_applies(meta, hidden_states):
             return self._one_op(meta, hidden_states, cos, sin)
+        ops = torch.ops.inflightq
         normed = ops.rms_norm(hidden_states, self.in_weight, self.in_eps)
         q, k, v = ops.rotary_split(
             self.qkv.matmul(normed), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim

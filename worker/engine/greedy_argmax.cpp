@@ -20,13 +20,12 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 using inflightq_rounding::widen;
+#if defined(__AVX512F__)
+using inflightq_rounding::widen16;
+#endif
 
 // Values [from, n) of a row after its first `from` values, whose largest is `best` (first at `best_index`).
 template <typename scalar_t>
@@ -40,16 +39,10 @@ int64_t finish_row(const scalar_t* row, int64_t from, int64_t n, float best, int
 }
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
 template <typename scalar_t>
 int64_t row_argmax(const scalar_t* row, int64_t n) {
   if (n < 16) return finish_row(row, 0, n, 0.f, -1);
-  __m512 best = load16(row);
+  __m512 best = widen16(row);
   __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
   if (nan) return __builtin_ctz(nan);
   const __m512i step = _mm512_set1_epi32(16);
@@ -57,7 +50,7 @@ int64_t row_argmax(const scalar_t* row, int64_t n) {
   __m512i best_index = index;
   const int64_t vector_end = n / 16 * 16;
   for (int64_t i = 16; i < vector_end; i += 16) {
-    const __m512 v = load16(row + i);
+    const __m512 v = widen16(row + i);
     index = _mm512_add_epi32(index, step);
     nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     if (nan) return i + __builtin_ctz(nan);
