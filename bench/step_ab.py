@@ -4,7 +4,8 @@ The default model is loaded once into an engine with every CPU kernel on. At eac
 decode steps then alternate between variants that switch kernels off in place (the same
 weights, KV cache and sequences): ``all`` (the default), ``no decode forward`` (transformers' model
 forward around the layers instead of ``decode_forward``'s loop), ``layouts apart`` (the decode layouts in
-allocations of their own, as the engine held them before ``gather_decode_layouts``), ``no one-op
+allocations of their own, as the engine held them before ``gather_decode_layouts``), ``4 KB pages``
+(the gathered buffer copied, offsets kept, into memory advised against huge pages), ``no one-op
 layer`` (the fused layer's ops called one by one from Python instead of ``decode_layer``), ``no
 decode_linear`` (small bf16 matmuls back on oneDNN), ``no fused layers`` (transformers' decoder
 layers over the fused projections and norms) and ``neither``. Interleaving step by step puts every variant under the
@@ -39,6 +40,7 @@ from bench.serve import machine
 VARIANTS = (
     "all",
     "layouts apart",
+    "4 KB pages",
     "no decode forward",
     "no one-op layer",
     "no decode_linear",
@@ -66,10 +68,12 @@ def _switches(model: Any) -> tuple[Callable[..., None], Callable[..., None], int
     # Each layout copied into an allocation of its own, with one of the same size between them (the
     # oneDNN copy that PackedLinear packs just before it), as the engine held them before gathering.
     apart: list[tuple[torch.Tensor, torch.Tensor]] = [(torch.empty_like(t), t.clone()) for _, t in linears]
+    # The gathered buffer again, each layout at the same offset, in memory that asks for 4 KB pages.
+    small_pages = _small_page_copies([t for _, t in linears])
 
-    def set_linears(on: bool, gathered: bool = True) -> None:
-        for (linear, laid_out), (_, copy) in zip(linears, apart, strict=True):
-            linear.laid_out = (laid_out if gathered else copy) if on else None
+    def set_linears(on: bool, gathered: bool = True, huge_pages: bool = True) -> None:
+        for (linear, laid_out), (_, copy), small in zip(linears, apart, small_pages, strict=True):
+            linear.laid_out = ((laid_out if huge_pages else small) if gathered else copy) if on else None
 
     def set_layers(on: bool, one_op: bool = True) -> None:
         for module, forward in layers:
@@ -81,6 +85,21 @@ def _switches(model: Any) -> tuple[Callable[..., None], Callable[..., None], int
 
     weight_bytes = sum(laid_out.numel() * laid_out.element_size() for _, laid_out in linears)
     return set_linears, set_layers, len(linears), len(layers), weight_bytes
+
+
+def _small_page_copies(layouts: list[torch.Tensor]) -> list[torch.Tensor]:
+    from worker.engine.memory import anonymous_memory
+
+    if not layouts:
+        return []
+    base = min(t.data_ptr() for t in layouts)
+    end = max(t.data_ptr() + t.numel() * t.element_size() for t in layouts)
+    buffer = anonymous_memory((end - base) // 2, torch.bfloat16, huge_pages=False)
+    copies = []
+    for t in layouts:
+        start = (t.data_ptr() - base) // t.element_size()
+        copies.append(buffer[start : start + t.numel()].view(t.shape).copy_(t))
+    return copies
 
 
 def _weights_read(num_bytes: int) -> Callable[[], None]:
@@ -128,13 +147,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             kernel_linears = variant in (
                 "all",
                 "layouts apart",
+                "4 KB pages",
                 "no decode forward",
                 "no one-op layer",
                 "no fused layers",
             )
-            set_linears(kernel_linears, gathered=variant != "layouts apart")
+            set_linears(kernel_linears, gathered=variant != "layouts apart", huge_pages=variant != "4 KB pages")
             set_layers(
-                variant in ("all", "layouts apart", "no decode forward", "no one-op layer", "no decode_linear"),
+                variant
+                in ("all", "layouts apart", "4 KB pages", "no decode forward", "no one-op layer", "no decode_linear"),
                 one_op=variant != "no one-op layer",
             )
             if engine.runner.decode_forward is not None:

@@ -72,7 +72,14 @@ def run_to_end(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, list[Any
     raise AssertionError("engine did not finish")
 
 
-def tiny_llm(tiny_model_dir: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, *, decode_rows: int = 0) -> LLM:
+def tiny_llm(
+    tiny_model_dir: Path,
+    dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    decode_rows: int = 0,
+    enable_prefix_caching: bool = True,
+) -> LLM:
     """The tiny Llama in ``dtype`` in an ``LLM`` on the CPU kernels; ``decode_rows``: bf16 matmuls of up to
     that many rows on decode_linear (and decode steps' layers as one op), as on an AVX-512 CPU."""
     from worker.engine import model_runner
@@ -82,5 +89,6 @@ def tiny_llm(tiny_model_dir: Path, dtype: torch.dtype, monkeypatch: pytest.Monke
         monkeypatch.setattr(model_runner, "decode_copy_fits", lambda model, available: True)
     model, tokenizer = load_model(str(tiny_model_dir), dtype, "cpu")
     llm = LLM.__new__(LLM)
-    llm.engine, llm._next_id = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=256, block_size=4)), 0
+    config = EngineConfig(num_kv_blocks=256, block_size=4, enable_prefix_caching=enable_prefix_caching)
+    llm.engine, llm._next_id = LLMEngine(model, tokenizer, config), 0
     return llm

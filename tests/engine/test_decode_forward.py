@@ -31,8 +31,18 @@ def kernels() -> None:
 
 
 def _llm(tiny_model_dir: Path, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> LLM:
-    # bf16: the decode layers' one op, as on an AVX-512 CPU
-    return tiny_llm(tiny_model_dir, dtype, monkeypatch, decode_rows=4 if dtype == torch.bfloat16 else 0)
+    # bf16: the decode layers' one op, as on an AVX-512 CPU. No prefix cache: the tests run the same
+    # prompts twice, and a cached prompt's second prefill computes only its tail, a matmul of fewer rows,
+    # whose last bits differ on CPUs whose matmuls are not batch-invariant (fp32 on the AVX512-BF16
+    # EPYC, bf16 on AMX Xeons; the README's "Not supported yet") -- a difference of the prefill, not
+    # of the decode steps these tests compare.
+    return tiny_llm(
+        tiny_model_dir,
+        dtype,
+        monkeypatch,
+        decode_rows=4 if dtype == torch.bfloat16 else 0,
+        enable_prefix_caching=False,
+    )
 
 
 def _count_model_forwards(monkeypatch: pytest.MonkeyPatch) -> list[int]:

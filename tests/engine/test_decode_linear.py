@@ -27,6 +27,7 @@ from worker.engine.fast_linear import (
     prepack_supported,
 )
 from worker.engine.hardware import cpu_has_avx512, cpu_has_fast_bf16
+from worker.engine.memory import HUGE_PAGE_BYTES
 from worker.engine.model_loader import load_model
 
 
@@ -189,7 +190,8 @@ def test_an_engine_keeps_its_decode_layouts_back_to_back_in_the_forward_order(
     assert linears[-1] is model.lm_head.forward
     layouts = [linear.laid_out for linear in linears]
     storage = layouts[0].untyped_storage().data_ptr()  # type: ignore[union-attr]
-    offset = 0
+    offset = layouts[0].storage_offset()  # type: ignore[union-attr]
+    assert layouts[0].data_ptr() % HUGE_PAGE_BYTES == 0  # type: ignore[union-attr]  # memory that can take 2 MB pages
     for layout, before in zip(layouts, expected, strict=True):
         assert layout is not None and layout.untyped_storage().data_ptr() == storage
         assert layout.storage_offset() == offset and layout.is_contiguous()

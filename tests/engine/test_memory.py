@@ -1,5 +1,6 @@
 """KV sizing reads the memory cgroup: a worker in a container with a memory limit sizes its cache
-from what the limit leaves, not from the host's MemAvailable (which a container reads too)."""
+from what the limit leaves, not from the host's MemAvailable (which a container reads too). And the
+weights' memory asks the kernel for 2 MB pages."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.engine.memory import auto_num_kv_blocks, available_memory_bytes, cgroup_memory_headroom
+from worker.engine.memory import (
+    HUGE_PAGE_BYTES,
+    anonymous_memory,
+    auto_num_kv_blocks,
+    available_memory_bytes,
+    cgroup_memory_headroom,
+)
 
 GiB = 1 << 30
 
@@ -69,3 +76,41 @@ def test_available_memory_is_at_most_the_host_s() -> None:
     meminfo = Path("/proc/meminfo").read_text()
     total = next(int(line.split()[1]) * 1024 for line in meminfo.splitlines() if line.startswith("MemTotal:"))
     assert 0 < available_memory_bytes(torch.device("cpu")) <= total
+
+
+def _thp_eligible(address: int) -> int | None:
+    """smaps' THPeligible for the mapping holding ``address`` (None where the kernel does not say)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "THPeligible:":
+            return int(line.split()[1])
+    return None
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+def test_anonymous_memory_is_zeros_aligned_to_a_huge_page() -> None:
+    t = anonymous_memory(3 * HUGE_PAGE_BYTES // 2 + 7, torch.bfloat16)
+    assert t.dtype == torch.bfloat16 and t.shape == (3 * HUGE_PAGE_BYTES // 2 + 7,)
+    assert t.data_ptr() % HUGE_PAGE_BYTES == 0  # a huge page backs only an aligned 2 MB
+    assert not t.any()
+    t[-1] = 1.5  # writable to its last element
+    assert t[-1].item() == 1.5 and t.sum().item() == 1.5
+
+
+@pytest.mark.skipif(_thp_mode() in (None, "never"), reason="this kernel gives no transparent huge pages")
+def test_anonymous_memory_asks_for_huge_pages_or_refuses_them() -> None:
+    huge = anonymous_memory(4 * HUGE_PAGE_BYTES, torch.uint8)
+    small = anonymous_memory(4 * HUGE_PAGE_BYTES, torch.uint8, huge_pages=False)
+    assert _thp_eligible(huge.data_ptr()) == 1
+    assert _thp_eligible(small.data_ptr()) == 0

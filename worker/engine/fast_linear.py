@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from worker.engine.hardware import cpu_has_avx512, cpu_has_fast_bf16
+from worker.engine.memory import anonymous_memory
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)  # float64 stays on plain F.linear (exactness tests)
 KERNEL_MAX_ROWS = 16  # the most rows the decode_linear op takes
@@ -149,11 +150,13 @@ def gather_decode_layouts(model: nn.Module) -> int:
     A decode step of a few rows is a stream of these weights. Allocated one by one they lie apart,
     and each call's stream starts cold; back to back in the order the step reads them, a model's
     linears at one row ran 1.05-1.09x faster (bench/results/decode-linear-prefetch-2026-12-03-*).
+    The buffer asks for 2 MB pages (``anonymous_memory``): in 4 KB ones the hardware prefetcher
+    stops at every page, every 64 cache lines of the stream.
     Same values, so the same results. While copying, the buffer and the layouts not yet moved both
     exist: up to twice the second copy that ``decode_copy_fits`` admitted, for a moment."""
     linears = decode_layouts_in_order(model)  # each with a layout, so ``laid_out`` is never None below
     total = sum(linear.laid_out.numel() for linear in linears)  # type: ignore[union-attr]
-    arena = torch.empty(total, dtype=torch.bfloat16)
+    arena = anonymous_memory(total, torch.bfloat16)  # in 2 MB pages where the kernel has them
     offset = 0
     for linear in linears:
         old: torch.Tensor = linear.laid_out  # type: ignore[assignment]

@@ -90,10 +90,39 @@ def auto_num_kv_blocks(
     return max(16, min(budget // bytes_per_block, max_blocks))
 
 
+HUGE_PAGE_BYTES = 2 << 20  # x86-64's transparent huge page
+
+
+def anonymous_memory(count: int, dtype: torch.dtype, *, huge_pages: bool = True) -> torch.Tensor:
+    """``count`` zeros of ``dtype`` in private anonymous memory: committed page by page on first
+    touch, and advised (``madvise``) to be backed by 2 MB pages, or explicitly not.
+
+    A decode step streams every weight once and, at 32 streams, the KV blocks of every sequence; in
+    4 KB pages that is a TLB miss and a stop of the hardware prefetcher (which does not cross a
+    page) every 64 cache lines. Boxes whose transparent huge pages are ``madvise`` (the default of
+    most distributions) give 2 MB pages only to memory that asks. Private, not shared: a shared
+    anonymous map is shmem, whose huge pages are a separate setting (off by default). Where the
+    kernel has no huge pages the advice is a no-op and the memory is plain 4 KB pages."""
+    size = max(1, count) * torch.empty((), dtype=dtype).element_size()  # an mmap cannot be empty
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    buffer = mmap.mmap(-1, size + HUGE_PAGE_BYTES, flags=flags) if flags else mmap.mmap(-1, size + HUGE_PAGE_BYTES)
+    flat = torch.frombuffer(buffer, dtype=torch.uint8)  # the tensor keeps the mmap alive
+    start = (-flat.data_ptr()) % HUGE_PAGE_BYTES  # a huge page backs only a 2 MB-aligned range
+    advice = getattr(mmap, "MADV_HUGEPAGE" if huge_pages else "MADV_NOHUGEPAGE", None)
+    if advice is not None:
+        try:
+            buffer.madvise(advice, start, size)
+        except OSError:  # a kernel built without transparent huge pages refuses the advice: 4 KB pages
+            pass
+    return flat[start : start + size].view(dtype)[:count]
+
+
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros that cost memory only where written. On CPU an anonymous mmap hands out zero pages
     on first touch, so a KV cache sized for the worst case commits only what sequences fill
-    (torch.zeros would commit it all at once on a box shared with other processes)."""
+    (torch.zeros would commit it all at once on a box shared with other processes). In 4 KB pages:
+    the KV cache in 2 MB ones (``anonymous_memory``) served a 32-request run no faster, and would
+    commit memory 2 MB at a time."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
