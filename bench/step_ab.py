@@ -2,15 +2,24 @@
 
 The default model is loaded once into an engine with every CPU kernel on. At each batch size,
 decode steps then alternate between variants that switch kernels off in place (the same
-weights, KV cache and sequences): ``all`` (the default), ``no decode forward`` (transformers' model
-forward around the layers instead of ``decode_forward``'s loop), ``layouts apart`` (the decode layouts in
-allocations of their own, as the engine held them before ``gather_decode_layouts``), ``4 KB pages``
-(the gathered buffer copied, offsets kept, into memory advised against huge pages), ``no one-op
-layer`` (the fused layer's ops called one by one from Python instead of ``decode_layer``), ``no
-decode_linear`` (small bf16 matmuls back on oneDNN), ``no fused layers`` (transformers' decoder
-layers over the fused projections and norms) and ``neither``. Interleaving step by step puts every variant under the
-same machine noise; each figure is a median over ``--steps`` steps per variant, and every ratio
-is against ``neither`` in the same run.
+weights, KV cache and sequences):
+
+- ``all``: the default;
+- ``each layer from Python``: ``decode_forward`` calls each layer's one op instead of all layers in
+  one ``decode_layers`` call;
+- ``layouts apart``: the decode layouts in allocations of their own, as the engine held them before
+  ``gather_decode_layouts``;
+- ``4 KB pages``: the gathered buffer copied, offsets kept, into memory advised against huge pages;
+- ``no decode forward``: transformers' model forward around the layers instead of
+  ``decode_forward``'s loop;
+- ``no one-op layer``: the fused layer's ops called one by one from Python instead of
+  ``decode_layer``;
+- ``no decode_linear``: small bf16 matmuls back on oneDNN;
+- ``no fused layers``: transformers' decoder layers over the fused projections and norms;
+- ``neither``.
+
+Interleaving step by step puts every variant under the same machine noise; each figure is a
+median over ``--steps`` steps per variant, and every ratio is against ``neither`` in the same run.
 
 Beside the variants, in the same rotation, ``weights read`` times one read of as many bytes as the
 step's matmul weights hold (one contiguous buffer, summed by torch on the same threads): at a few
@@ -39,6 +48,7 @@ from bench.serve import machine
 
 VARIANTS = (
     "all",
+    "each layer from Python",
     "layouts apart",
     "4 KB pages",
     "no decode forward",
@@ -146,6 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 times[FLOOR].append(time.perf_counter() - started)
             kernel_linears = variant in (
                 "all",
+                "each layer from Python",
                 "layouts apart",
                 "4 KB pages",
                 "no decode forward",
@@ -155,11 +166,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             set_linears(kernel_linears, gathered=variant != "layouts apart", huge_pages=variant != "4 KB pages")
             set_layers(
                 variant
-                in ("all", "layouts apart", "4 KB pages", "no decode forward", "no one-op layer", "no decode_linear"),
+                in (
+                    "all",
+                    "each layer from Python",
+                    "layouts apart",
+                    "4 KB pages",
+                    "no decode forward",
+                    "no one-op layer",
+                    "no decode_linear",
+                ),
                 one_op=variant != "no one-op layer",
             )
-            if engine.runner.decode_forward is not None:
-                engine.runner.decode_forward.enabled = variant != "no decode forward"
+            decode_forward = engine.runner.decode_forward
+            if decode_forward is not None:
+                decode_forward.enabled = variant != "no decode forward"
+                if decode_forward.all_layers is not None:
+                    decode_forward.all_layers.enabled = variant != "each layer from Python"
             started = time.perf_counter()
             engine.step()
             times[variant].append(time.perf_counter() - started)
@@ -167,6 +189,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         set_layers(True)
         if engine.runner.decode_forward is not None:
             engine.runner.decode_forward.enabled = True
+            if engine.runner.decode_forward.all_layers is not None:
+                engine.runner.decode_forward.all_layers.enabled = True
         for request_id in ids:
             engine.abort(request_id)
         medians = {v: statistics.median(t) * 1e3 for v, t in times.items()}

@@ -18,7 +18,7 @@ from tests.engine.conftest import reference, tiny_llm
 from tests.engine.test_engine_exactness import random_prompts
 from worker.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from worker.engine.attention.cpu_kernel import paged_decode_available
-from worker.engine.fused_decoder_layer import FusedDecoderLayer, fuse_decoder_layers
+from worker.engine.fused_decoder_layer import DecodeLayers, FusedDecoderLayer, fuse_decoder_layers
 from worker.engine.fused_norms import fuse_rms_norms
 from worker.engine.fused_projections import fuse_sibling_projections
 from worker.engine.model_loader import load_model
@@ -149,27 +149,36 @@ def _bf16_engine_on_decode_linear(tiny_model_dir: Path, monkeypatch: pytest.Monk
 def test_a_decode_step_runs_each_layer_as_one_op_with_the_same_values(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Decode steps of up to decode_rows sequences: one decode_layer call per layer, the same
-    ops in the same order as the Python forward, so the same logprobs to the last bit. Steps
-    with a prefill, or more sequences than the kernel takes, keep the Python forward."""
+    """Decode steps of up to decode_rows sequences: all layers in one decode_layers call, or (with that
+    off) one decode_layer call per layer -- the same ops in the same order as the Python forward, so
+    the same logprobs to the last bit. Steps with a prefill, or more sequences than the kernel
+    takes, keep the Python forward."""
     llm = _bf16_engine_on_decode_linear(tiny_model_dir, monkeypatch)
     layers = [m.__dict__["forward"] for m in llm.engine.runner.model.modules() if "forward" in m.__dict__]
     layers = [f for f in layers if isinstance(f, FusedDecoderLayer)]
     assert len(layers) == 2 and all(layer.one_op_rows == 4 for layer in layers)
+    decode_forward = llm.engine.runner.decode_forward
+    assert decode_forward is not None and decode_forward.all_layers is not None
     params = SamplingParams(max_new_tokens=8, logprobs=3)
     results = {}
-    for one_op in (True, False):
+    for mode in ("all layers", "each layer", "ops one by one"):
+        decode_forward.all_layers.enabled = mode == "all layers"
         for layer in layers:
-            layer.one_op = one_op
+            layer.one_op = mode != "ops one by one"
         for batch in (1, 4, 6):
             with torch.profiler.profile() as prof:
                 outs = llm.generate(random_prompts(batch, seed=batch), params)
-            calls = {e.key: e.count for e in prof.key_averages()}.get("inflightq::decode_layer", 0)
+            counts = {e.key: e.count for e in prof.key_averages()}
+            calls = (counts.get("inflightq::decode_layers", 0), counts.get("inflightq::decode_layer", 0))
             # 7 decode steps of 2 layers; with 6 sequences, more rows than decode_linear takes
-            assert calls == (2 * 7 if one_op and batch <= 4 else 0), (one_op, batch, calls)
-            results[one_op, batch] = [(o.token_ids, o.logprobs, o.top_logprobs) for o in outs]
+            fits = batch <= 4
+            expected = {"all layers": (7, 0) if fits else (0, 0), "each layer": (0, 2 * 7) if fits else (0, 0)}
+            assert calls == expected.get(mode, (0, 0)), (mode, batch, calls)
+            results[mode, batch] = [(o.token_ids, o.logprobs, o.top_logprobs) for o in outs]
+    decode_forward.all_layers.enabled = True
     for batch in (1, 4, 6):
-        assert results[True, batch] == results[False, batch]
+        assert results["all layers", batch] == results["ops one by one", batch]
+        assert results["each layer", batch] == results["ops one by one", batch]
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
 
 
@@ -186,5 +195,19 @@ def test_a_layer_whose_matmuls_are_not_all_on_decode_linear_keeps_the_python_for
     with torch.profiler.profile() as prof:
         outs = llm.generate(random_prompts(1, seed=0), SamplingParams(max_new_tokens=4))
     assert len(outs[0].token_ids) == 4
-    # 3 decode steps; the other layer still takes the one op
-    assert {e.key: e.count for e in prof.key_averages()}["inflightq::decode_layer"] == 3
+    # 3 decode steps; not all layers as one op, but the other layer still takes its own
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts["inflightq::decode_layer"] == 3 and "inflightq::decode_layers" not in counts
+
+
+def test_layers_that_differ_in_a_constant_are_not_run_as_one_op(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """decode_layers takes the eps, scale and sizes once for all layers: layers that differ keep one
+    op each."""
+    llm = _bf16_engine_on_decode_linear(tiny_model_dir, monkeypatch)
+    forwards = [m.__dict__.get("forward") for m in llm.engine.runner.model.modules()]
+    layers = [f for f in forwards if isinstance(f, FusedDecoderLayer)]
+    assert DecodeLayers.build(layers) is not None
+    layers[1].post_eps *= 2
+    assert DecodeLayers.build(layers) is None

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.engine.fused_decoder_layer import FusedDecoderLayer
+from worker.engine.fused_decoder_layer import DecodeLayers, FusedDecoderLayer
 
 
 @functools.cache
@@ -56,6 +56,8 @@ class DecodeForward:
         self.norm: nn.Module = body.norm
         self.head: nn.Module = model.get_output_embeddings()
         self.layers = layers
+        # All the layers as one op where every layer's one op applies (bf16 on decode_linear, few rows).
+        self.all_layers = DecodeLayers.build([forward for _, forward in layers])
         self.enabled = True  # bench.step_ab turns it off in place to measure what it saves
 
     @classmethod
@@ -86,7 +88,11 @@ class DecodeForward:
             return None
         hidden = self.embed(input_ids.unsqueeze(0))
         cos, sin = self.rotary(hidden, positions.unsqueeze(0))
-        for _, layer in self.layers:
-            hidden = layer.step(meta, hidden, cos, sin)  # what its __call__ runs, without the kwargs
+        out = self.all_layers(meta, hidden, cos, sin) if self.all_layers is not None else None
+        if out is not None:
+            hidden = out
+        else:
+            for _, layer in self.layers:
+                hidden = layer.step(meta, hidden, cos, sin)  # what its __call__ runs, without the kwargs
         # The norm is per row: norming the kept rows only gives the values transformers' norm-then-slice does.
         return self.head(self.norm(hidden[:, keep]))[0]

@@ -20,7 +20,8 @@ float64 models, a call without the engine's attention metadata) keeps transforme
 A decode-only step whose four projections all go through ``decode_linear`` (bf16, a few rows) on
 the CPU kernel attention backend runs the whole layer as one op instead (``decode_layer.cpp``):
 the same ops in the same order, called from C++, which saves their ~4-5 us each of calls from
-Python (bit for bit the same values).
+Python (bit for bit the same values). ``decode_forward`` goes one further: all the layers as one op
+(``DecodeLayers``, ``decode_layers`` in ``decode_layer.cpp``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def fused_layer_ops_available() -> bool:
     """Whether the CPU kernels' library (built by ``attention.cpu_kernel``) is loaded with the ops."""
     ops = getattr(torch.ops, "inflightq", None)
-    names = ("rotary_split", "add_rms_norm", "silu_mul", "decode_layer")
+    names = ("rotary_split", "add_rms_norm", "silu_mul", "decode_layer", "decode_layers")
     return ops is not None and all(hasattr(ops, name) for name in names)
 
 
@@ -215,3 +216,53 @@ def fuse_decoder_layers(model: nn.Module) -> int:
         layer.forward = FusedDecoderLayer(layer, qkv, gate_up, config.num_attention_heads)  # type: ignore[method-assign]
         count += 1
     return count
+
+
+class DecodeLayers:
+    """A model's fused layers, in order, run as one op (``decode_layers``) on a decode step where
+    every layer's one op applies: the same decode_layer per layer, looped in C++ instead of Python.
+    The sizes and constants it passes once are checked, at build, to be every layer's."""
+
+    def __init__(self, layers: list[FusedDecoderLayer]) -> None:
+        self.layers = layers
+        self.enabled = True  # bench.step_ab turns it off in place to measure what it saves
+
+    @classmethod
+    def build(cls, layers: list[FusedDecoderLayer]) -> DecodeLayers | None:
+        if not layers or not all(len(layer.packed) == 4 for layer in layers):
+            return None
+
+        def constants(layer: FusedDecoderLayer) -> tuple[Any, ...]:
+            sizes = tuple(p.out_features for p in layer.packed)
+            return (layer.in_eps, layer.post_eps, layer.scale, layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                    layer.one_op_rows, sizes)  # fmt: skip
+
+        if len({constants(layer) for layer in layers}) != 1:
+            return None
+        return cls(layers)
+
+    def __call__(self, meta: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """The last layer's output, or None where any layer's one op does not apply (the caller then
+        runs the layers one by one)."""
+        first = self.layers[0]
+        if not self.enabled or not first._one_op_applies(meta, hidden):  # the step's conditions, and layer 0's
+            return None
+        layers = self.layers
+        if not all(layer.one_op for layer in layers):
+            return None
+        qkv, o, gate_up, down = (list(column) for column in zip(*(layer.packed for layer in layers), strict=True))
+        weights = [[p.laid_out for p in column] for column in (qkv, o, gate_up, down)]
+        if any(w is None for column in weights for w in column):
+            return None
+        caches = [meta.kv_caches[layer.layer_idx] for layer in layers]
+        return torch.ops.inflightq.decode_layers(
+            hidden, [layer.in_weight for layer in layers], first.in_eps,
+            weights[0], [p.bias32 for p in qkv], qkv[0].out_features,
+            cos, sin, first.num_heads, first.num_kv_heads, first.head_dim,
+            [k for k, _ in caches], [v for _, v in caches], meta.slot_mapping,
+            meta.decode_blocks.view(meta.num_decodes, -1), meta.decode_context_lens, meta.block_size, first.scale,
+            weights[1], [p.bias32 for p in o], o[0].out_features,
+            [layer.post_weight for layer in layers], first.post_eps,
+            weights[2], [p.bias32 for p in gate_up], gate_up[0].out_features,
+            weights[3], [p.bias32 for p in down], down[0].out_features,
+        )  # fmt: skip
