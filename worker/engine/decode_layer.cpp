@@ -90,8 +90,9 @@ at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& in_weight, d
 // each layer's weights (PackedLinear's laid-out weight and fp32 bias or none) and KV caches; the
 // sizes and constants are every layer's (the caller checks that they agree). Called once per step
 // instead of once per layer from Python, which parsed decode_layer's 29 arguments and ran its
-// checks 30 times: ~1.1 ms of a 10-12 ms batch-1 step on the 2-core AVX512-BF16 EPYC
-// (bench/results/epyc-box-2026-12-03.md). The same function on the same tensors: the same values.
+// checks 30 times: a batch-1 step 1.02x and a batch-4 step 1.03x faster on the 2-core AVX512-BF16
+// EPYC (bench.step_ab's "each layer from Python"; bench/results/epyc-box-2026-12-03.md). The same
+// function on the same tensors: the same values.
 at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList in_weight, double in_eps, at::TensorList qkv,
                          const c10::List<std::optional<at::Tensor>>& qkv_bias, int64_t qkv_out, const at::Tensor& cos,
                          const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,

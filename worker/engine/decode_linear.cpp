@@ -60,7 +60,7 @@ using inflightq_rounding::widen_bf16_bits;
 // The 16-lane sums of four accumulators as one 4-lane vector: [sum(a), sum(b), sum(c), sum(d)].
 // One tree of adds for all four (pairs of lanes, then across the 128-bit quarters), instead of four
 // _mm512_reduce_add_ps: ~13 instructions for four sums instead of ~32, which at 2-4 input rows
-// was a third of the kernel's instructions (K = 576: 18 chunks per block).
+// were about a third of the kernel's instructions by count (K = 576: 18 chunks per block).
 static_assert(BLOCK_ROWS == 4, "sum4 and the 8-byte store take a block's rows four at a time");
 inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   // In each 128-bit quarter: [a0+a2, b0+b2, a1+a3, b1+b3] and the same for c, d
