@@ -211,3 +211,29 @@ def test_layers_that_differ_in_a_constant_are_not_run_as_one_op(
     assert DecodeLayers.build(layers) is not None
     layers[1].post_eps *= 2
     assert DecodeLayers.build(layers) is None
+
+
+def _rotate_twice(x: torch.Tensor) -> torch.Tensor:
+    return x.flip(-1).flip(-1)
+
+
+def test_the_source_check_sees_through_a_module_wrapping_the_function() -> None:
+    """transformers >= 5.25 with the ``kernels`` package wraps ``apply_rotary_pos_emb`` in an
+    ``nn.Module`` calling it from a closure; the check reads the wrapped function's source."""
+    import inspect
+    from types import SimpleNamespace
+
+    from worker.engine.fused_decoder_layer import _function_source
+
+    def wrap(func: Any) -> torch.nn.Module:
+        class Func(torch.nn.Module):
+            def forward(self, *args: Any) -> Any:
+                return func(*args)
+
+        return Func()
+
+    source = inspect.getsource(_rotate_twice)
+    assert _function_source(SimpleNamespace(_rotate_twice=_rotate_twice), "_rotate_twice") == source
+    assert _function_source(SimpleNamespace(_rotate_twice=wrap(_rotate_twice)), "_rotate_twice") == source
+    with pytest.raises(TypeError):
+        _function_source(SimpleNamespace(_rotate_twice=torch.nn.Identity()), "_rotate_twice")

@@ -49,6 +49,21 @@ def fused_layer_ops_available() -> bool:
     return ops is not None and all(hasattr(ops, name) for name in names)
 
 
+def _function_source(module: Any, name: str) -> str:
+    """The source of ``module.name``, a function; transformers >= 5.25 (with the ``kernels`` package)
+    wraps some, ``apply_rotary_pos_emb`` among them, in an ``nn.Module`` whose ``forward`` calls the
+    function from its closure: the source is then that function's."""
+    obj = getattr(module, name)
+    if inspect.isfunction(obj):
+        return inspect.getsource(obj)
+    forward = getattr(type(obj), "forward", None)
+    for cell in getattr(forward, "__closure__", None) or ():
+        inner = cell.cell_contents
+        if inspect.isfunction(inner) and inner.__name__ == name:
+            return inspect.getsource(inner)
+    raise TypeError(f"{name} is neither a function nor a module wrapping one")
+
+
 @functools.cache
 def _llama_sources() -> dict[str, str]:
     from transformers.models.llama import modeling_llama as llama
@@ -57,7 +72,7 @@ def _llama_sources() -> dict[str, str]:
         "layer": inspect.getsource(llama.LlamaDecoderLayer.forward),
         "attention": inspect.getsource(llama.LlamaAttention.forward),
         "mlp": inspect.getsource(llama.LlamaMLP.forward),
-        "rotary": inspect.getsource(llama.apply_rotary_pos_emb) + inspect.getsource(llama.rotate_half),
+        "rotary": _function_source(llama, "apply_rotary_pos_emb") + _function_source(llama, "rotate_half"),
     }
 
 
@@ -65,7 +80,7 @@ def _llama_sources() -> dict[str, str]:
 def _has_llama_code(layer_cls: type, attention_cls: type, mlp_cls: type) -> bool:
     try:
         module = sys.modules[attention_cls.__module__]
-        rotary = inspect.getsource(module.apply_rotary_pos_emb) + inspect.getsource(module.rotate_half)
+        rotary = _function_source(module, "apply_rotary_pos_emb") + _function_source(module, "rotate_half")
         sources = {
             "layer": inspect.getsource(layer_cls.forward),
             "attention": inspect.getsource(attention_cls.forward),
