@@ -139,6 +139,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     set_linears, set_layers, num_linears, num_layers, weight_bytes = _switches(model)
     read_weights = _weights_read(weight_bytes)
     prompt = tokenizer.encode("Tell me a long story about a brave mouse who sails the sea.")
+
+    def switch_to(variant: str) -> None:
+        """Every switch as ``variant`` sets it, in place (``all``: everything back on)."""
+        set_linears(
+            variant not in ("no decode_linear", "neither"),
+            gathered=variant != "layouts apart",
+            huge_pages=variant != "4 KB pages",
+        )
+        set_layers(variant not in ("no fused layers", "neither"), one_op=variant != "no one-op layer")
+        decode_forward = engine.runner.decode_forward
+        if decode_forward is not None:
+            decode_forward.enabled = variant != "no decode forward"
+            if decode_forward.all_layers is not None:
+                decode_forward.all_layers.enabled = variant != "each layer from Python"
+
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         ids = [f"{batch}-{i}" for i in range(batch)]
@@ -154,43 +169,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 started = time.perf_counter()
                 read_weights()
                 times[FLOOR].append(time.perf_counter() - started)
-            kernel_linears = variant in (
-                "all",
-                "each layer from Python",
-                "layouts apart",
-                "4 KB pages",
-                "no decode forward",
-                "no one-op layer",
-                "no fused layers",
-            )
-            set_linears(kernel_linears, gathered=variant != "layouts apart", huge_pages=variant != "4 KB pages")
-            set_layers(
-                variant
-                in (
-                    "all",
-                    "each layer from Python",
-                    "layouts apart",
-                    "4 KB pages",
-                    "no decode forward",
-                    "no one-op layer",
-                    "no decode_linear",
-                ),
-                one_op=variant != "no one-op layer",
-            )
-            decode_forward = engine.runner.decode_forward
-            if decode_forward is not None:
-                decode_forward.enabled = variant != "no decode forward"
-                if decode_forward.all_layers is not None:
-                    decode_forward.all_layers.enabled = variant != "each layer from Python"
+            switch_to(variant)
             started = time.perf_counter()
             engine.step()
             times[variant].append(time.perf_counter() - started)
-        set_linears(True)
-        set_layers(True)
-        if engine.runner.decode_forward is not None:
-            engine.runner.decode_forward.enabled = True
-            if engine.runner.decode_forward.all_layers is not None:
-                engine.runner.decode_forward.all_layers.enabled = True
+        switch_to("all")
         for request_id in ids:
             engine.abort(request_id)
         medians = {v: statistics.median(t) * 1e3 for v, t in times.items()}

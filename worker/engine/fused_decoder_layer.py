@@ -240,6 +240,15 @@ class DecodeLayers:
 
     def __init__(self, layers: list[FusedDecoderLayer]) -> None:
         self.layers = layers
+        # What stays put, gathered once: per projection (q/k/v, o, gate/up, down) its PackedLinears and
+        # fp32 biases, and the norms' weights. The laid-out weights are read per step (bench.step_ab
+        # swaps them in place).
+        self.columns: list[list[PackedLinear]] = [
+            list(c) for c in zip(*(layer.packed for layer in layers), strict=True)
+        ]
+        self.biases = [[p.bias32 for p in column] for column in self.columns]
+        self.in_weights = [layer.in_weight for layer in layers]
+        self.post_weights = [layer.post_weight for layer in layers]
         self.enabled = True  # bench.step_ab turns it off in place to measure what it saves
 
     @classmethod
@@ -265,19 +274,19 @@ class DecodeLayers:
         layers = self.layers
         if not all(layer.one_op for layer in layers):
             return None
-        qkv, o, gate_up, down = (list(column) for column in zip(*(layer.packed for layer in layers), strict=True))
-        weights = [[p.laid_out for p in column] for column in (qkv, o, gate_up, down)]
+        weights = [[p.laid_out for p in column] for column in self.columns]
         if any(w is None for column in weights for w in column):
             return None
         caches = [meta.kv_caches[layer.layer_idx] for layer in layers]
+        qkv, o, gate_up, down = (column[0].out_features for column in self.columns)
         return torch.ops.inflightq.decode_layers(
-            hidden, [layer.in_weight for layer in layers], first.in_eps,
-            weights[0], [p.bias32 for p in qkv], qkv[0].out_features,
+            hidden, self.in_weights, first.in_eps,
+            weights[0], self.biases[0], qkv,
             cos, sin, first.num_heads, first.num_kv_heads, first.head_dim,
             [k for k, _ in caches], [v for _, v in caches], meta.slot_mapping,
             meta.decode_blocks.view(meta.num_decodes, -1), meta.decode_context_lens, meta.block_size, first.scale,
-            weights[1], [p.bias32 for p in o], o[0].out_features,
-            [layer.post_weight for layer in layers], first.post_eps,
-            weights[2], [p.bias32 for p in gate_up], gate_up[0].out_features,
-            weights[3], [p.bias32 for p in down], down[0].out_features,
+            weights[1], self.biases[1], o,
+            self.post_weights, first.post_eps,
+            weights[2], self.biases[2], gate_up,
+            weights[3], self.biases[3], down,
         )  # fmt: skip
