@@ -4,11 +4,15 @@ and logprobs are those of the raw logits."""
 from __future__ import annotations
 
 import math
+import shutil
 from collections import Counter
+from dataclasses import dataclass
 
 import pytest
 import torch
 
+from tests.ci_skips import missing
+from worker.engine.attention.cpu_kernel import paged_decode_available
 from worker.engine.sampler import NUM_CANDIDATES, Sampler, SamplerOutput, SamplingRow
 from worker.engine.sampling_filters import _top_p_full, _typical_p_full, filter_candidates, filter_full
 from worker.engine.sampling_params import SamplingParams
@@ -29,11 +33,23 @@ def row(
     return SamplingRow(rid, params, prompt or [], output, len(output) if index is None else index)
 
 
-def draw_many(
-    logits_row: torch.Tensor, params: SamplingParams, n: int, num_candidates: int = NUM_CANDIDATES
-) -> Counter[int]:
+@dataclass(frozen=True)
+class Path:
+    """Which way the sampler draws: the sample_rows kernel, or the torch path with K candidates."""
+
+    kernel: bool
+    num_candidates: int = NUM_CANDIDATES
+
+    def sampler(self, vocab: int = VOCAB) -> Sampler:
+        return Sampler(vocab, torch.device("cpu"), self.num_candidates, kernel=self.kernel)
+
+
+KERNEL, TORCH = Path(kernel=True), Path(kernel=False)
+
+
+def draw_many(logits_row: torch.Tensor, params: SamplingParams, n: int, path: Path = KERNEL) -> Counter[int]:
     """n independent draws from one logits row: n rows with seeds 0.. in one batch."""
-    sampler = Sampler(logits_row.shape[-1], torch.device("cpu"), num_candidates)
+    sampler = path.sampler(logits_row.shape[-1])
     rows = [row(SamplingParams(**{**vars(params), "seed": i}), rid=str(i)) for i in range(n)]
     out = sampler.sample(logits_row.expand(n, -1).clone(), rows)
     return Counter(out.token_ids)
@@ -48,10 +64,20 @@ def sampler() -> Sampler:
     return Sampler(VOCAB, torch.device("cpu"))
 
 
-@pytest.fixture(params=[NUM_CANDIDATES, 2], ids=["candidates", "few-candidates"])
-def num_candidates(request: pytest.FixtureRequest) -> int:
-    """Filters run on each row's top-K candidates when exact, else on the whole vocabulary:
-    with K = 2 most of these cases take the whole-vocabulary path."""
+@pytest.fixture(scope="module", autouse=True)
+def kernels() -> None:
+    """The kernel path is tested wherever it can run: on a CPU with a compiler the sampler uses it."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip(missing("a C++ compiler (the sampler keeps its torch path without one)", "apt-get install g++"))
+    assert paged_decode_available(), "the CPU kernels failed to build although a compiler is present"
+
+
+@pytest.fixture(
+    params=[KERNEL, TORCH, Path(kernel=False, num_candidates=2)], ids=["kernel", "candidates", "few-candidates"]
+)
+def path(request: pytest.FixtureRequest) -> Path:
+    """The kernel (sample_rows.cpp), or the torch path: filters on each row's top-K candidates when
+    exact, else on the whole vocabulary (with K = 2 most of these cases take the latter)."""
     return request.param
 
 
@@ -114,49 +140,45 @@ def test_temperature_reshapes_the_distribution() -> None:
         assert chi_square(counts, other, n) > 200
 
 
-def test_top_k_one_equals_greedy(num_candidates: int) -> None:
+def test_top_k_one_equals_greedy(path: Path) -> None:
     logits = torch.randn(50, VOCAB, generator=torch.Generator().manual_seed(3))
     rows = [row(SamplingParams(temperature=5.0, top_k=1, seed=i), rid=str(i)) for i in range(50)]
-    assert (
-        Sampler(VOCAB, torch.device("cpu"), num_candidates).sample(logits, rows).token_ids == logits.argmax(-1).tolist()
-    )
+    assert path.sampler().sample(logits, rows).token_ids == logits.argmax(-1).tolist()
 
 
-def test_top_k_keeps_only_the_k_most_likely(num_candidates: int) -> None:
+def test_top_k_keeps_only_the_k_most_likely(path: Path) -> None:
     logits = torch.linspace(0.0, 1.0, VOCAB)  # nearly flat: without top_k, draws spread everywhere
-    counts = draw_many(logits, SamplingParams(temperature=1.0, top_k=3), 600, num_candidates)
+    counts = draw_many(logits, SamplingParams(temperature=1.0, top_k=3), 600, path)
     assert set(counts) == {VOCAB - 1, VOCAB - 2, VOCAB - 3}
-    assert len(draw_many(logits, SamplingParams(temperature=1.0), 600, num_candidates)) > 20
+    assert len(draw_many(logits, SamplingParams(temperature=1.0), 600, path)) > 20
 
 
-def test_tiny_top_p_equals_greedy(num_candidates: int) -> None:
+def test_tiny_top_p_equals_greedy(path: Path) -> None:
     logits = torch.randn(50, VOCAB, generator=torch.Generator().manual_seed(4))
     rows = [row(SamplingParams(temperature=5.0, top_p=1e-6, seed=i), rid=str(i)) for i in range(50)]
-    assert (
-        Sampler(VOCAB, torch.device("cpu"), num_candidates).sample(logits, rows).token_ids == logits.argmax(-1).tolist()
-    )
+    assert path.sampler().sample(logits, rows).token_ids == logits.argmax(-1).tolist()
 
 
-def test_top_p_keeps_the_smallest_set_reaching_the_mass(num_candidates: int) -> None:
+def test_top_p_keeps_the_smallest_set_reaching_the_mass(path: Path) -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    counts = draw_many(probs.log(), SamplingParams(temperature=1.0, top_p=0.75), 1000, num_candidates)
+    counts = draw_many(probs.log(), SamplingParams(temperature=1.0, top_p=0.75), 1000, path)
     assert set(counts) == {0, 1}  # 0.5 < 0.75 <= 0.8
-    assert set(draw_many(probs.log(), SamplingParams(temperature=1.0, top_p=0.85), 1000, num_candidates)) == {0, 1, 2}
+    assert set(draw_many(probs.log(), SamplingParams(temperature=1.0, top_p=0.85), 1000, path)) == {0, 1, 2}
 
 
-def test_min_p_drops_tokens_below_a_share_of_the_best(num_candidates: int) -> None:
+def test_min_p_drops_tokens_below_a_share_of_the_best(path: Path) -> None:
     probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.1])
-    counts = draw_many(probs.log(), SamplingParams(temperature=1.0, min_p=0.5), 1000, num_candidates)
+    counts = draw_many(probs.log(), SamplingParams(temperature=1.0, min_p=0.5), 1000, path)
     assert set(counts) == {0, 1}  # threshold 0.2
-    assert set(draw_many(probs.log(), SamplingParams(temperature=1.0), 1000, num_candidates)) == {0, 1, 2, 3, 4}
+    assert set(draw_many(probs.log(), SamplingParams(temperature=1.0), 1000, path)) == {0, 1, 2, 3, 4}
 
 
-def test_typical_p_keeps_the_most_typical_tokens_not_the_most_likely(num_candidates: int) -> None:
+def test_typical_p_keeps_the_most_typical_tokens_not_the_most_likely(path: Path) -> None:
     # Entropy 1.09 nats; surprise of token 0 is 0.92, of tokens 1 and 2 is 1.20: tokens 1 and 2
     # are the typical ones, so typical_p=0.5 drops the most likely token.
     probs = torch.tensor([0.4, 0.3, 0.3])
-    assert set(draw_many(probs.log(), SamplingParams(temperature=1.0, typical_p=0.5), 500, num_candidates)) == {1, 2}
-    assert set(draw_many(probs.log(), SamplingParams(temperature=1.0), 500, num_candidates)) == {0, 1, 2}
+    assert set(draw_many(probs.log(), SamplingParams(temperature=1.0, typical_p=0.5), 500, path)) == {1, 2}
+    assert set(draw_many(probs.log(), SamplingParams(temperature=1.0), 500, path)) == {0, 1, 2}
 
 
 def reference_keep(probs: list[float], mass: float, key: list[float]) -> set[int]:
@@ -239,7 +261,7 @@ def test_the_candidates_settle_a_row_only_when_nothing_outside_them_survives(
         assert torch.isfinite(filter_candidates(flat, [params], 32).logits).sum() == 10
 
 
-def test_sampling_follows_the_processed_distribution(num_candidates: int) -> None:
+def test_sampling_follows_the_processed_distribution(path: Path) -> None:
     logits = torch.tensor([1.0, 0.8, 0.6, 0.4, 0.2, 0.0, -3.0, -4.0])
     params = SamplingParams(temperature=0.7, top_k=6, top_p=0.9)
     n = 3000
@@ -251,7 +273,7 @@ def test_sampling_follows_the_processed_distribution(num_candidates: int) -> Non
     before = probs[order].cumsum(0) - probs[order]
     x[order[before >= 0.9]] = NEG
     expected = torch.softmax(x, -1)
-    counts = draw_many(logits, params, n, num_candidates)
+    counts = draw_many(logits, params, n, path)
     assert chi_square(counts, expected, n) < 25.0
 
 

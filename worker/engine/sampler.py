@@ -12,7 +12,12 @@ Seeded draws: a draw is an inverse-CDF lookup of one uniform number per row, and
 number is a hash of (seed, index). Its token therefore depends only on its own logits, seed and
 position, never on its neighbours in the batch, and a request resumed at index k after a crash
 draws exactly what it would have. One number per row instead of a vocabulary's worth of noise
-(an exponential race) makes a full-vocabulary draw a softmax, a cumsum and a search."""
+(an exponential race) makes a full-vocabulary draw a softmax, a cumsum and a search.
+
+On a CPU with the kernels built, rows without typical_p are filtered and drawn by one op,
+``sample_rows`` (sample_rows.cpp), straight from the model's bf16 or fp32 logits: the same
+filters and the same inverse-CDF draw of the same uniform number, at a fraction of the torch
+path's cost (which stays for typical_p, float64 and other devices)."""
 
 from __future__ import annotations
 
@@ -81,10 +86,18 @@ def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device | str, num_candidates: int = NUM_CANDIDATES) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device | str,
+        num_candidates: int = NUM_CANDIDATES,
+        *,
+        kernel: bool = True,
+    ) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.num_candidates = num_candidates
+        self.kernel = kernel  # False: always the torch path (tests compare the two)
         self._penalties = PenaltyTracker(vocab_size, self.device)
 
     def release(self, request_id: str) -> None:
@@ -93,18 +106,17 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         if logits.shape[-1] != self.vocab_size:
             logits = logits[:, : self.vocab_size]  # models pad their embedding past the tokenizer's vocab
-        for row in rows:
-            p = row.params
-            special = p.needs_history or p.watermark or row.allowed is not None
-            if p.temperature != 0.0 or p.logprobs is not None or special:
-                if logits.element_size() < 4:
-                    logits = logits.float()
-                return self._sample_general(logits, rows)
+        needs_fp32 = any(r.params.logprobs is not None or _is_special(r) for r in rows)
+        if needs_fp32 or any(r.params.temperature != 0.0 for r in rows):
+            if needs_fp32 and logits.element_size() < 4:
+                logits = logits.float()  # logprobs, masks and penalties work on an fp32 copy
+            return self._sample_general(logits, rows)
         # The engine step is bound by overhead: all-greedy batches pay one argmax and nothing else.
         return SamplerOutput(greedy_pick(logits).tolist(), None, None)
 
     def _sample_general(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        # fp64 stays fp64 so exact greedy tests stay exact; everything else is fp32 by now.
+        # fp64 stays fp64 so exact greedy tests stay exact. bf16 reaches here only for rows that just
+        # sample (no logprobs, penalties, watermark or grammar): sample_rows reads it as it is.
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
@@ -143,12 +155,9 @@ class Sampler:
             )
 
         sampled = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
-        if len(sampled) == len(rows):
-            tokens = self._draw(x, rows)
-        else:
-            tokens = x.argmax(dim=-1)
-            if sampled:
-                tokens[sampled] = self._draw(x[sampled], [rows[i] for i in sampled])
+        tokens = greedy_pick(x) if len(sampled) < len(rows) else torch.empty(len(rows), dtype=torch.long)
+        if sampled:
+            tokens[sampled] = self._draw(x, sampled, rows)
         token_list = tokens.tolist()
 
         if logprobs is None:
@@ -164,7 +173,39 @@ class Sampler:
                 top[i] = list(zip(all_ids[i][:n], all_values[i][:n], strict=True))
         return SamplerOutput(token_list, chosen, top)
 
-    def _draw(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def _draw(self, x: torch.Tensor, sampled: Sequence[int], rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """One token for each row of ``x`` (logits after penalties) listed in ``sampled``."""
+        by_kernel = [i for i in sampled if self._kernel_draws(x, rows[i].params)]
+        rest = [i for i in sampled if not self._kernel_draws(x, rows[i].params)]
+        tokens = torch.empty(len(x), dtype=torch.long, device=x.device)
+        if by_kernel:
+            params = [rows[i].params for i in by_kernel]
+            tokens[by_kernel] = torch.ops.inflightq.sample_rows(
+                x,
+                torch.tensor(by_kernel, dtype=torch.long),
+                torch.tensor([p.temperature for p in params], dtype=torch.float32),
+                torch.tensor([p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in params], dtype=torch.long),
+                torch.tensor([p.top_p for p in params], dtype=torch.float64),
+                torch.tensor([p.min_p for p in params], dtype=torch.float32),
+                _uniforms([rows[i] for i in by_kernel]),
+            )
+        if rest:
+            sub = x[rest]
+            if sub.element_size() < 4:
+                sub = sub.float()
+            tokens[rest] = self._draw_torch(sub, [rows[i] for i in rest])
+        return tokens[list(sampled)]
+
+    def _kernel_draws(self, x: torch.Tensor, p: SamplingParams) -> bool:
+        return (
+            self.kernel
+            and p.typical_p >= 1.0
+            and x.device.type == "cpu"
+            and x.dtype in (torch.float32, torch.bfloat16)
+            and hasattr(torch.ops.inflightq, "sample_rows")
+        )
+
+    def _draw_torch(self, x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """One token per row of ``x`` (logits after penalties, rows with temperature > 0)."""
         params = [r.params for r in rows]
         temperature = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
@@ -197,11 +238,7 @@ class Sampler:
         A seeded row's number is a hash of (seed, index), so it needs no generator state at all."""
         probs = torch.softmax(logits, dim=-1)
         cdf = probs.cumsum(dim=-1)
-        uniforms = [_uniform(r.params.seed, r.index) if r.params.seed is not None else -1.0 for r in rows]
-        u = torch.tensor(uniforms, dtype=torch.float64)
-        unseeded = u < 0
-        if bool(unseeded.any()):
-            u[unseeded] = torch.rand(int(unseeded.sum()), dtype=torch.float64)
+        u = _uniforms(rows)
         target = u.to(device=cdf.device, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
         picked = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
         # Rounding can land the target on the CDF's flat tail (zero-probability tokens): take the
@@ -210,6 +247,23 @@ class Sampler:
         if bool(bad.any()):
             picked = torch.where(bad, probs.argmax(dim=-1, keepdim=True), picked)
         return picked[:, 0]
+
+
+def _is_special(row: SamplingRow) -> bool:
+    """A row that needs the logits copied and edited before the draw: penalties, watermark, grammar."""
+    return row.params.needs_history or row.params.watermark or row.allowed is not None
+
+
+def _uniforms(rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Each row's number in [0, 1) for its draw: a seeded row's from (seed, index), the others'
+    from torch's global generator, one call for all of them."""
+    u = torch.tensor(
+        [_uniform(r.params.seed, r.index) if r.params.seed is not None else -1.0 for r in rows], dtype=torch.float64
+    )
+    unseeded = u < 0
+    if bool(unseeded.any()):
+        u[unseeded] = torch.rand(int(unseeded.sum()), dtype=torch.float64)
+    return u
 
 
 def _previous_token(row: SamplingRow) -> int:

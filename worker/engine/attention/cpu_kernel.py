@@ -1,8 +1,9 @@
 """Builds and loads the CPU kernels on first use: the paged-decode attention and KV-cache write
 (``paged_decode.cpp``), the fused RMSNorm (``../rms_norm.cpp``), the small-row bf16 linear
 (``../decode_linear.cpp``), the decoder layer's elementwise steps (``../decoder_layer_ops.cpp``) and
-a decode step's whole layer as one op (``../decode_layer.cpp``) and the greedy pick
-(``../greedy_argmax.cpp``), one shared library.
+a decode step's whole layer as one op (``../decode_layer.cpp``), the greedy pick
+(``../greedy_argmax.cpp``) and the sampled rows' filters and draw (``../sample_rows.cpp``), one
+shared library.
 
 The kernel is compiled with ``torch.utils.cpp_extension`` for this machine's CPU
 (``-march=native``) into ``~/.cache/inflightq/kernels/<key>``, where the key hashes the source,
@@ -34,6 +35,7 @@ SOURCES = (
     Path(__file__).parent.parent / "decoder_layer_ops.cpp",
     Path(__file__).parent.parent / "decode_layer.cpp",
     Path(__file__).parent.parent / "greedy_argmax.cpp",
+    Path(__file__).parent.parent / "sample_rows.cpp",
 )
 HEADERS = (Path(__file__).parent.parent / "rounding.h",)  # part of the build key: a change rebuilds
 # No contraction of a * b + c into one fused multiply-add: the kernels keep torch's roundings.
