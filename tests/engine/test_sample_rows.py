@@ -34,15 +34,9 @@ def draw(
 ) -> list[int]:
     """One draw per entry of ``u``, each of row ``rows[i]`` (default: row 0 for every draw)."""
     ids = rows if rows is not None else [0] * len(u)
-    m = len(ids)
+    settings = [[temperature, top_k, top_p, min_p, ui] for ui in u]
     return torch.ops.inflightq.sample_rows(
-        logits,
-        torch.tensor(ids, dtype=torch.long),
-        torch.full((m,), temperature, dtype=torch.float32),
-        torch.full((m,), top_k, dtype=torch.long),
-        torch.full((m,), top_p, dtype=torch.float64),
-        torch.full((m,), min_p, dtype=torch.float32),
-        torch.tensor(u, dtype=torch.float64),
+        logits, torch.tensor(ids, dtype=torch.long), torch.tensor(settings, dtype=torch.float64)
     ).tolist()
 
 
@@ -166,19 +160,17 @@ def test_row_ids_pick_rows_of_a_strided_batch() -> None:
 def test_bad_arguments_are_errors_not_crashes() -> None:
     op = torch.ops.inflightq.sample_rows
     x = torch.zeros(2, 8)
-    good = (
-        torch.tensor([0]),
-        torch.ones(1),
-        torch.zeros(1, dtype=torch.long),
-        torch.ones(1, dtype=torch.float64),
-        torch.zeros(1),
-        torch.zeros(1, dtype=torch.float64),
-    )
+    one = torch.tensor([0])
+    good = torch.tensor([[1.0, 0, 1.0, 0.0, 0.5]], dtype=torch.float64)
     with pytest.raises(RuntimeError, match="row id out of range"):
-        op(x, torch.tensor([2]), *good[1:])
-    with pytest.raises(RuntimeError, match="one value per sampled row"):
-        op(x, torch.tensor([0, 1]), *good[1:])
+        op(x, torch.tensor([2]), good)
+    with pytest.raises(RuntimeError, match="one row per sampled row"):
+        op(x, torch.tensor([0, 1]), good)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        op(x.double(), *good)
-    with pytest.raises(RuntimeError, match="float64 top_p"):
-        op(x, good[0], good[1], good[2], torch.ones(1), good[4], good[5])
+        op(x.double(), one, good)
+    with pytest.raises(RuntimeError, match="float64"):
+        op(x, one, good.float())
+    with pytest.raises(RuntimeError, match="temperature must be > 0"):
+        op(x, one, torch.tensor([[0.0, 0, 1.0, 0.0, 0.5]], dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"u in \[0, 1\)"):
+        op(x, one, torch.tensor([[1.0, 0, 1.0, 0.0, 1.0]], dtype=torch.float64))

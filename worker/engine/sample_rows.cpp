@@ -351,60 +351,60 @@ int64_t sample_row(const scalar_t* x, int64_t n, float temperature, int64_t top_
   return 0;
 }
 
-at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& row_ids, const at::Tensor& temperature,
-                       const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
-                       const at::Tensor& uniforms) {
+// One sampled row's settings, a row of the float64 `settings` tensor (one tensor, not five: at one
+// row the op's cost is of the order of building its arguments in Python).
+enum Setting { TEMPERATURE, TOP_K, TOP_P, MIN_P, UNIFORM, SETTINGS };
+
+template <typename scalar_t>
+void sample_all(const at::Tensor& x, const int64_t* id, const double* settings, int64_t m, int64_t* picks) {
+  const scalar_t* base = x.const_data_ptr<scalar_t>();
+  const int64_t n = x.size(1), stride = x.stride(0);
+  at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
+    Scratch scratch;
+    for (int64_t r = r0; r < r1; ++r) {
+      const double* s = settings + r * SETTINGS;
+      // The temperature and min_p as the torch path holds them (fp32 tensors), top_p as a double.
+      picks[r] = sample_row(base + id[r] * stride, n, static_cast<float>(s[TEMPERATURE]),
+                            static_cast<int64_t>(s[TOP_K]), s[TOP_P], static_cast<float>(s[MIN_P]), s[UNIFORM],
+                            scratch);
+    }
+  });
+}
+
+// logits [rows, vocab] (fp32 or bf16, rows may be strided); row_ids [m] int64: the rows to draw for;
+// settings [m, 5] float64: each one's temperature (> 0), top_k (0: off), top_p (1: off), min_p (0: off)
+// and its number u in [0, 1). Returns the m tokens.
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& row_ids, const at::Tensor& settings) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2, "sample_rows: CPU logits [rows, vocab]");
   TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
               "sample_rows: float32 or bfloat16 logits");
   TORCH_CHECK(logits.size(1) > 0 && logits.size(1) < (int64_t{1} << 31), "sample_rows: 1 to 2^31 - 1 logits a row");
   const int64_t m = row_ids.numel();
-  for (const auto* t : {&row_ids, &temperature, &top_k, &top_p, &min_p, &uniforms})
-    TORCH_CHECK(t->dim() == 1 && t->numel() == m, "sample_rows: one value per sampled row");
-  TORCH_CHECK(row_ids.scalar_type() == at::kLong && top_k.scalar_type() == at::kLong, "sample_rows: int64 ids, top_k");
-  TORCH_CHECK(temperature.scalar_type() == at::kFloat && min_p.scalar_type() == at::kFloat,
-              "sample_rows: float32 temperature, min_p");
-  TORCH_CHECK(top_p.scalar_type() == at::kDouble && uniforms.scalar_type() == at::kDouble,
-              "sample_rows: float64 top_p, uniforms");
+  TORCH_CHECK(row_ids.dim() == 1 && row_ids.scalar_type() == at::kLong, "sample_rows: row_ids, int64 [m]");
+  TORCH_CHECK(settings.dim() == 2 && settings.size(0) == m && settings.size(1) == SETTINGS &&
+                  settings.scalar_type() == at::kDouble,
+              "sample_rows: settings, float64 [m, 5], one row per sampled row");
   const at::Tensor x = logits.stride(1) == 1 ? logits : logits.contiguous();
-  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
-  const at::Tensor ids = row_ids.contiguous(), temp = temperature.contiguous(), k = top_k.contiguous();
-  const at::Tensor p = top_p.contiguous(), mp = min_p.contiguous(), us = uniforms.contiguous();
+  const at::Tensor ids = row_ids.contiguous(), values = settings.contiguous();
   const int64_t* id = ids.const_data_ptr<int64_t>();
-  for (int64_t r = 0; r < m; ++r) TORCH_CHECK(id[r] >= 0 && id[r] < rows, "sample_rows: row id out of range");
+  const double* s = values.const_data_ptr<double>();
+  for (int64_t r = 0; r < m; ++r) {
+    TORCH_CHECK(id[r] >= 0 && id[r] < x.size(0), "sample_rows: row id out of range");
+    TORCH_CHECK(s[r * SETTINGS + TEMPERATURE] > 0.0, "sample_rows: temperature must be > 0");
+    TORCH_CHECK(s[r * SETTINGS + UNIFORM] >= 0.0 && s[r * SETTINGS + UNIFORM] < 1.0, "sample_rows: u in [0, 1)");
+  }
   at::Tensor out = at::empty({m}, logits.options().dtype(at::kLong));
   int64_t* picks = out.data_ptr<int64_t>();
-  AT_DISPATCH_SWITCH(x.scalar_type(), "sample_rows",
-                     AT_DISPATCH_CASE(at::kFloat, [&] {
-                       using scalar_t = float;
-                       const scalar_t* base = x.const_data_ptr<scalar_t>();
-                       at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
-                         Scratch scratch;
-                         for (int64_t r = r0; r < r1; ++r)
-                           picks[r] = sample_row(base + id[r] * stride, n, temp.const_data_ptr<float>()[r],
-                                                 k.const_data_ptr<int64_t>()[r], p.const_data_ptr<double>()[r],
-                                                 mp.const_data_ptr<float>()[r], us.const_data_ptr<double>()[r],
-                                                 scratch);
-                       });
-                     }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
-                       using scalar_t = c10::BFloat16;
-                       const scalar_t* base = x.const_data_ptr<scalar_t>();
-                       at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
-                         Scratch scratch;
-                         for (int64_t r = r0; r < r1; ++r)
-                           picks[r] = sample_row(base + id[r] * stride, n, temp.const_data_ptr<float>()[r],
-                                                 k.const_data_ptr<int64_t>()[r], p.const_data_ptr<double>()[r],
-                                                 mp.const_data_ptr<float>()[r], us.const_data_ptr<double>()[r],
-                                                 scratch);
-                       });
-                     }));
+  if (x.scalar_type() == at::kFloat)
+    sample_all<float>(x, id, s, m, picks);
+  else
+    sample_all<c10::BFloat16>(x, id, s, m, picks);
   return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inflightq, m) {
-  m.def("sample_rows(Tensor logits, Tensor row_ids, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, "
-        "Tensor uniforms) -> Tensor");
+  m.def("sample_rows(Tensor logits, Tensor row_ids, Tensor settings) -> Tensor");
   m.impl("sample_rows", c10::DispatchKey::CPU, TORCH_FN(sample_rows));
 }

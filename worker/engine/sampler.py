@@ -155,9 +155,12 @@ class Sampler:
             )
 
         sampled = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
-        tokens = greedy_pick(x) if len(sampled) < len(rows) else torch.empty(len(rows), dtype=torch.long)
-        if sampled:
-            tokens[sampled] = self._draw(x, sampled, rows)
+        if len(sampled) == len(rows):
+            tokens = self._draw(x, sampled, rows)
+        else:
+            tokens = greedy_pick(x)
+            if sampled:
+                tokens[sampled] = self._draw(x, sampled, rows)
         token_list = tokens.tolist()
 
         if logprobs is None:
@@ -176,25 +179,28 @@ class Sampler:
     def _draw(self, x: torch.Tensor, sampled: Sequence[int], rows: Sequence[SamplingRow]) -> torch.Tensor:
         """One token for each row of ``x`` (logits after penalties) listed in ``sampled``."""
         by_kernel = [i for i in sampled if self._kernel_draws(x, rows[i].params)]
+        if len(by_kernel) == len(sampled):
+            return self._draw_kernel(x, sampled, rows)
         rest = [i for i in sampled if not self._kernel_draws(x, rows[i].params)]
         tokens = torch.empty(len(x), dtype=torch.long, device=x.device)
         if by_kernel:
-            params = [rows[i].params for i in by_kernel]
-            tokens[by_kernel] = torch.ops.inflightq.sample_rows(
-                x,
-                torch.tensor(by_kernel, dtype=torch.long),
-                torch.tensor([p.temperature for p in params], dtype=torch.float32),
-                torch.tensor([p.top_k if 0 < p.top_k < self.vocab_size else 0 for p in params], dtype=torch.long),
-                torch.tensor([p.top_p for p in params], dtype=torch.float64),
-                torch.tensor([p.min_p for p in params], dtype=torch.float32),
-                _uniforms([rows[i] for i in by_kernel]),
-            )
-        if rest:
-            sub = x[rest]
-            if sub.element_size() < 4:
-                sub = sub.float()
-            tokens[rest] = self._draw_torch(sub, [rows[i] for i in rest])
+            tokens[by_kernel] = self._draw_kernel(x, by_kernel, rows)
+        sub = x[rest]
+        if sub.element_size() < 4:
+            sub = sub.float()
+        tokens[rest] = self._draw_torch(sub, [rows[i] for i in rest])
         return tokens[list(sampled)]
+
+    def _draw_kernel(self, x: torch.Tensor, chosen: Sequence[int], rows: Sequence[SamplingRow]) -> torch.Tensor:
+        params = [rows[i].params for i in chosen]
+        uniforms = _uniforms([rows[i] for i in chosen]).tolist()
+        settings = [
+            [p.temperature, p.top_k if 0 < p.top_k < self.vocab_size else 0, p.top_p, p.min_p, u]
+            for p, u in zip(params, uniforms, strict=True)
+        ]
+        return torch.ops.inflightq.sample_rows(
+            x, torch.tensor(chosen, dtype=torch.long), torch.tensor(settings, dtype=torch.float64)
+        )
 
     def _kernel_draws(self, x: torch.Tensor, p: SamplingParams) -> bool:
         return (
