@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.results_files import pyplot, save, write_figure
+from bench.results_files import pyplot, save, stem, write_figure
 from bench.serve import Runner, bench_settings, report_head
 from bench.serve_dataset import synthetic_chat
 from bench.serve_metrics import print_summary
@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peers", default="vllm,llamacpp")
     p.add_argument("--peer-timeout", type=float, default=900.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--out", default="bench/results", help="folder for peers-interleaved-<date>.*; '' to skip writing")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
     args.base_url, args.num_kv_blocks = None, None  # bench_settings: a stack of our own, default KV size
@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for server in servers.values():
             server.stop()
         stack.stop()
-    stem = Path(args.out) / f"peers-interleaved-{report['date'][:10]}{'-' + args.tag if args.tag else ''}"
-    save(stem, report, markdown(report), plot)
+    if args.out:  # Path("") would be the working directory: '' means no files, as in the other benchmarks
+        save(stem(args.out, "peers-interleaved", report["date"], args.tag), report, markdown(report), plot)
     return report
 
 
