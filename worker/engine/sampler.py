@@ -193,7 +193,7 @@ class Sampler:
 
     def _draw_kernel(self, x: torch.Tensor, chosen: Sequence[int], rows: Sequence[SamplingRow]) -> torch.Tensor:
         params = [rows[i].params for i in chosen]
-        uniforms = _uniforms([rows[i] for i in chosen]).tolist()
+        uniforms = _uniforms([rows[i] for i in chosen])
         settings = [
             [p.temperature, p.top_k if 0 < p.top_k < self.vocab_size else 0, p.top_p, p.min_p, u]
             for p, u in zip(params, uniforms, strict=True)
@@ -244,7 +244,7 @@ class Sampler:
         A seeded row's number is a hash of (seed, index), so it needs no generator state at all."""
         probs = torch.softmax(logits, dim=-1)
         cdf = probs.cumsum(dim=-1)
-        u = _uniforms(rows)
+        u = torch.tensor(_uniforms(rows), dtype=torch.float64)
         target = u.to(device=cdf.device, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
         picked = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
         # Rounding can land the target on the CDF's flat tail (zero-probability tokens): take the
@@ -260,16 +260,13 @@ def _is_special(row: SamplingRow) -> bool:
     return row.params.needs_history or row.params.watermark or row.allowed is not None
 
 
-def _uniforms(rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Each row's number in [0, 1) for its draw: a seeded row's from (seed, index), the others'
-    from torch's global generator, one call for all of them."""
-    u = torch.tensor(
-        [_uniform(r.params.seed, r.index) if r.params.seed is not None else -1.0 for r in rows], dtype=torch.float64
-    )
-    unseeded = u < 0
-    if bool(unseeded.any()):
-        u[unseeded] = torch.rand(int(unseeded.sum()), dtype=torch.float64)
-    return u
+def _uniforms(rows: Sequence[SamplingRow]) -> list[float]:
+    """Each row's number in [0, 1) for its draw: a seeded row's from (seed, index), the others' from
+    torch's global generator, one call for all of them, in row order. Plain lists: at one row,
+    tensor masking here cost as much as the draw itself."""
+    unseeded = sum(1 for r in rows if r.params.seed is None)
+    fresh = iter(torch.rand(unseeded, dtype=torch.float64).tolist() if unseeded else [])
+    return [_uniform(r.params.seed, r.index) if r.params.seed is not None else next(fresh) for r in rows]
 
 
 def _previous_token(row: SamplingRow) -> int:
