@@ -77,8 +77,10 @@ class Stack:
         self.api = self._spawn(
             "api", ["api", "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
         )
-        for _ in range(workers):
+        if workers == 1:
             self.add_worker(timeout=timeout)
+        else:  # each with its share of the cores: N workers of all cores each would oversubscribe them
+            self.restart_workers(workers, timeout)
         return self
 
     def _worker_args(self, name: str) -> list[str]:
