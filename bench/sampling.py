@@ -6,8 +6,9 @@ Two measurements, both interleaved round by round:
    one row per prompt) at 1, 8 and 32 rows, for the parameter sets clients send: OpenAI's default
    (temperature 1.0, nothing else), temperature 0.7 with top_p 0.95, HF's top_k 50, min_p 0.05, and
    greedy as the floor. Median microseconds per call.
-2. ``LLM.generate`` on 32 requests (128-token prompts, 64 new tokens) at temperature 1.0 and top_p
-   0.95, with the engine's sampler on the kernel and on the torch path: output tokens per second.
+2. ``LLM.generate`` on 32 requests (128-token prompts, 64 new tokens; ``--generate-requests``,
+   ``--input-len``, ``--output-len``) at temperature 1.0 and top_p 0.95, with the engine's sampler
+   on the kernel and on the torch path: output tokens per second.
 
     python -m bench.sampling --dtype bfloat16 --rounds 20 --out bench/results --tag X
 """
@@ -79,11 +80,11 @@ def time_sampler(logits: torch.Tensor, vocab: int, rows: int, rounds: int) -> li
     return out
 
 
-def time_generate(llm: Any, rounds: int) -> dict[str, Any]:
+def time_generate(llm: Any, rounds: int, requests: int, input_len: int, output_len: int) -> dict[str, Any]:
     from bench.serve_dataset import synthetic_chat
     from worker.engine import SamplingParams
 
-    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=output_len, ignore_eos=True)
     sampler = llm.engine.sampler
     tok_s: dict[str, list[float]] = {path: [] for path in PATHS}
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm
@@ -93,9 +94,9 @@ def time_generate(llm: Any, rounds: int) -> dict[str, Any]:
             # Fresh prompts each run: nothing comes from the prefix cache.
             samples = synthetic_chat(
                 llm.tokenizer,
-                32,
-                input_len=(128, 128),
-                output_len=(64, 64),
+                requests,
+                input_len=(input_len, input_len),
+                output_len=(output_len, output_len),
                 seed=100 + round_index * 2 + (path == "torch"),
             )
             sampler.kernel = path == "kernel"
@@ -106,7 +107,8 @@ def time_generate(llm: Any, rounds: int) -> dict[str, Any]:
     sampler.kernel = True
     best = {path: round(max(v), 1) for path, v in tok_s.items()}
     result = {
-        "workload": "32 requests, 128-token prompts, 64 new tokens, temperature 1.0, top_p 0.95",
+        "workload": f"{requests} requests, {input_len}-token prompts, {output_len} new tokens, "
+        "temperature 1.0, top_p 0.95",
         "tok_s_per_round": {path: [round(v, 1) for v in vals] for path, vals in tok_s.items()},
         "best_tok_s": best,
         "kernel_over_torch": round(best["kernel"] / best["torch"], 3),
@@ -122,6 +124,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rows", default="1,8,32")
     parser.add_argument("--rounds", type=int, default=20, help="calls per path and case")
     parser.add_argument("--generate-rounds", type=int, default=2, help="LLM.generate runs per path (0: skip)")
+    parser.add_argument("--generate-requests", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=128, help="the LLM.generate run's prompt tokens")
+    parser.add_argument("--output-len", type=int, default=64, help="the LLM.generate run's new tokens")
     parser.add_argument("--out", default="bench/results", help="folder for sampling-<date>.*; '' to skip writing")
     parser.add_argument("--tag", default="")
     args = parser.parse_args(argv)
@@ -141,7 +146,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": args.model,
         "dtype": args.dtype,
         "sampler": sampler_rows,
-        "generate": time_generate(llm, args.generate_rounds) if args.generate_rounds else None,
+        "generate": (
+            time_generate(llm, args.generate_rounds, args.generate_requests, args.input_len, args.output_len)
+            if args.generate_rounds
+            else None
+        ),
     }
     if args.out:
         save(stem(args.out, "sampling", report["date"], args.tag), report, markdown(report), plot)
