@@ -237,7 +237,7 @@ def api(
     settings = get_settings()
     logging.getLogger("uvicorn.access").addFilter(_HealthyChecksQuiet())
     uvicorn.run(
-        create_app(settings),
+        create_app(settings, freeze_startup=True),
         host=host or settings.api_host,
         port=settings.api_port if port is None else port,
         log_level=log_level,

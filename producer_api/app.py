@@ -31,6 +31,7 @@ from shared.client_core import redis_kwargs
 from shared.keys import Keys
 from shared.redis_connect import connect_async
 from shared.settings import Settings, get_settings
+from shared.startup_objects import freeze_startup_objects
 
 # Room for a multipart upload's boundaries and part headers around the file itself.
 MULTIPART_OVERHEAD_BYTES = 64 * 1024
@@ -98,7 +99,12 @@ def install_offline_docs(app: FastAPI) -> None:
         )
 
 
-def create_app(settings: Settings | None = None, *, tokenizers: Tokenizers | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, *, tokenizers: Tokenizers | None = None, freeze_startup: bool = False
+) -> FastAPI:
+    """``freeze_startup``: once loaded, take the startup objects out of the garbage collector's walks
+    (shared/startup_objects.py); ``inflightq api`` sets it. Off for apps built inside another process
+    (tests), whose own objects it would freeze with them."""
     settings = settings or get_settings()
     api_keys = load_keys(settings)  # fail at startup, not per request, on a malformed key file
 
@@ -115,7 +121,13 @@ def create_app(settings: Settings | None = None, *, tokenizers: Tokenizers | Non
             rate_limiter=RateLimiter(redis_client, Keys.for_prefix(settings.key_prefix)),
             redis=redis_client,
         )
-        log.info("api ready: models %s, auth %s", settings.served_models, "on" if api_keys else "off")
+        frozen = freeze_startup_objects() if freeze_startup else 0
+        log.info(
+            "api ready: models %s, auth %s, %d startup objects frozen",
+            settings.served_models,
+            "on" if api_keys else "off",
+            frozen,
+        )
         try:
             yield
         finally:

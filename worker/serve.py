@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from shared.settings import Settings
+from shared.startup_objects import freeze_startup_objects
 from worker.service import WorkerService
 
 
@@ -58,4 +59,7 @@ def run_worker(settings: Settings, *, name: str | None = None) -> int:
         from worker.metrics import serve_metrics
 
         serve_metrics(service, settings.metrics_port)
+    logging.getLogger("inflightq.worker").info(
+        "%d startup objects frozen (out of the garbage collector's full walks)", freeze_startup_objects()
+    )
     return service.run()
