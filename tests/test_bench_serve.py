@@ -4,6 +4,7 @@ agree with each other and with what was asked. No assertion on speed."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 from pathlib import Path
@@ -62,6 +63,7 @@ def test_bench_serve_reports_consistent_figures_for_a_real_stack(
         )  # fmt: skip
     finally:
         get_settings.cache_clear()
+        gc.unfreeze()  # the benchmark froze this process's objects, as it does its own
 
     requested = report["dataset"]["output_tokens"]["total"]
     offline = report["anchors"]["offline_engine"]
