@@ -84,6 +84,12 @@ inline void exp_shifted(float* v, int64_t n, float shift) {
 inline void store_compressed(float* out, __mmask16 keep, __m512 x) {
   _mm512_storeu_ps(out, _mm512_maskz_compress_ps(keep, x));
 }
+
+// acc (8 doubles) + the 16 floats of x, widened: the sums of weights are kept in double.
+inline __m512d add_widened(__m512d acc, __m512 x) {
+  acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_castps512_ps256(x)));
+  return _mm512_add_pd(acc, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))));
+}
 #endif
 
 // The values of v[0..n) that are >= floor, into `out` (room for n + SLACK); returns how many, and their sum.
@@ -100,8 +106,7 @@ std::pair<int64_t, double> gather_at_least(const float* v, int64_t n, float floo
     store_compressed(out + count, hit, x);
     count += __builtin_popcount(hit);
     const __m512 kept = _mm512_maskz_mov_ps(hit, x);
-    acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_castps512_ps256(kept)));
-    acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(kept), 1))));
+    acc = add_widened(acc, kept);
   }
   sum = _mm512_reduce_add_pd(acc);
 #endif
@@ -145,8 +150,7 @@ Split split(const float* a, int64_t n, float pivot, float* larger, float* smalle
     store_compressed(smaller + s.smaller, lt, x);
     s.smaller += __builtin_popcount(lt);
     const __m512 big = _mm512_maskz_mov_ps(gt, x);
-    acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_castps512_ps256(big)));
-    acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(big), 1))));
+    acc = add_widened(acc, big);
   }
   s.larger_sum = _mm512_reduce_add_pd(acc);
 #endif
@@ -276,8 +280,7 @@ double block_sums(float* w, int64_t n, float keep, std::vector<double>& sums) {
       const __m512 v = _mm512_loadu_ps(w + i);
       const __m512 kept = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, k, _CMP_GE_OQ), v);
       _mm512_storeu_ps(w + i, kept);
-      acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_castps512_ps256(kept)));
-      acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(kept), 1))));
+      acc = add_widened(acc, kept);
     }
     sum = _mm512_reduce_add_pd(acc);
 #endif
