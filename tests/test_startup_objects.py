@@ -27,7 +27,7 @@ def test_garbage_is_collected_and_the_living_are_frozen() -> None:
     try:
         frozen = freeze_startup_objects()
         assert dead() is None  # collected before the freeze, not frozen forever
-        assert frozen == gc.get_freeze_count() > 0
+        assert frozen > 0 and gc.get_freeze_count() > 0  # (frozen objects can still die of refcount)
         assert not any(o is kept for o in gc.get_objects())  # out of every generation's walk
     finally:
         gc.unfreeze()
@@ -36,13 +36,13 @@ def test_garbage_is_collected_and_the_living_are_frozen() -> None:
 
 def test_the_api_freezes_its_startup_objects_when_asked(redis_url: str, key_prefix: str, tiny_model_dir: Path) -> None:
     settings = Settings(redis_url=redis_url, key_prefix=key_prefix, model=str(tiny_model_dir))
-    before = gc.get_freeze_count()
+    gc.unfreeze()  # whatever an earlier test froze: only a freeze puts objects there
     try:
         with TestClient(create_app(settings)) as client:
             assert client.get("/health").status_code == 200
-            assert gc.get_freeze_count() == before  # an app inside another process leaves its objects alone
+            assert gc.get_freeze_count() == 0  # an app inside another process leaves its objects alone
         with TestClient(create_app(settings, freeze_startup=True)) as client:
             assert client.get("/health").status_code == 200
-            assert gc.get_freeze_count() > before  # as `inflightq api` builds it
+            assert gc.get_freeze_count() > 0  # as `inflightq api` builds it
     finally:
         gc.unfreeze()
