@@ -247,6 +247,7 @@ class DecodeLayers:
             list(c) for c in zip(*(layer.packed for layer in layers), strict=True)
         ]
         self.biases = [[p.bias32 for p in column] for column in self.columns]
+        self.out_features = [column[0].out_features for column in self.columns]
         self.in_weights = [layer.in_weight for layer in layers]
         self.post_weights = [layer.post_weight for layer in layers]
         self.enabled = True  # bench.step_ab turns it off in place to measure what it saves
@@ -278,7 +279,7 @@ class DecodeLayers:
         if any(w is None for column in weights for w in column):
             return None
         caches = [meta.kv_caches[layer.layer_idx] for layer in layers]
-        qkv, o, gate_up, down = (column[0].out_features for column in self.columns)
+        qkv, o, gate_up, down = self.out_features
         return torch.ops.inflightq.decode_layers(
             hidden, self.in_weights, first.in_eps,
             weights[0], self.biases[0], qkv,

@@ -363,7 +363,9 @@ void sample_all(const at::Tensor& x, const int64_t* id, const double* settings, 
   const scalar_t* base = x.const_data_ptr<scalar_t>();
   const int64_t n = x.size(1), stride = x.stride(0);
   at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
-    Scratch scratch;
+    // Per thread and kept across calls (the pool's threads live as long as the process): a step
+    // does not allocate four vocabulary-sized buffers again.
+    thread_local Scratch scratch;
     for (int64_t r = r0; r < r1; ++r) {
       const double* s = settings + r * SETTINGS;
       // The temperature and min_p as the torch path holds them (fp32 tensors), top_p as a double.

@@ -178,10 +178,11 @@ class Sampler:
 
     def _draw(self, x: torch.Tensor, sampled: Sequence[int], rows: Sequence[SamplingRow]) -> torch.Tensor:
         """One token for each row of ``x`` (logits after penalties) listed in ``sampled``."""
-        by_kernel = [i for i in sampled if self._kernel_draws(x, rows[i].params)]
+        kernel = self._kernel_takes(x)
+        by_kernel = [i for i in sampled if kernel and rows[i].params.typical_p >= 1.0]
         if len(by_kernel) == len(sampled):
             return self._draw_kernel(x, sampled, rows)
-        rest = [i for i in sampled if not self._kernel_draws(x, rows[i].params)]
+        rest = [i for i in sampled if not (kernel and rows[i].params.typical_p >= 1.0)]
         tokens = torch.empty(len(x), dtype=torch.long, device=x.device)
         if by_kernel:
             tokens[by_kernel] = self._draw_kernel(x, by_kernel, rows)
@@ -202,10 +203,10 @@ class Sampler:
             x, torch.tensor(chosen, dtype=torch.long), torch.tensor(settings, dtype=torch.float64)
         )
 
-    def _kernel_draws(self, x: torch.Tensor, p: SamplingParams) -> bool:
+    def _kernel_takes(self, x: torch.Tensor) -> bool:
+        """Whether sample_rows can draw from ``x`` (then it takes every row without typical_p)."""
         return (
             self.kernel
-            and p.typical_p >= 1.0
             and x.device.type == "cpu"
             and x.dtype in (torch.float32, torch.bfloat16)
             and hasattr(torch.ops.inflightq, "sample_rows")
