@@ -5,6 +5,9 @@ memory; the backend choice falls back to plain torch when the kernel can't be bu
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,10 +29,12 @@ def kernel() -> None:
     assert paged_decode_available(), "the kernel failed to build although a compiler is present"
 
 
-def decode_case(dtype: torch.dtype, num_kv_heads: int, group: int, lens: list[int], seed: int = 0):
+def decode_case(
+    dtype: torch.dtype, num_kv_heads: int, group: int, lens: list[int], seed: int = 0, head_dim: int = 64
+):
     """A cache with random K/V, and decodes whose blocks are scattered over it (never in order)."""
     gen = torch.Generator().manual_seed(seed)
-    head_dim, num_blocks = 64, 256
+    num_blocks = 256
     k_cache = torch.randn(num_kv_heads, num_blocks * BLOCK, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_kv_heads, num_blocks * BLOCK, head_dim, generator=gen).to(dtype)
     max_blocks = -(-max(lens) // BLOCK)
@@ -57,17 +62,22 @@ def decode_case(dtype: torch.dtype, num_kv_heads: int, group: int, lens: list[in
 @pytest.mark.parametrize(
     ("dtype", "tolerance"), [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
 )
-@pytest.mark.parametrize(("num_kv_heads", "group"), [(3, 3), (2, 1), (1, 8)])
+@pytest.mark.parametrize(("num_kv_heads", "group"), [(3, 3), (2, 1), (1, 8), (1, 7), (2, 5)])
+@pytest.mark.parametrize("head_dim", [64, 128, 32])
 def test_kernel_matches_the_torch_decode_path(
-    dtype: torch.dtype, tolerance: float, num_kv_heads: int, group: int
+    dtype: torch.dtype, tolerance: float, num_kv_heads: int, group: int, head_dim: int
 ) -> None:
-    lens = [1, 15, 16, 17, 40, 200, 63, 129]  # one token, block edges, multi-block contexts
-    meta, q = decode_case(dtype, num_kv_heads, group, lens)
+    """Groups of 1-8 query heads per kv head: the AVX-512 path sums V for up to four heads of 64 (two
+    of 128) at a time, so 5 and 7 leave runs of every length; head sizes without a SIMD path (32)
+    take the plain loops."""
+    lens = [1, 3, 15, 16, 17, 40, 200, 63, 129]  # one token, block edges, multi-block contexts
+    meta, q = decode_case(dtype, num_kv_heads, group, lens, head_dim=head_dim)
     expected = q.new_empty(len(lens), q.shape[0], q.shape[2])
     TorchAttentionBackend()._attend_decodes(meta, 0, q, expected, 0.125)
     got = torch.full_like(expected, float("nan"))
     CpuKernelAttentionBackend()._attend_decodes(meta, 0, q, got, 0.125)
     assert not got.isnan().any()
+    assert got.shape[-1] == head_dim
     assert torch.allclose(got.double(), expected.double(), atol=tolerance, rtol=tolerance)
 
 
@@ -149,3 +159,37 @@ def test_cache_write_rejects_a_slot_outside_the_cache_before_writing() -> None:
     with pytest.raises(RuntimeError, match="outside the cache"):
         torch.ops.inflightq.cache_write(key, value, k_cache, v_cache, torch.tensor([0, 1, 4 * BLOCK]))
     assert not k_cache.any() and not v_cache.any()
+
+
+AVX2_CHECK = """
+import itertools, sys, torch
+from torch.utils import cpp_extension
+source, folder = sys.argv[1], sys.argv[2]
+cpp_extension.load(name="paged_decode_avx2", sources=[source], build_directory=folder, is_python_module=False,
+                   extra_cflags=["-O3", "-march=haswell", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"])
+import tests.engine.test_cpu_kernel as t
+for (dtype, tolerance), (kv, group), head_dim in itertools.product(
+    [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], [(3, 3), (1, 8), (2, 5)], [64, 128]
+):
+    t.test_kernel_matches_the_torch_decode_path(dtype, tolerance, kv, group, head_dim)
+t.test_kernel_ignores_blocks_past_the_context()
+print("ok")
+"""
+
+
+def test_a_build_without_avx512_attends_the_same(tmp_path: Path) -> None:
+    """This box builds the kernel for its AVX-512; CPUs with AVX2 only get the other code paths (8-wide
+    dot products, V summed one query head at a time). Built for Haswell in a fresh process, they match
+    the torch path as well."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if " avx2 " not in flags or " fma " not in flags:
+        pytest.skip("hardware: the CPU cannot run a Haswell (AVX2) build")
+    source = Path(__file__).parents[2] / "worker" / "engine" / "attention" / "paged_decode.cpp"
+    done = subprocess.run(
+        [sys.executable, "-c", AVX2_CHECK, str(source), str(tmp_path)],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -33,6 +33,7 @@
 #include <torch/library.h>
 
 #include "rounding.h"
+#include "simd_sums.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -57,22 +58,10 @@ using inflightq_rounding::bf16_bits16;
 using inflightq_rounding::widen_bf16_bits;
 
 #if defined(__AVX512F__)
-// The 16-lane sums of four accumulators as one 4-lane vector: [sum(a), sum(b), sum(c), sum(d)].
-// One tree of adds for all four (pairs of lanes, then across the 128-bit quarters), instead of four
-// _mm512_reduce_add_ps: ~13 instructions for four sums instead of ~32, which at 2-4 input rows
-// were about a third of the kernel's instructions by count (K = 576: 18 chunks per block).
+// sum4 sums a block's four rows at once: at 2-4 input rows four _mm512_reduce_add_ps per block were
+// about a third of the kernel's instructions by count (K = 576: 18 chunks per block).
 static_assert(BLOCK_ROWS == 4, "sum4 and the 8-byte store take a block's rows four at a time");
-inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  // In each 128-bit quarter: [a0+a2, b0+b2, a1+a3, b1+b3] and the same for c, d
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  // In each quarter: [a, b, c, d] summed over its four lanes
-  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
-                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(abcd),
-                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
-  return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
-}
+using inflightq_simd::sum4;
 #endif
 
 // One block's BLOCK_ROWS output rows for M input rows (x is [M, k]), plus bias, rounded to bf16 into y.

@@ -37,7 +37,8 @@ SOURCES = (
     Path(__file__).parent.parent / "greedy_argmax.cpp",
     Path(__file__).parent.parent / "sample_rows.cpp",
 )
-HEADERS = (Path(__file__).parent.parent / "rounding.h",)  # part of the build key: a change rebuilds
+# Part of the build key: a change rebuilds.
+HEADERS = (Path(__file__).parent.parent / "rounding.h", Path(__file__).parent.parent / "simd_sums.h")
 # No contraction of a * b + c into one fused multiply-add: the kernels keep torch's roundings.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 DEFAULT_CACHE = Path("~/.cache/inflightq/kernels")

@@ -4,9 +4,10 @@
 // and then runs two batched matmuls over the copy: on a 2-core box at 32 sequences of ~200
 // tokens that is ~40% of a decode step, mostly memory traffic for the copy. This kernel walks
 // each sequence's block table and reads each cached K row once for all the query heads that
-// share its kv head (grouped-query attention), and its V rows once from memory (the SIMD path
-// goes over them once per query head of the group, from cache), with scores and the softmax in
-// the accumulation type (fp32 for fp32/bf16/fp16, fp64 for fp64) as the torch path does.
+// share its kv head (grouped-query attention), and its V rows once (the AVX-512 path for up to four
+// query heads of a group at a time), with scores and the softmax in the accumulation type (fp32
+// for fp32/bf16/fp16, fp64 for fp64) as the torch path does. A context's blocks are asked for one
+// block ahead of use, since they lie scattered over the cache.
 //
 // Built on first use by worker/engine/attention/cpu_kernel.py (torch.utils.cpp_extension) and
 // registered as torch.ops.inflightq.paged_decode, beside torch.ops.inflightq.cache_write.
@@ -16,6 +17,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
+
+#include "../simd_sums.h"
 
 #include <algorithm>
 #include <cmath>
@@ -88,25 +91,135 @@ inline acc_t dot(const acc_t* q, const scalar_t* k, int64_t n) {
   return total;
 }
 
-// o = sum_t p[t] * v_t over a sequence's cached V rows of one kv head, for one query head. The
-// head's NV registers of o stay in registers across all rows (a plain loop kept o in memory: a
-// load-add-store chain per row and head).
-#ifdef INFLIGHTQ_SIMD
+// Asks for a block's first n rows of one kv head (K or V) in L1 ahead of use. Once a worker has
+// freed and reused blocks for a while, a context's blocks lie scattered over the cache, and the
+// hardware prefetcher loses the stream at every block's edge (2 KB of a 64-wide bf16 head): with
+// blocks in random order the loops stalled on those loads, and 30 layers' K/V were read at
+// ~6 GB/s on the 2-core EPYC (~9-12 ns per token and query head with this, ~13 without).
+template <typename scalar_t>
+inline void prefetch_rows(const scalar_t* rows, int64_t n, int64_t head_dim) {
+  const char* bytes = reinterpret_cast<const char*>(rows);
+  const int64_t size = n * head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t offset = 0; offset < size; offset += 64) _mm_prefetch(bytes + offset, _MM_HINT_T0);
+}
+
+// The rows of the block after the one at `start`, in a context of `len` tokens (none past its end).
+template <typename scalar_t>
+inline void prefetch_next_block(const scalar_t* head, const int64_t* table, int64_t block_size, int64_t start,
+                                int64_t len, int64_t head_dim) {
+  const int64_t next = start + block_size;
+  if (next < len)
+    prefetch_rows(head + table[next / block_size] * block_size * head_dim, std::min(block_size, len - next), head_dim);
+}
+
+#if defined(__AVX512F__)
+// The scaled scores q . k of every query head of a group against every cached K row of one kv head
+// (q: [group][NV * 16] fp32, scores: [group][len]). Four rows at a time, widened once for the whole
+// group, and the four dot products of a head summed by one tree (sum4) instead of four
+// reductions: with one reduction per dot, the scores took ~60 cycles per token and query head.
 template <int NV, typename scalar_t>
-void simd_weighted_rows(const float* p, const scalar_t* v_head, const int64_t* table, int64_t block_size, int64_t len,
-                        float* o) {
-  constexpr int64_t kDim = NV * Vec::kLanes;
-  Vec acc[NV];
-  for (int c = 0; c < NV; ++c) acc[c] = Vec::zero();
+void simd_scores(const float* q, int64_t group, const scalar_t* k_head, const int64_t* table, int64_t block_size,
+                 int64_t len, float scale, float* scores) {
+  constexpr int64_t kDim = NV * 16;
+  const __m128 scale4 = _mm_set1_ps(scale);
   for (int64_t start = 0; start < len; start += block_size) {
+    prefetch_next_block(k_head, table, block_size, start, len, kDim);
+    const int64_t n = std::min(block_size, len - start);
+    const scalar_t* k_block = k_head + table[start / block_size] * block_size * kDim;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      __m512 k[4][NV];
+      for (int t = 0; t < 4; ++t)
+        for (int c = 0; c < NV; ++c) k[t][c] = Vec::load(k_block + (i + t) * kDim + c * 16).v;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* q_g = q + g * kDim;
+        __m512 acc[4];
+        const __m512 q0 = _mm512_loadu_ps(q_g);
+        for (int t = 0; t < 4; ++t) acc[t] = _mm512_mul_ps(q0, k[t][0]);
+        for (int c = 1; c < NV; ++c) {
+          const __m512 qc = _mm512_loadu_ps(q_g + c * 16);
+          for (int t = 0; t < 4; ++t) acc[t] = _mm512_fmadd_ps(qc, k[t][c], acc[t]);
+        }
+        const __m128 sums = inflightq_simd::sum4(acc[0], acc[1], acc[2], acc[3]);
+        _mm_storeu_ps(scores + g * len + start + i, _mm_mul_ps(sums, scale4));
+      }
+    }
+    for (; i < n; ++i)
+      for (int64_t g = 0; g < group; ++g)
+        scores[g * len + start + i] = dot(q + g * kDim, k_block + i * kDim, kDim) * scale;
+  }
+}
+#endif
+
+// The SIMD scores for head sizes whose rows fit in registers (64 and 128, AVX-512); false, having
+// done nothing, where the caller must run the plain loop.
+template <typename acc_t, typename scalar_t>
+bool simd_group_scores(const acc_t* q, int64_t group, const scalar_t* k_head, const int64_t* table,
+                       int64_t block_size, int64_t len, int64_t head_dim, acc_t scale, acc_t* scores) {
+#if defined(__AVX512F__)
+  if constexpr (kSimd<acc_t, scalar_t>) {
+    if (head_dim == 64) return simd_scores<4>(q, group, k_head, table, block_size, len, scale, scores), true;
+    if (head_dim == 128) return simd_scores<8>(q, group, k_head, table, block_size, len, scale, scores), true;
+  }
+#endif
+  return false;
+}
+
+// o_g = sum_t p_g[t] * v_t over a sequence's cached V rows of one kv head, for GC query heads of its
+// group at once (p: [GC][len] at a stride of p_stride, o: [GC][NV * lanes]): each V row is read and
+// widened once for all of them, and their NV registers each stay in registers across all rows.
+// Every head's sum runs over the rows in order, as a loop per head would.
+#ifdef INFLIGHTQ_SIMD
+template <int NV, int GC, typename scalar_t>
+void simd_weighted_rows(const float* p, int64_t p_stride, const scalar_t* v_head, const int64_t* table,
+                        int64_t block_size, int64_t len, float* o) {
+  constexpr int64_t kDim = NV * Vec::kLanes;
+  Vec acc[GC][NV];
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < NV; ++c) acc[g][c] = Vec::zero();
+  for (int64_t start = 0; start < len; start += block_size) {
+    prefetch_next_block(v_head, table, block_size, start, len, kDim);
     const int64_t n = std::min(block_size, len - start);
     const scalar_t* v_block = v_head + table[start / block_size] * block_size * kDim;
     for (int64_t i = 0; i < n; ++i) {
-      const Vec w = Vec::set1(p[start + i]);
-      for (int c = 0; c < NV; ++c) acc[c] = Vec::fma(w, Vec::load(v_block + i * kDim + c * Vec::kLanes), acc[c]);
+      Vec v[NV];
+      for (int c = 0; c < NV; ++c) v[c] = Vec::load(v_block + i * kDim + c * Vec::kLanes);
+      for (int g = 0; g < GC; ++g) {
+        const Vec w = Vec::set1(p[g * p_stride + start + i]);
+        for (int c = 0; c < NV; ++c) acc[g][c] = Vec::fma(w, v[c], acc[g][c]);
+      }
     }
   }
-  for (int c = 0; c < NV; ++c) acc[c].store(o + c * Vec::kLanes);
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < NV; ++c) acc[g][c].store(o + g * kDim + c * Vec::kLanes);
+}
+
+// Every query head of a group, in runs of up to MAX_GC (as many as the registers hold beside a row).
+template <int NV, int MAX_GC, typename scalar_t>
+void simd_weighted_heads(const float* p, int64_t group, const scalar_t* v_head, const int64_t* table,
+                         int64_t block_size, int64_t len, float* o) {
+  constexpr int64_t kDim = NV * Vec::kLanes;
+  for (int64_t g0 = 0; g0 < group; g0 += MAX_GC) {
+    const float* p_run = p + g0 * len;
+    float* o_run = o + g0 * kDim;
+    const int64_t run = std::min<int64_t>(MAX_GC, group - g0);
+    if constexpr (MAX_GC >= 4)
+      if (run == 4) {
+        simd_weighted_rows<NV, 4>(p_run, len, v_head, table, block_size, len, o_run);
+        continue;
+      }
+    if constexpr (MAX_GC >= 3)
+      if (run == 3) {
+        simd_weighted_rows<NV, 3>(p_run, len, v_head, table, block_size, len, o_run);
+        continue;
+      }
+    if constexpr (MAX_GC >= 2)
+      if (run == 2) {
+        simd_weighted_rows<NV, 2>(p_run, len, v_head, table, block_size, len, o_run);
+        continue;
+      }
+    simd_weighted_rows<NV, 1>(p_run, len, v_head, table, block_size, len, o_run);
+  }
 }
 #endif
 
@@ -118,12 +231,13 @@ bool simd_weighted_sums(const acc_t* p, int64_t group, const scalar_t* v_head, c
                         int64_t block_size, int64_t len, int64_t head_dim, acc_t* o) {
 #ifdef INFLIGHTQ_SIMD
   if constexpr (kSimd<acc_t, scalar_t>) {
-    auto each_head = [&](auto one_head) {
-      for (int64_t g = 0; g < group; ++g) one_head(p + g * len, v_head, table, block_size, len, o + g * head_dim);
-      return true;
-    };
-    if (head_dim == 4 * Vec::kLanes) return each_head(simd_weighted_rows<4, scalar_t>);
-    if (Vec::kLanes == 16 && head_dim == 8 * Vec::kLanes) return each_head(simd_weighted_rows<8, scalar_t>);
+    // 32 registers with AVX-512: four heads of 64 or two of 128 beside a row; 16 with AVX2: one.
+    if (Vec::kLanes == 16 && head_dim == 64)
+      return simd_weighted_heads<4, 4>(p, group, v_head, table, block_size, len, o), true;
+    if (Vec::kLanes == 16 && head_dim == 128)
+      return simd_weighted_heads<8, 2>(p, group, v_head, table, block_size, len, o), true;
+    if (Vec::kLanes == 8 && head_dim == 64)
+      return simd_weighted_heads<8, 1>(p, group, v_head, table, block_size, len, o), true;
   }
 #endif
   return false;
@@ -233,7 +347,9 @@ void paged_decode_kernel(
       scores.resize(group * len);
 
       // Scores: q . k for every cached token, block by block (tokens of a block are contiguous).
-      for (int64_t start = 0; start < len; start += block_size) {
+      const bool simd_scores = simd_group_scores(q_acc.data(), group, k_head, table, block_size, len, head_dim,
+                                                 scale_acc, scores.data());
+      for (int64_t start = 0; start < len && !simd_scores; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
         const scalar_t* k_block = k_head + table[start / block_size] * block_size * head_dim;
         for (int64_t i = 0; i < n; ++i) {
@@ -243,14 +359,16 @@ void paged_decode_kernel(
         }
       }
 
-      // Softmax per query head, normalised at the end so the weights stay in acc_t.
+      // Softmax per query head, normalised at the end so the weights stay in acc_t; the first V
+      // block is asked for meanwhile.
+      prefetch_rows(v_head + table[0] * block_size * head_dim, std::min(block_size, len), head_dim);
       std::fill(o_acc.begin(), o_acc.end(), acc_t(0));
       for (int64_t g = 0; g < group; ++g) {
         inv_sum[g] = acc_t(1) / exp_in_place(scores.data() + g * len, len);
       }
 
-      // Weighted sum of V rows per query head (the SIMD path re-reads a kv head's rows from cache per
-      // query head of its group; the plain loop reads each row once for the whole group).
+      // Weighted sum of V rows per query head (each row read once for the group, or for runs of its
+      // query heads on the SIMD paths).
       const bool simd = simd_weighted_sums(scores.data(), group, v_head, table, block_size, len, head_dim, o_acc.data());
       for (int64_t start = 0; start < len && !simd; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
