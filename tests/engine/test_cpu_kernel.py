@@ -29,9 +29,7 @@ def kernel() -> None:
     assert paged_decode_available(), "the kernel failed to build although a compiler is present"
 
 
-def decode_case(
-    dtype: torch.dtype, num_kv_heads: int, group: int, lens: list[int], seed: int = 0, head_dim: int = 64
-):
+def decode_case(dtype: torch.dtype, num_kv_heads: int, group: int, lens: list[int], seed: int = 0, head_dim: int = 64):
     """A cache with random K/V, and decodes whose blocks are scattered over it (never in order)."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks = 256
