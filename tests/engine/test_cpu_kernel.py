@@ -32,10 +32,10 @@ def kernel() -> None:
 def decode_case(dtype: torch.dtype, num_kv_heads: int, group: int, lens: list[int], seed: int = 0, head_dim: int = 64):
     """A cache with random K/V, and decodes whose blocks are scattered over it (never in order)."""
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = 256
+    max_blocks = -(-max(lens) // BLOCK)
+    num_blocks = max(256, len(lens) * max_blocks + 1)
     k_cache = torch.randn(num_kv_heads, num_blocks * BLOCK, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_kv_heads, num_blocks * BLOCK, head_dim, generator=gen).to(dtype)
-    max_blocks = -(-max(lens) // BLOCK)
     order = torch.randperm(num_blocks, generator=gen)
     table = order[: len(lens) * max_blocks].view(len(lens), max_blocks).clone()
     for i, n in enumerate(lens):  # padding entries point at block 0, as the model runner's do
@@ -68,7 +68,7 @@ def test_kernel_matches_the_torch_decode_path(
     """Groups of 1-8 query heads per kv head: the AVX-512 path sums V for up to four heads of 64 (two
     of 128) at a time, so 5 and 7 leave runs of every length; head sizes without a SIMD path (32)
     take the plain loops."""
-    lens = [1, 3, 15, 16, 17, 40, 200, 63, 129]  # one token, block edges, multi-block contexts
+    lens = [1, 3, 15, 16, 17, 40, 200, 63, 129, 256, 257, 700]  # one token, block edges, multi-block contexts
     meta, q = decode_case(dtype, num_kv_heads, group, lens, head_dim=head_dim)
     expected = q.new_empty(len(lens), q.shape[0], q.shape[2])
     TorchAttentionBackend()._attend_decodes(meta, 0, q, expected, 0.125)
