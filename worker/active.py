@@ -53,3 +53,16 @@ class ActiveRequest:
             ),
             worker=worker,
         )
+
+
+def failure_suspects(batch: list[ActiveRequest]) -> set[str]:
+    """Which requests of a batch whose step raised are charged a delivery for it.
+
+    A poison request usually fails its first step, so the suspects are those that had not yet
+    survived a step here. Among them, one resumed with tokens an earlier delivery produced has
+    already run fine (typically the batch mate of an earlier failure, handed back uncharged and
+    taken over together with the poison): when the batch also holds a newcomer with nothing
+    produced yet, only those are charged. With no newcomer at all, everyone is a suspect."""
+    newcomers = [a for a in batch if a.steps_survived == 0]
+    fresh = {a.id for a in newcomers if not a.prior_token_ids}
+    return fresh or {a.id for a in newcomers} or {a.id for a in batch}

@@ -29,7 +29,7 @@ from shared.client_core import redis_kwargs
 from shared.redis_connect import connect
 from shared.schemas import WorkerHeartbeat
 from shared.settings import Settings
-from worker.active import ActiveRequest
+from worker.active import ActiveRequest, failure_suspects
 from worker.admission import Admission
 from worker.cancel_listener import CancelListener
 from worker.capacity import Capacity
@@ -263,15 +263,13 @@ class WorkerService:
         try:
             events = self.engine.step()
         except Exception:
-            # The batch's state is unknown: give every request back. The suspects are those that
-            # had not yet survived a step (a poison request usually fails its first); only they
-            # are charged a delivery, so one poison does not drag its batch into the dead letters.
-            # With no newcomer in the batch, everyone is a suspect.
+            # The batch's state is unknown: give every request back. Only the suspects are charged
+            # a delivery, so one poison does not drag its batch into the dead letters.
             log.exception("engine step failed; handing %d requests back", len(self._active))
-            newcomers = {a.id for a in self._active.values() if a.steps_survived == 0}
+            suspects = failure_suspects(list(self._active.values()))
             for active in list(self._active.values()):
                 self.engine.abort(active.id)
-                self._hand_back(active, failed=not newcomers or active.id in newcomers)
+                self._hand_back(active, failed=active.id in suspects)
             return
         for active in self._active.values():
             active.steps_survived += 1
