@@ -9,7 +9,12 @@ each over the read. ``decode_linear`` takes 16 rows a call, so 32 rows are two c
 engine's ``decode_rows`` threshold (the row count up to which ``decode_linear`` is used) rests on, and
 how far the matmuls of a 8-32-sequence step are from the memory.
 
+With ``--dtype float32`` it compares the two packings an fp32 weight can get instead: oneDNN's and
+MKL's (``cblas_sgemm_pack``), each a ``PackedLinear`` of the same fused weights (each layer's q/k/v
+and gate/up as one, o, down, the head); what ``fast_linear.mkl_fp32_matmuls`` rests on.
+
     python -m bench.linear_rows --rows 1,4,8,16,32 --rounds 10 --out bench/results --tag X
+    python -m bench.linear_rows --dtype float32 --rows 1,8,32,128,512 --out bench/results --tag X
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 from bench.results_files import pyplot, save, stem, write_figure
 from bench.serve import machine
 
-KERNELS = ("oneDNN packed", "decode_linear")
+KERNELS_BY_DTYPE = {"bfloat16": ("oneDNN packed", "decode_linear"), "float32": ("oneDNN packed", "MKL packed")}
 FLOOR = "weights read"
 KERNEL_ROWS = 16  # decode_linear's most rows a call
 
@@ -63,6 +68,41 @@ def _calls(model: Any, rows: int) -> dict[str, Callable[[], None]]:
     return {"oneDNN packed": onednn, "decode_linear": decode}
 
 
+def _fp32_weights(model: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Each matmul of an fp32 model's step, once, in the forward's order: sibling projections fused
+    (``fuse_sibling_projections``, as the engine does), then every other linear."""
+    from worker.engine.fused_projections import fuse_sibling_projections
+
+    fuse_sibling_projections(model, pack=False)
+    weights: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        if type(module) is not torch.nn.Linear:
+            continue
+        group = getattr(module.__dict__.get("forward"), "group", None)
+        owner = group if group is not None else module
+        if id(owner) not in seen:
+            seen.add(id(owner))
+            weights.append((owner.weight.detach(), owner.bias))
+    return weights
+
+
+def _fp32_calls(weights: list[tuple[torch.Tensor, torch.Tensor | None]], rows: int) -> dict[str, Callable[[], None]]:
+    from worker.engine.fast_linear import PackedLinear
+
+    inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w, _ in weights}}
+    calls = {}
+    for name, mkl in (("oneDNN packed", False), ("MKL packed", True)):
+        linears = [PackedLinear(w, b, mkl=mkl) for w, b in weights]
+
+        def run(linears: list[PackedLinear] = linears) -> None:
+            for linear in linears:
+                linear(inputs[linear.in_features])
+
+        calls[name] = run
+    return calls
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="bench.linear_rows", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -70,33 +110,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=10, help="passes per kernel and row count")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(KERNELS_BY_DTYPE))
     args = parser.parse_args(argv)
     from worker.engine import EngineConfig, LLMEngine
     from worker.engine import model_runner as runner_module
     from worker.engine.fast_linear import decode_layouts_in_order
     from worker.engine.model_loader import load_model
 
-    model, tokenizer = load_model(args.model, torch.bfloat16, "cpu")
-    # Every bf16 linear laid out for decode_linear, whatever this CPU's threshold, so both kernels run.
-    threshold = runner_module.decode_rows_for
-    runner_module.decode_rows_for = lambda dtype: KERNEL_ROWS  # type: ignore[assignment]
-    try:
-        LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64))
-    finally:
-        runner_module.decode_rows_for = threshold  # type: ignore[assignment]
-    linears = decode_layouts_in_order(model)
-    if not linears:
-        raise SystemExit("no linear was laid out for decode_linear: the CPU kernels did not build")
-    weight_bytes = sum(linear.laid_out.numel() * linear.laid_out.element_size() for linear in linears)  # type: ignore[union-attr]
+    kernels = KERNELS_BY_DTYPE[args.dtype]
+    if args.dtype == "float32":
+        model, _ = load_model(args.model, torch.float32, "cpu")
+        weights = _fp32_weights(model)
+        count = len(weights)
+        weight_bytes = sum(w.numel() * w.element_size() for w, _ in weights)
+    else:
+        model, tokenizer = load_model(args.model, torch.bfloat16, "cpu")
+        # Every bf16 linear laid out for decode_linear, whatever this CPU's threshold, so both kernels run.
+        threshold = runner_module.decode_rows_for
+        runner_module.decode_rows_for = lambda dtype: KERNEL_ROWS  # type: ignore[assignment]
+        try:
+            LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=64))
+        finally:
+            runner_module.decode_rows_for = threshold  # type: ignore[assignment]
+        linears = decode_layouts_in_order(model)
+        if not linears:
+            raise SystemExit("no linear was laid out for decode_linear: the CPU kernels did not build")
+        count = len(linears)
+        weight_bytes = sum(linear.laid_out.numel() * linear.laid_out.element_size() for linear in linears)  # type: ignore[union-attr]
     buffer = torch.ones(max(weight_bytes // 4, 1))
     rows_out = []
     for rows in [int(r) for r in args.rows.split(",")]:
-        calls = _calls(model, rows)
-        times: dict[str, list[float]] = {name: [] for name in (*KERNELS, FLOOR)}
-        for name in KERNELS:
+        calls = _fp32_calls(weights, rows) if args.dtype == "float32" else _calls(model, rows)
+        times: dict[str, list[float]] = {name: [] for name in (*kernels, FLOOR)}
+        for name in kernels:
             calls[name]()  # warm: oneDNN builds its kernel for this shape on the first call
         for round_index in range(args.rounds):
-            order = list(KERNELS) if round_index % 2 == 0 else list(reversed(KERNELS))
+            order = list(kernels) if round_index % 2 == 0 else list(reversed(kernels))
             for name in (FLOOR, *order):
                 started = time.perf_counter()
                 buffer.sum() if name == FLOOR else calls[name]()
@@ -105,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         row = {
             "rows": rows,
             "ms": {name: round(v, 2) for name, v in ms.items()},
-            "over_weights_read": {name: round(ms[name] / ms[FLOOR], 2) for name in KERNELS},
+            "over_weights_read": {name: round(ms[name] / ms[FLOOR], 2) for name in kernels},
             "weights_read_gb_s": round(weight_bytes / ms[FLOOR] / 1e6, 1),
         }
         rows_out.append(row)
@@ -115,7 +164,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),
         "model": args.model,
-        "linears": len(linears),
+        "dtype": args.dtype,
+        "kernels": list(kernels),
+        "linears": count,
         "weight_bytes": weight_bytes,
         "rows": rows_out,
     }
@@ -125,21 +176,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def markdown(report: dict[str, Any]) -> list[str]:
+    kernels = report["kernels"]
     lines = [
         f"# A model's linears by row count, {report['date']}",
         "",
         f"Command: `{report['command']}`  ",
-        f"Machine: {report['machine']}; model `{report['model']}`, bfloat16, {report['linears']} linears, "
+        f"Machine: {report['machine']}; model `{report['model']}`, {report['dtype']}, {report['linears']} linears, "
         f"{report['weight_bytes'] / 1e6:.0f} MB",
         "",
         f"Median ms per pass over every linear (interleaved round by round), and over `{FLOOR}` (one read of",
         "as many bytes on the same threads):",
         "",
-        "| rows | " + " | ".join(KERNELS) + f" | {FLOOR} (GB/s) |",
-        "|---|" + "---|" * (len(KERNELS) + 1),
+        "| rows | " + " | ".join(kernels) + f" | {FLOOR} (GB/s) |",
+        "|---|" + "---|" * (len(kernels) + 1),
     ]
     for row in report["rows"]:
-        cells = [f"{row['ms'][k]} ({row['over_weights_read'][k]}x)" for k in KERNELS]
+        cells = [f"{row['ms'][k]} ({row['over_weights_read'][k]}x)" for k in kernels]
         lines.append(
             f"| {row['rows']} | " + " | ".join(cells) + f" | {row['ms'][FLOOR]} ({row['weights_read_gb_s']}) |"
         )
@@ -152,11 +204,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
         return
     rows = [row["rows"] for row in report["rows"]]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name in (*KERNELS, FLOOR):
+    for name in (*report["kernels"], FLOOR):
         ax.plot(rows, [row["ms"][name] for row in report["rows"]], marker="o", label=name)
     ax.set_xlabel("rows (sequences in a decode step)")
     ax.set_ylabel("ms per pass over the model's linears")
-    ax.set_title("Linears by row count (bfloat16)")
+    ax.set_title(f"Linears by row count ({report['dtype']})")
     ax.set_ylim(bottom=0)
     ax.legend()
     write_figure(fig, path)

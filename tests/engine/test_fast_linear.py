@@ -59,3 +59,46 @@ def test_bf16_linear_keeps_bf16_in_and_out_whichever_matmul_runs(upcast: bool, m
     assert got.dtype == torch.bfloat16
     # Products of bf16 values are exact in fp32; both paths accumulate in fp32 and round once.
     assert torch.allclose(got.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+def mkl_available() -> bool:
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+@pytest.mark.skipif(not mkl_available(), reason="this torch has no MKL")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("out_features", "in_features"), [(192, 576), (1536, 576), (576, 1536), (37, 40)])
+def test_an_fp32_weight_packed_for_mkl_serves_every_row_count(out_features: int, in_features: int, bias: bool) -> None:
+    # One packing (made for MKL_PACK_ROWS rows) is used at whatever rows a step brings: decode
+    # steps of 1..64 streams, a prefill chunk's hundreds. A packing that only held for its own row
+    # count would break here, at every count but 32.
+    from worker.engine.fast_linear import PackedLinear
+
+    torch.manual_seed(out_features + in_features)
+    weight = torch.randn(out_features, in_features) * 0.05
+    b = torch.randn(out_features) if bias else None
+    linear = PackedLinear(weight, b, mkl=True)
+    assert linear.mkl and linear.packed.is_mkldnn
+    for rows in [*range(0, 66), 129, 513]:
+        x = torch.randn(rows, in_features)
+        expected = torch.nn.functional.linear(x.double(), weight.double(), b.double() if b is not None else None)
+        got = linear(x)
+        assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+        assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5 * in_features**0.5), rows
+    # Leading dimensions are kept ([batch, seq, hidden], as a prefill's forward passes them).
+    x = torch.randn(2, 3, in_features)
+    assert linear(x).shape == (2, 3, out_features)
+    assert torch.allclose(linear(x), torch.nn.functional.linear(x, weight, b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not mkl_available(), reason="this torch has no MKL")
+def test_fp32_matmuls_go_to_mkl_only_on_intel_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.engine import fast_linear
+
+    weight = torch.randn(64, 32)
+    for vendor, expected in (("GenuineIntel", True), ("AuthenticAMD", False), ("", False)):
+        monkeypatch.setattr(fast_linear, "cpu_vendor", lambda vendor=vendor: vendor)
+        assert fast_linear.mkl_fp32_matmuls() is expected
+        assert fast_linear.PackedLinear(weight, None).mkl is expected
+        # bf16 weights never take it: they have their own kernels (decode_linear, oneDNN's AMX/BF16).
+        assert fast_linear.PackedLinear(weight.bfloat16(), None).mkl is False

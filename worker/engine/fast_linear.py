@@ -21,6 +21,13 @@ reads half the bytes of the fp32 upcast and is 2.3x faster at 1-4 rows, 1.9x at 
 16 (a whole model's linears, the 2-core Ice Lake). The cost is one more copy of the weights, so
 the engine takes it only while that copy is a small share of the free memory
 (``decode_copy_fits``): a 135M model's 0.3 GB, not a 7B model's 14 GB.
+
+An fp32 weight on an Intel CPU is packed for MKL's sgemm (``cblas_sgemm_pack``, through torch's
+``mkl::_mkl_linear``) instead of oneDNN: on the 2-core AMX Xeon, over a whole model's linears
+interleaved in one process, MKL's packed sgemm was 1.25x faster at 1 row, 1.06x at 8, 1.13x at 32,
+1.07x at 128 and level from 512 rows (prefill chunks) on (bench/results/fp32-matmuls-*). Where its
+rows are 16 or more it gives F.linear's bits (MKL's own sgemm); the one packing serves every row
+count. On other vendors' CPUs MKL is not known to pick its tuned kernels, so oneDNN stays.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from worker.engine.hardware import cpu_has_avx512, cpu_has_fast_bf16
+from worker.engine.hardware import cpu_has_avx512, cpu_has_fast_bf16, cpu_vendor
 from worker.engine.memory import anonymous_memory
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)  # float64 stays on plain F.linear (exactness tests)
@@ -42,6 +49,9 @@ DECODE_ROWS_NATIVE_BF16 = 4
 DECODE_ROWS_UPCAST = 16
 DECODE_CHUNK = 32  # decode_linear reads in_features in chunks of this many values
 DECODE_COPY_MAX_SHARE = 0.1  # of the free memory the decode layouts may take
+# Rows MKL packs an fp32 weight for: a packing serves any row count, and this one was the fastest
+# of 16, 32 and 64 at 1 to 128 rows (within noise of each other past that).
+MKL_PACK_ROWS = 32
 
 LinearForward = Callable[[torch.Tensor], torch.Tensor]
 
@@ -63,6 +73,30 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def packed_linear(packed: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def mkl_fp32_matmuls() -> bool:
+    """Whether fp32 linears run through MKL's packed sgemm rather than oneDNN (Intel CPUs)."""
+    return (
+        torch.backends.mkl.is_available()
+        and hasattr(torch.ops.mkl, "_mkl_linear")
+        and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+        and cpu_vendor() == "GenuineIntel"
+    )
+
+
+def pack_weight_for_mkl(weight: torch.Tensor) -> torch.Tensor:
+    """MKL's packed layout of an [out, in] fp32 linear weight (check ``mkl_fp32_matmuls`` first)."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), MKL_PACK_ROWS)
+
+
+def mkl_packed_linear(
+    packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
+) -> torch.Tensor:
+    # torch's op multiplies by the packed copy only when its last argument equals the input's row
+    # count (otherwise it falls back to F.linear on ``weight``): passing the rows themselves always
+    # takes the packed copy, which MKL computes for any row count.
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.numel() // x.shape[-1])
 
 
 def upcast_bf16_matmuls() -> bool:
@@ -91,11 +125,17 @@ class PackedLinear:
     """``x -> x @ weight.T + bias`` through a packed copy of ``weight`` (and, with
     ``decode_rows``, ``decode_linear``'s layout of it for calls of up to that many rows)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, decode_rows: int = 0) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, *, decode_rows: int = 0, mkl: bool | None = None
+    ) -> None:
         self.upcast = weight.dtype == torch.bfloat16 and upcast_bf16_matmuls()
         compute = torch.float32 if self.upcast else weight.dtype
-        self.packed = pack_weight(weight.detach().to(compute))
         self.bias = bias.detach().to(compute) if bias is not None else None
+        # ``mkl``: None = where ``mkl_fp32_matmuls`` says so (tests force either way).
+        self.mkl = weight.dtype == torch.float32 and (mkl_fp32_matmuls() if mkl is None else mkl)
+        # MKL's op needs the plain weight beside the packing (it checks shapes and dtypes on it).
+        self.weight = weight.detach() if self.mkl else None
+        self.packed = pack_weight_for_mkl(weight) if self.mkl else pack_weight(weight.detach().to(compute))
         self.out_features, self.in_features = weight.shape
         self.laid_out: torch.Tensor | None = None
         self.bias32: torch.Tensor | None = None
@@ -109,6 +149,8 @@ class PackedLinear:
             return torch.ops.inflightq.decode_linear(x, self.laid_out, self.bias32, self.out_features)
         if self.upcast:
             return packed_linear(self.packed, self.bias, x.float()).to(torch.bfloat16)
+        if self.weight is not None:
+            return mkl_packed_linear(self.packed, self.weight, self.bias, x)
         return packed_linear(self.packed, self.bias, x)
 
 

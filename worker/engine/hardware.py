@@ -34,6 +34,19 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(flag for line in lines for flag in line.split(":", 1)[-1].split())
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor id (/proc/cpuinfo: GenuineIntel, AuthenticAMD, ...); empty where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[-1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def cpu_has_fast_bf16() -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
