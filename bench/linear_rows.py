@@ -9,9 +9,10 @@ each over the read. ``decode_linear`` takes 16 rows a call, so 32 rows are two c
 engine's ``decode_rows`` threshold (the row count up to which ``decode_linear`` is used) rests on, and
 how far the matmuls of a 8-32-sequence step are from the memory.
 
-With ``--dtype float32`` it compares the two packings an fp32 weight can get instead: oneDNN's and
-MKL's (``cblas_sgemm_pack``), each a ``PackedLinear`` of the same fused weights (each layer's q/k/v
-and gate/up as one, o, down, the head); what ``fast_linear.mkl_fp32_matmuls`` rests on.
+With ``--dtype float32`` it compares the packings an fp32 weight can get instead: oneDNN's, MKL's
+(``cblas_sgemm_pack``) and the engine's choice between them on this CPU (``PackedLinear``'s own),
+each a ``PackedLinear`` of the same fused weights (each layer's q/k/v and gate/up as one, o, down,
+the head); what ``fast_linear.mkl_fp32_matmuls`` and ``MKL_MAX_OUT_FEATURES`` rest on.
 
     python -m bench.linear_rows --rows 1,4,8,16,32 --rounds 10 --out bench/results --tag X
     python -m bench.linear_rows --dtype float32 --rows 1,8,32,128,512 --out bench/results --tag X
@@ -34,7 +35,10 @@ import torch
 from bench.results_files import pyplot, save, stem, write_figure
 from bench.serve import machine
 
-KERNELS_BY_DTYPE = {"bfloat16": ("oneDNN packed", "decode_linear"), "float32": ("oneDNN packed", "MKL packed")}
+KERNELS_BY_DTYPE = {
+    "bfloat16": ("oneDNN packed", "decode_linear"),
+    "float32": ("oneDNN packed", "MKL packed", "engine's choice"),
+}
 FLOOR = "weights read"
 KERNEL_ROWS = 16  # decode_linear's most rows a call
 
@@ -87,15 +91,21 @@ def _fp32_weights(model: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     return weights
 
 
-def _fp32_calls(weights: list[tuple[torch.Tensor, torch.Tensor | None]], rows: int) -> dict[str, Callable[[], None]]:
+def _fp32_packings(weights: list[tuple[torch.Tensor, torch.Tensor | None]]) -> dict[str, list[Any]]:
+    """Each fp32 kernel's ``PackedLinear`` of every weight, made once for all row counts."""
     from worker.engine.fast_linear import PackedLinear
 
-    inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w, _ in weights}}
-    calls = {}
-    for name, mkl in (("oneDNN packed", False), ("MKL packed", True)):
-        linears = [PackedLinear(w, b, mkl=mkl) for w, b in weights]
+    choices = {"oneDNN packed": False, "MKL packed": True, "engine's choice": None}
+    return {name: [PackedLinear(w, b, mkl=mkl) for w, b in weights] for name, mkl in choices.items()}
 
-        def run(linears: list[PackedLinear] = linears) -> None:
+
+def _fp32_calls(packings: dict[str, list[Any]], rows: int) -> dict[str, Callable[[], None]]:
+    first = next(iter(packings.values()))
+    inputs = {k: torch.randn(rows, k) for k in {linear.in_features for linear in first}}
+    calls = {}
+    for name, linears in packings.items():
+
+        def run(linears: list[Any] = linears) -> None:
             for linear in linears:
                 linear(inputs[linear.in_features])
 
@@ -121,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.dtype == "float32":
         model, _ = load_model(args.model, torch.float32, "cpu")
         weights = _fp32_weights(model)
+        packings = _fp32_packings(weights)
         count = len(weights)
         weight_bytes = sum(w.numel() * w.element_size() for w, _ in weights)
     else:
@@ -140,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     buffer = torch.ones(max(weight_bytes // 4, 1))
     rows_out = []
     for rows in [int(r) for r in args.rows.split(",")]:
-        calls = _fp32_calls(weights, rows) if args.dtype == "float32" else _calls(model, rows)
+        calls = _fp32_calls(packings, rows) if args.dtype == "float32" else _calls(model, rows)
         times: dict[str, list[float]] = {name: [] for name in (*kernels, FLOOR)}
         for name in kernels:
             calls[name]()  # warm: oneDNN builds its kernel for this shape on the first call

@@ -102,3 +102,6 @@ def test_fp32_matmuls_go_to_mkl_only_on_intel_cpus(monkeypatch: pytest.MonkeyPat
         assert fast_linear.PackedLinear(weight, None).mkl is expected
         # bf16 weights never take it: they have their own kernels (decode_linear, oneDNN's AMX/BF16).
         assert fast_linear.PackedLinear(weight.bfloat16(), None).mkl is False
+        # Nor does a vocabulary-wide head, slower on MKL past 32 rows.
+        head = torch.randn(fast_linear.MKL_MAX_OUT_FEATURES + 1, 32)
+        assert fast_linear.PackedLinear(head, None).mkl is False

@@ -23,11 +23,14 @@ the engine takes it only while that copy is a small share of the free memory
 (``decode_copy_fits``): a 135M model's 0.3 GB, not a 7B model's 14 GB.
 
 An fp32 weight on an Intel CPU is packed for MKL's sgemm (``cblas_sgemm_pack``, through torch's
-``mkl::_mkl_linear``) instead of oneDNN: on the 2-core AMX Xeon, over a whole model's linears
-interleaved in one process, MKL's packed sgemm was 1.25x faster at 1 row, 1.06x at 8, 1.13x at 32,
-1.07x at 128 and level from 512 rows (prefill chunks) on (bench/results/fp32-matmuls-*). Where its
-rows are 16 or more it gives F.linear's bits (MKL's own sgemm); the one packing serves every row
-count. On other vendors' CPUs MKL is not known to pick its tuned kernels, so oneDNN stays.
+``mkl::_mkl_linear``) instead of oneDNN: on the 2-core AMX Xeon, over the default model's layers'
+linears (fused q/k/v and gate/up, o, down) interleaved in one process, MKL's packed sgemm was
+1.2x faster at 32 rows, 1.16x at 64, 1.1x at 128 and level at 256-512 rows (prefill chunks); over
+every linear with the head, 1.23x at 1 row, 1.13x at 32 (bench/results/linear-rows-2026-12-04-*).
+A vocabulary-wide weight (the head, 49,152 outputs) is the exception: level up to 32 rows, then
+1.4-1.5x slower (15.4 vs 11.0 ms at 40 rows, 72.8 vs 47.8 at 256), so one wider than
+``MKL_MAX_OUT_FEATURES`` stays on oneDNN. One packing serves every row count. On other vendors'
+CPUs MKL is not known to pick its tuned kernels, so oneDNN stays there.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ DECODE_COPY_MAX_SHARE = 0.1  # of the free memory the decode layouts may take
 # Rows MKL packs an fp32 weight for: a packing serves any row count, and this one was the fastest
 # of 16, 32 and 64 at 1 to 128 rows (within noise of each other past that).
 MKL_PACK_ROWS = 32
+MKL_MAX_OUT_FEATURES = 16_384  # wider (a vocabulary head) stays on oneDNN, measured faster past 32 rows
 
 LinearForward = Callable[[torch.Tensor], torch.Tensor]
 
@@ -131,8 +135,11 @@ class PackedLinear:
         self.upcast = weight.dtype == torch.bfloat16 and upcast_bf16_matmuls()
         compute = torch.float32 if self.upcast else weight.dtype
         self.bias = bias.detach().to(compute) if bias is not None else None
-        # ``mkl``: None = where ``mkl_fp32_matmuls`` says so (tests force either way).
-        self.mkl = weight.dtype == torch.float32 and (mkl_fp32_matmuls() if mkl is None else mkl)
+        # ``mkl``: None = the engine's choice (an Intel CPU, not a vocabulary-wide weight); tests and
+        # bench.linear_rows force either way.
+        if mkl is None:
+            mkl = mkl_fp32_matmuls() and weight.shape[0] <= MKL_MAX_OUT_FEATURES
+        self.mkl = weight.dtype == torch.float32 and mkl
         # MKL's op needs the plain weight beside the packing (it checks shapes and dtypes on it).
         self.weight = weight.detach() if self.mkl else None
         self.packed = pack_weight_for_mkl(weight) if self.mkl else pack_weight(weight.detach().to(compute))
