@@ -31,6 +31,7 @@ import torch
 from bench.results_files import pyplot, save, stem, write_figure
 from bench.serve import machine
 from worker.engine.hardware import DTYPES
+from worker.engine.memory import anonymous_memory
 
 TABLES = ("in order", "scattered")
 FLOOR = "K/V read"
@@ -42,13 +43,15 @@ def _case(
     blocks_per_seq = -(-context // args.block_size)
     num_blocks = batch * blocks_per_seq
     slots = num_blocks * args.block_size
-    caches = [
-        (
-            torch.randn(args.kv_heads, slots, args.head_dim, generator=generator).to(dtype),
-            torch.randn(args.kv_heads, slots, args.head_dim, generator=generator).to(dtype),
-        )
-        for _ in range(args.layers)
-    ]
+    shape = (args.kv_heads, slots, args.head_dim)
+
+    def cache() -> torch.Tensor:
+        values = torch.randn(shape, generator=generator).to(dtype)
+        if args.pages == "4k":  # as the engine's KV cache is (memory.lazy_zeros)
+            return values
+        return anonymous_memory(values.numel(), dtype, huge_pages=True).view(shape).copy_(values)
+
+    caches = [(cache(), cache()) for _ in range(args.layers)]
     tables = {
         "in order": torch.arange(num_blocks).view(batch, blocks_per_seq),
         "scattered": torch.randperm(num_blocks, generator=generator).view(batch, blocks_per_seq),
@@ -102,6 +105,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=10)
+    pages_help = "the caches in 4 KB pages (the engine's) or advised 2 MB ones"
+    parser.add_argument("--pages", default="4k", choices=["4k", "2m"], help=pages_help)
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="")
     args = parser.parse_args(argv)
@@ -149,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),
         "dtype": args.dtype,
+        "pages": args.pages,
         "shape": {k: getattr(args, k) for k in ("layers", "heads", "kv_heads", "head_dim", "block_size")},
         "cases": results,
     }
@@ -163,7 +169,8 @@ def markdown(report: dict[str, Any]) -> list[str]:
         f"# Decode attention over a model's layers, {report['date']}",
         "",
         f"Command: `{report['command']}`  ",
-        f"Machine: {report['machine']}; {report['dtype']}, {shape['layers']} layers, {shape['heads']} query / "
+        f"Machine: {report['machine']}; {report['dtype']}, caches in {report['pages']} pages, "
+        f"{shape['layers']} layers, {shape['heads']} query / "
         f"{shape['kv_heads']} key-value heads of {shape['head_dim']}, blocks of {shape['block_size']} tokens",
         "",
         "Median ms per step (one `paged_decode` per layer; interleaved round by round), GB/s of K/V read, and over",
