@@ -29,7 +29,9 @@ linears (fused q/k/v and gate/up, o, down) interleaved in one process, MKL's pac
 every linear with the head, 1.23x at 1 row, 1.13x at 32 (bench/results/linear-rows-2026-12-04-*).
 A vocabulary-wide weight (the head, 49,152 outputs) is the exception: level up to 32 rows, then
 1.4-1.5x slower (15.4 vs 11.0 ms at 40 rows, 72.8 vs 47.8 at 256), so one wider than
-``MKL_MAX_OUT_FEATURES`` stays on oneDNN. One packing serves every row count. On other vendors'
+``MKL_MAX_OUT_FEATURES`` stays on oneDNN. One packing serves every row count. MKL asks for
+2-3x a weight's bytes (9 MB at least) but writes, so commits, about the weight's size: the
+default model's packed layers added 569 MB to the resident set either way. On other vendors'
 CPUs MKL is not known to pick its tuned kernels, so oneDNN stays there.
 """
 
