@@ -5,14 +5,13 @@ memory; the backend choice falls back to plain torch when the kernel can't be bu
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.ci_skips import missing
+from tests.engine.avx2_build import REPO, run_avx2_check
 from worker.engine import attention
 from worker.engine.attention.cpu_backend import CpuKernelAttentionBackend
 from worker.engine.attention.cpu_kernel import paged_decode_available
@@ -179,15 +178,4 @@ def test_a_build_without_avx512_attends_the_same(tmp_path: Path) -> None:
     """This box builds the kernel for its AVX-512; CPUs with AVX2 only get the other code paths (8-wide
     dot products, V summed one query head at a time). Built for Haswell in a fresh process, they match
     the torch path as well."""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if " avx2 " not in flags or " fma " not in flags:
-        pytest.skip("hardware: the CPU cannot run a Haswell (AVX2) build")
-    source = Path(__file__).parents[2] / "worker" / "engine" / "attention" / "paged_decode.cpp"
-    done = subprocess.run(
-        [sys.executable, "-c", AVX2_CHECK, str(source), str(tmp_path)],
-        cwd=Path(__file__).parents[2],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_avx2_check(AVX2_CHECK, REPO / "worker" / "engine" / "attention" / "paged_decode.cpp", tmp_path)

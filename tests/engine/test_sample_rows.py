@@ -7,14 +7,13 @@ flat and peaked rows; and the edge rows (NaN, infinite logits, strided rows, bad
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.ci_skips import missing
+from tests.engine.avx2_build import REPO, run_avx2_check
 from worker.engine.attention.cpu_kernel import paged_decode_available
 
 
@@ -201,15 +200,4 @@ def test_a_build_without_avx512_draws_the_same(tmp_path: Path) -> None:
     """This box builds the kernels for its AVX-512; CPUs with AVX2 only get the other code paths (an
     8-wide exp, scalar selection and sums). Built for Haswell in a fresh process, they pass the same
     reference checks."""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if " avx2 " not in flags or " fma " not in flags:
-        pytest.skip("hardware: the CPU cannot run a Haswell (AVX2) build")
-    source = Path(__file__).parents[2] / "worker" / "engine" / "sample_rows.cpp"
-    done = subprocess.run(
-        [sys.executable, "-c", AVX2_CHECK, str(source), str(tmp_path)],
-        cwd=Path(__file__).parents[2],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_avx2_check(AVX2_CHECK, REPO / "worker" / "engine" / "sample_rows.cpp", tmp_path)
