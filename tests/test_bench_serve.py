@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -90,7 +89,11 @@ def test_bench_serve_reports_consistent_figures_for_a_real_stack(
         for stat in ("mean", "p50", "p90", "p99"):
             assert m["ttft_ms"][stat] <= m["e2e_ms"][stat]
         assert m["ttft_ms"]["p50"] <= m["ttft_ms"]["p90"] <= m["ttft_ms"]["p99"]
-        assert math.isclose(m["output_throughput"], m["total_output_tokens"] / m["duration_s"], rel_tol=0.01)
+        # duration_s is reported in ms (3 decimals), throughput from the unrounded duration: a 46 ms
+        # low-load run's rounding alone is 1%. Consistent to the precision the report gives.
+        duration, tokens = m["duration_s"], m["total_output_tokens"]
+        fastest, slowest = tokens / max(duration - 0.0005, 1e-9), tokens / (duration + 0.0005)
+        assert slowest - 0.01 <= m["output_throughput"] <= fastest + 0.01
     # (/proc counts in 10 ms ticks: one short run may show none; the API's runs together do.)
     api_runs = [r for r in report["runs"] if r["phase"] == "sweep" and r["endpoint"] != "queue"]
     assert sum(r["metrics"]["cpu"]["cpu_s"]["api"] for r in api_runs) > 0
