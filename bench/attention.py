@@ -19,17 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.results_files import pyplot, save, stem, write_figure
-from bench.serve import machine
+from bench.results_files import pyplot, run_header, save, stem, write_figure
 from worker.engine.hardware import DTYPES
 from worker.engine.memory import anonymous_memory
 
@@ -150,9 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(json.dumps(row), flush=True)
         del case, floor
     report = {
-        "command": "python -m bench.attention " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
+        **run_header("bench.attention", argv),
         "dtype": args.dtype,
         "pages": args.pages,
         "shape": {k: getattr(args, k) for k in ("layers", "heads", "kv_heads", "head_dim", "block_size")},

@@ -22,14 +22,12 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.results_files import pyplot, save, stem, write_figure
-from bench.serve import machine
+from bench.results_files import pyplot, run_header, save, stem, write_figure
 
 BURST_MS = 1.0
 # One thread of a child process: busy BURST_MS, then asleep, over and over.
@@ -135,9 +133,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             }
         )
     report = {
-        "command": "python -m bench.contention " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
+        **run_header("bench.contention", argv),
         "cores": cores,
         "model": args.model,
         "dtype": args.dtype,

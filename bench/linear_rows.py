@@ -23,17 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.results_files import pyplot, save, stem, write_figure
-from bench.serve import machine
+from bench.results_files import pyplot, run_header, save, stem, write_figure
 
 KERNELS_BY_DTYPE = {
     "bfloat16": ("oneDNN packed", "decode_linear"),
@@ -171,9 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows_out.append(row)
         print(json.dumps(row), flush=True)
     report = {
-        "command": "python -m bench.linear_rows " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
+        **run_header("bench.linear_rows", argv),
         "model": args.model,
         "dtype": args.dtype,
         "kernels": list(kernels),

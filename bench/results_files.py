@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,3 +41,16 @@ def save(stem: Path, results: dict, markdown: list[str], plot: Callable[[dict, P
     stem.with_suffix(".md").write_text("\n".join(markdown) + "\n")
     plot(results, stem.with_suffix(".png"))
     print(f"wrote {stem}.json, .md and .png")
+
+
+def run_header(module: str, argv: list[str] | None) -> dict[str, str]:
+    """What every results file opens with: the command that made it (``python -m <module> ...``),
+    when (UTC) and on what machine."""
+    from bench.serve import machine  # here, not at the top: bench.serve imports the benchmarks' helpers
+
+    args = argv if argv is not None else sys.argv[1:]
+    return {
+        "command": f"python -m {module} " + " ".join(args),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+    }

@@ -18,16 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.results_files import pyplot, save, stem, write_figure
-from bench.serve import machine
+from bench.results_files import pyplot, run_header, save, stem, write_figure
 
 PARAMS = {
     "greedy": {"temperature": 0.0},
@@ -140,9 +137,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logits = real_logits(args.model, getattr(torch, args.dtype), max(rows_list))[:, :vocab]
     sampler_rows = [row for rows in rows_list for row in time_sampler(logits, vocab, rows, args.rounds)]
     report = {
-        "command": "python -m bench.sampling " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
+        **run_header("bench.sampling", argv),
         "model": args.model,
         "dtype": args.dtype,
         "sampler": sampler_rows,

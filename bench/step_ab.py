@@ -34,17 +34,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.results_files import pyplot, save, stem, write_figure
-from bench.serve import machine
+from bench.results_files import pyplot, run_header, save, stem, write_figure
 
 VARIANTS = (
     "all",
@@ -187,9 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append(row)
         print(json.dumps(row), flush=True)
     report = {
-        "command": "python -m bench.step_ab " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
+        **run_header("bench.step_ab", argv),
         "model": args.model,
         "dtype": args.dtype,
         "rerouted": {"decode_linear weights": num_linears, "fused decoder layers": num_layers},

@@ -24,27 +24,27 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (/proc/cpuinfo); empty where it can't be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith("flags")]
-    except OSError:
-        return frozenset()
-    return frozenset(flag for line in lines for flag in line.split(":", 1)[-1].split())
-
-
-@functools.cache
-def cpu_vendor() -> str:
-    """The CPU's vendor id (/proc/cpuinfo: GenuineIntel, AuthenticAMD, ...); empty where unknown."""
+def _cpuinfo_field(name: str) -> str:
+    """The first value of ``name`` in /proc/cpuinfo ("flags", "vendor_id", ...); empty where it can't be read."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("vendor_id"):
+                if line.split(":", 1)[0].strip() == name:
                     return line.split(":", 1)[-1].strip()
     except OSError:
         pass
     return ""
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo); empty where it can't be read."""
+    return frozenset(_cpuinfo_field("flags").split())
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id (GenuineIntel, AuthenticAMD, ...); empty where unknown."""
+    return _cpuinfo_field("vendor_id")
 
 
 def cpu_has_fast_bf16() -> bool:
