@@ -20,7 +20,8 @@ the API (/v1/chat/completions by default):
 
 Reported per class: TTFT p50/p90/p99, TPOT, SLO goodput (TTFT <= 2x and TPOT <= 2x the idle urgent
 p99, both met, as ``vllm bench serve --goodput`` counts), output throughput; from the worker's
-/metrics: engine steps, preemptions by reason (per minute) and recomputed tokens; sampled each second:
+/metrics: engine steps, steps stopped for an urgent arrival (and the forward time they had spent),
+preemptions by reason (per minute) and recomputed tokens; sampled each second:
 running sequences and queue depth. Writes bench/results/priority-<date>[-tag].{json,md,png}.
 
     python -m bench.priority --quick            # or: inflightq bench priority --quick
@@ -141,6 +142,8 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
         "engine_recomputed_tokens_total",
         "generated_tokens_total",
         "engine_step_seconds_total",
+        "engine_interrupted_steps_total",
+        "engine_interrupted_seconds_total",
     )
     out = {k.removesuffix("_total").replace("_total:", ":"): after.get(k, 0) - before.get(k, 0) for k in keys}
     # The worker's own split of each priority's TTFT: waiting in Redis, then in the engine until the first token.

@@ -46,11 +46,12 @@ def latency_table(report: dict[str, Any]) -> list[str]:
 
 def worker_table(report: dict[str, Any]) -> list[str]:
     lines = [
-        "| run | duration s | out tok/s (all) | engine steps | preemptions: urgency / kv_blocks | per minute "
+        "| run | duration s | out tok/s (all) | engine steps | stopped for urgent arrivals (ms spent) "
+        "| preemptions: urgency / kv_blocks | per minute "
         "| recomputed tokens | pool full (share of 1 s samples) | mean sequences held / of them running "
         "| queued: mean / max | load avg before / after "
         "| mean ms in queue / to first token by priority (worker's histograms) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in ("calibration", "priority", "fcfs"):
         run = report["runs"].get(name)
@@ -60,6 +61,7 @@ def worker_table(report: dict[str, Any]) -> list[str]:
         per_min = w.get("preemptions_per_min", round(w["engine_preemptions"] / (m["duration_s"] / 60), 2))
         lines.append(
             f"| {LABELS[name]} | {m['duration_s']:.0f} | {m['output_throughput']} | {w['engine_steps']:.0f} "
+            f"| {w.get('engine_interrupted_steps', 0):.0f} ({1000 * w.get('engine_interrupted_seconds', 0):.0f}) "
             f"| {w['engine_preemptions_by_reason:urgency']:.0f} / {w['engine_preemptions_by_reason:kv_blocks']:.0f} "
             f"| {per_min} | {w['engine_recomputed_tokens']:.0f} | {p['full_share']} "
             f"| {p.get('mean_held', '-')} / {p['mean_running']} "

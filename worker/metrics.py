@@ -59,6 +59,11 @@ class WorkerCollector:
             "engine_prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
             "engine_forward_seconds": ("Time in model forwards.", stats.forward_time_s),
             "engine_step_seconds": ("Time in engine steps.", stats.step_time_s),
+            "engine_interrupted_steps": (
+                "Steps stopped between layers for an urgent arrival (their work computed again).",
+                stats.interrupted_steps,
+            ),
+            "engine_interrupted_seconds": ("Forward time the stopped steps had spent.", stats.interrupted_time_s),
         }
         for name, (doc, value) in engine_counters.items():
             family = CounterMetricFamily(f"inflightq_worker_{name}", doc, labels=names)

@@ -160,6 +160,9 @@ class WorkerService:
     def _hand_over(self, active: ActiveRequest) -> None:
         self.owned.add(active)
         self.inbox.put(InboxItem("start", active.id, active))
+        # An urgent start stops a long step of less urgent work at its next layer, instead of
+        # waiting for all of it: the loop then takes the start and runs it first.
+        self.engine.interrupt_for(active.request.priority)
 
     # The engine loop -----------------------------------------------------------------
     def run(self) -> int:
@@ -260,6 +263,7 @@ class WorkerService:
         self._finish_error(active, "cancelled", "cancelled", "cancelled by client")
 
     def _step(self) -> None:
+        interrupted = self.engine.stats.interrupted_steps
         try:
             events = self.engine.step()
         except Exception:
@@ -271,8 +275,9 @@ class WorkerService:
                 self.engine.abort(active.id)
                 self._hand_back(active, failed=active.id in suspects)
             return
-        for active in self._active.values():
-            active.steps_survived += 1
+        if self.engine.stats.interrupted_steps == interrupted:  # a stopped step ran nobody to the end
+            for active in self._active.values():
+                active.steps_survived += 1
         self.publisher.publish_tokens(
             (event, self._active[event.request_id].attempt) for event in events if event.request_id in self._active
         )

@@ -20,13 +20,13 @@ HANG_TOKEN = 4242
 _run = model_runner.ModelRunner.run  # importing this module (tests do, for the tokens) patches nothing
 
 
-def _faulty_run(self: Any, seqs: list[Any], num_new_tokens: list[int], sample: list[bool]) -> Any:
+def _faulty_run(self: Any, seqs: list[Any], num_new_tokens: list[int], sample: list[bool], *args: Any) -> Any:
     prompts = [s.token_ids[: s.num_prompt_tokens] for s in seqs]
     if any(BREAK_TOKEN in p for p in prompts):
         raise RuntimeError("injected kernel failure")
     if any(HANG_TOKEN in p for p in prompts):
         threading.Event().wait()  # never set
-    return _run(self, seqs, num_new_tokens, sample)
+    return _run(self, seqs, num_new_tokens, sample, *args)
 
 
 if __name__ == "__main__":

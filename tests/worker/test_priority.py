@@ -6,9 +6,12 @@ finishes (BACKGROUND_TOKENS steps); with it, within a few steps."""
 
 from __future__ import annotations
 
+import httpx
+
+from inflightq_cli.redis_server import free_port
 from shared.client import QueueClient
 from shared.schemas import TokenEvent
-from tests.worker import paced_worker
+from tests.worker import paced_worker, slow_worker
 from tests.worker.conftest import greedy
 from tests.worker.test_worker import prompt, tokens_sent, wait_for
 
@@ -100,3 +103,32 @@ def test_background_work_still_finishes_under_a_stream_of_urgent_requests(spawn_
         assert client.result(request_id, timeout=120).token_ids == reference(prompt(20 + i), 4)
     for i, request_id in enumerate(background):
         assert client.result(request_id, timeout=120).token_ids == reference(prompt(i), BACKGROUND_TOKENS)
+
+
+def interrupted_steps(metrics_port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    line = next(x for x in text.splitlines() if x.startswith("inflightq_worker_engine_interrupted_steps_total{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_an_urgent_arrival_stops_the_step_in_progress_and_every_output_stays_exact(
+    spawn_worker, client, reference
+) -> None:
+    # Steps of ~0.2 s, nearly all of it inside layers (slow_worker.py), so an urgent request lands
+    # mid-step; the step it stops is computed again, and neither request may notice in its tokens.
+    metrics_port = free_port()
+    env = {"INFLIGHTQ_PREFETCH_SEQS": "0", "INFLIGHTQ_TEST_STEP_S": "0", "INFLIGHTQ_TEST_LAYER_S": "0.1"}
+    spawn_worker("slow", "--max-num-seqs", "1", "--metrics-port", str(metrics_port), env=env, script=slow_worker.SCRIPT)
+    model = client.settings.model
+    background = client.submit(model, prompt(0), greedy(40), priority=3)
+    wait_for(lambda: tokens_sent(client, background) > 0, timeout=60)
+    # Each arrival lands between two steps with a chance of a few in a hundred: three, one after another.
+    urgent = []
+    for i in range(3):
+        urgent.append(client.submit(model, prompt(7 + i), greedy(2), priority=0))
+        assert client.result(urgent[-1], timeout=60).token_ids == reference(prompt(7 + i), 2)
+    assert client.status(background).finished_at is None  # type: ignore[union-attr]
+    assert interrupted_steps(metrics_port) >= 1
+    tokens = [e for e in client.stream(background, timeout=120) if isinstance(e, TokenEvent)]
+    assert [e.index for e in tokens] == list(range(40))
+    assert [e.token_id for e in tokens] == reference(prompt(0), 40)

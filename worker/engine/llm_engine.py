@@ -25,6 +25,7 @@ from worker.engine.sampler import Sampler, SamplingRow
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, SequenceStatus
+from worker.engine.step_interrupt import StepInterrupt, StepInterrupted
 from worker.engine.structured import StructuredOutput
 
 
@@ -76,6 +77,7 @@ class LLMEngine:
         self._pending: list[EngineEvent] = []  # events decided outside a step (e.g. a resume already complete)
         self._arrivals = 0
         self._lock = threading.RLock()
+        self._interrupt = StepInterrupt()
         # Read by the worker's capacity decision without the lock (a step holds it for its whole forward).
         self.load = EngineLoad(config.max_num_seqs, config.block_size)
         self._refresh_load()
@@ -169,6 +171,12 @@ class LLMEngine:
             self.scheduler.add(seq)
             self._refresh_load()
 
+    def interrupt_for(self, priority: int) -> bool:
+        """A request of ``priority`` is on its way (from any thread, without the lock): stops the
+        step in progress at its next layer if that step computes work at least a whole level less
+        urgent (``step_interrupt``). True if it asked the step to stop."""
+        return self._interrupt.arrival(priority)
+
     def abort(self, request_id: str) -> bool:
         with self._lock:
             seq = self._seqs.get(request_id)
@@ -191,7 +199,12 @@ class LLMEngine:
             for seq in batch.preempted:
                 self.sampler.release(seq.request_id)
             if batch.seqs:
-                events += self._run(batch.seqs, batch.num_new_tokens)
+                least_urgent = max(self.scheduler.urgency(s)[0] for s in batch.seqs)
+                self._interrupt.arm(least_urgent)
+                try:
+                    events += self._run(batch.seqs, batch.num_new_tokens)
+                finally:
+                    self._interrupt.disarm()
             self.stats.steps += 1
             self.stats.batch_tokens = batch.num_tokens
             self.stats.batch_seqs = len(batch.seqs)
@@ -204,7 +217,18 @@ class LLMEngine:
         constrained = [s for s, f in zip(seqs, sample, strict=True) if f and s.matcher is not None]
         masks = self.structured.fill_async([s.matcher for s in constrained]) if constrained else None
         started = time.perf_counter()
-        logits = self.runner.run(seqs, num_new_tokens, sample)
+        try:
+            logits = self.runner.run(seqs, num_new_tokens, sample, self._interrupt)
+        except StepInterrupted:
+            # Nothing was kept: tokens, sampling and the prefix cache are as before this step,
+            # which the next one schedules again (an urgent arrival first).
+            if masks is not None:
+                masks.result()  # the helper thread reads the matchers: done before anyone changes them
+            self.stats.interrupted_steps += 1
+            self.stats.interrupted_time_s += time.perf_counter() - started
+            self._interrupt.last_stopped = True
+            return []
+        self._interrupt.last_stopped = False
         self.stats.forward_time_s += time.perf_counter() - started
         bitmask = self._await_masks(masks, len(constrained)) if masks is not None else None
         mask_row = {id(s): i for i, s in enumerate(constrained)}

@@ -27,6 +27,7 @@ from worker.engine.fused_norms import fuse_rms_norms
 from worker.engine.fused_projections import fuse_sibling_projections
 from worker.engine.memory import available_memory_bytes, lazy_zeros
 from worker.engine.sequence import Sequence
+from worker.engine.step_interrupt import StepInterrupt
 
 log = logging.getLogger(__name__)
 
@@ -113,13 +114,22 @@ class ModelRunner:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], num_new_tokens: list[int], sample: list[bool]) -> torch.Tensor:
+    def run(
+        self,
+        seqs: list[Sequence],
+        num_new_tokens: list[int],
+        sample: list[bool],
+        interrupt: StepInterrupt | None = None,
+    ) -> torch.Tensor:
         """Computes K/V for each sequence's next ``num_new_tokens`` tokens; returns logits [S, V] for
-        the sequences flagged in ``sample`` (in their order), at their last position only."""
+        the sequences flagged in ``sample`` (in their order), at their last position only. With
+        ``interrupt``, each layer may raise ``StepInterrupted`` (a decode step run as one op of all
+        layers cannot stop: it is the shortest kind of step anyway)."""
         order = sorted(range(len(seqs)), key=lambda i: num_new_tokens[i] != 1)  # decodes first, stable
         meta, input_ids, positions, last_rows = self._prepare(
             [seqs[i] for i in order], [num_new_tokens[i] for i in order]
         )
+        meta.interrupt = interrupt
         row_of = dict(zip(order, last_rows, strict=True))
         keep = torch.tensor([row_of[i] for i in range(len(seqs)) if sample[i]], dtype=torch.long, device=self.device)
         if self.compiled is not None:

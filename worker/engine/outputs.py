@@ -61,6 +61,8 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     warmup_s: float = 0.0  # compiling the forward at start (0 when the forward runs eager)
+    interrupted_steps: int = 0  # steps stopped between layers for an urgent arrival (their work thrown away)
+    interrupted_time_s: float = 0.0  # forward time those steps had spent: the cost of stopping them
 
     @property
     def forward_share(self) -> float:

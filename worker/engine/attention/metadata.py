@@ -11,6 +11,8 @@ from typing import Protocol
 
 import torch
 
+from worker.engine.step_interrupt import StepInterrupt
+
 
 @dataclass
 class PrefillChunk:
@@ -38,6 +40,12 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor | None = None  # [num_seqs + 1] int32
     max_query_len: int = 0
     max_context_len: int = 0
+    interrupt: StepInterrupt | None = None  # the engine's; None: the step always runs to its end
+
+    def stop_if_interrupted(self) -> None:
+        """Every layer, before its attention: raises ``StepInterrupted`` when an urgent arrival asked."""
+        if self.interrupt is not None:
+            self.interrupt.stop_if_requested()
 
 
 def heads_first(*token_major: torch.Tensor) -> list[torch.Tensor]:

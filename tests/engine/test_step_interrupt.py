@@ -1,0 +1,103 @@
+"""An urgent arrival stops the step in progress between two layers (``worker/engine/step_interrupt.py``):
+the stopped step keeps nothing, the arrival runs next, and every sequence's output stays exact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.engine.conftest import reference
+from tests.engine.test_engine_scheduling import prompt, step_all
+from worker.engine import EngineEvent, SamplingParams
+
+PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
+
+
+def arrive_mid_step(engine: Any, monkeypatch: pytest.MonkeyPatch, priority: int, at_layer: int = 2) -> list[bool]:
+    """From the next step on, a request of ``priority`` 'arrives' (``interrupt_for``, as the worker's
+    intake thread calls it) when a step reaches its ``at_layer``-th layer; returns what each call answered."""
+    answers: list[bool] = []
+    layers = 0
+    stop_if_requested = engine._interrupt.stop_if_requested
+
+    def layer_starts() -> None:
+        nonlocal layers
+        layers += 1
+        if layers % len(engine.model.model.layers) == at_layer - 1:
+            answers.append(engine.interrupt_for(priority))
+        stop_if_requested()
+
+    monkeypatch.setattr(engine._interrupt, "stop_if_requested", layer_starts)
+    return answers
+
+
+def loaded_engine(make_engine: Any) -> tuple[Any, list[EngineEvent]]:
+    """Three background requests decoding and a fourth whose prompt comes in 8-token chunks beside them."""
+    engine = make_engine(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_tokens_beside_decodes=8)
+    for i in range(3):
+        engine.add_request(f"background-{i}", prompt(20 + i), PARAMS, priority=3)
+    events = engine.step()
+    engine.add_request("long", prompt(23, 40), PARAMS, priority=2)
+    events += engine.step()
+    return engine, events
+
+
+def test_an_urgent_arrival_stops_the_step_in_progress_and_runs_next_with_every_output_exact(
+    make_engine: Any, tiny_ref: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, events = loaded_engine(make_engine)
+    answers = arrive_mid_step(engine, monkeypatch, priority=0)
+    before = {s.request_id: s.num_computed_tokens for s in engine.scheduler.running}
+    assert engine.step() == [], "a stopped step sends nothing"
+    assert answers == [True] and engine.stats.interrupted_steps == 1
+    assert {s.request_id: s.num_computed_tokens for s in engine.scheduler.running} == before, "nothing was kept"
+    # What the worker does next: the arrival reaches the engine, whose next step runs it first.
+    engine.add_request("urgent", prompt(30), PARAMS, priority=0)
+    urgent_step = engine.step()
+    assert [e.request_id for e in urgent_step] == ["urgent"]
+    assert engine.stats.interrupted_steps == 1, "the step after a stopped one runs to its end"
+    monkeypatch.undo()
+    events += urgent_step + step_all(engine)
+    assert engine.stats.preemptions == 0
+    for name, seed, length in (("background-0", 20, 12), ("long", 23, 40), ("urgent", 30, 12)):
+        tokens = [e.token_id for e in events if e.request_id == name]
+        assert tokens == reference(tiny_ref, prompt(seed, length), 12), name
+        assert [e.index for e in events if e.request_id == name] == list(range(12))
+
+
+@pytest.mark.parametrize("priority", [2, 3])
+def test_an_arrival_less_than_a_level_more_urgent_than_the_step_lets_it_run(
+    make_engine: Any, monkeypatch: pytest.MonkeyPatch, priority: int
+) -> None:
+    # The step computes priority-2 and priority-3 work: only a priority-1 (or better) arrival would
+    # pause its least urgent sequences, so only such an arrival stops it.
+    engine, _ = loaded_engine(make_engine)
+    answers = arrive_mid_step(engine, monkeypatch, priority=priority)
+    events = engine.step()
+    assert answers == [False] and engine.stats.interrupted_steps == 0
+    assert {e.request_id for e in events} == {f"background-{i}" for i in range(3)}
+
+
+def test_urgent_arrivals_at_every_step_still_let_every_other_step_finish(
+    make_engine: Any, tiny_ref: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, events = loaded_engine(make_engine)
+    answers = arrive_mid_step(engine, monkeypatch, priority=0)
+    for _ in range(6):
+        events += engine.step()
+    assert answers == [True, False] * 3 and engine.stats.interrupted_steps == 3
+    monkeypatch.undo()
+    events += step_all(engine)
+    tokens = [e.token_id for e in events if e.request_id == "long"]
+    assert tokens == reference(tiny_ref, prompt(23, 40), 12)
+
+
+def test_a_step_between_steps_or_alone_is_not_stopped(make_engine: Any) -> None:
+    engine = make_engine(max_num_seqs=8)
+    assert engine.interrupt_for(0) is False, "no step in progress"
+    engine.add_request("urgent", prompt(1), PARAMS, priority=0)
+    engine.step()
+    assert engine.interrupt_for(0) is False
+    step_all(engine)
+    assert engine.stats.interrupted_steps == 0
