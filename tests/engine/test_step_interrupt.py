@@ -14,19 +14,16 @@ from worker.engine import EngineEvent, SamplingParams
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
 
-def arrive_mid_step(engine: Any, monkeypatch: pytest.MonkeyPatch, priority: int, at_layer: int = 2) -> list[bool]:
+def arrive_mid_step(engine: Any, monkeypatch: pytest.MonkeyPatch, priority: int, at_layer: int = 0) -> list[bool]:
     """From the next step on, a request of ``priority`` 'arrives' (``interrupt_for``, as the worker's
-    intake thread calls it) when a step reaches its ``at_layer``-th layer; returns what each call answered."""
+    intake thread calls it) as each step reaches its layer ``at_layer``; returns what each call answered."""
     answers: list[bool] = []
-    layers = 0
     stop_if_requested = engine._interrupt.stop_if_requested
 
-    def layer_starts() -> None:
-        nonlocal layers
-        layers += 1
-        if layers % len(engine.model.model.layers) == at_layer - 1:
+    def layer_starts(layer: int, num_layers: int) -> None:
+        if layer == at_layer:
             answers.append(engine.interrupt_for(priority))
-        stop_if_requested()
+        stop_if_requested(layer, num_layers)
 
     monkeypatch.setattr(engine._interrupt, "stop_if_requested", layer_starts)
     return answers
@@ -91,6 +88,23 @@ def test_urgent_arrivals_at_every_step_still_let_every_other_step_finish(
     events += step_all(engine)
     tokens = [e.token_id for e in events if e.request_id == "long"]
     assert tokens == reference(tiny_ref, prompt(23, 40), 12)
+
+
+def test_an_arrival_in_the_second_half_of_the_layers_waits_for_the_step(
+    make_engine: Any, tiny_ref: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, events = loaded_engine(make_engine)
+    assert len(engine.model.model.layers) == 2
+    answers = arrive_mid_step(engine, monkeypatch, priority=0, at_layer=1)
+    step = engine.step()  # asked to stop at its last layer: finishing costs the arrival less
+    assert answers == [True] and engine.stats.interrupted_steps == 0
+    assert {e.request_id for e in step} == {f"background-{i}" for i in range(3)}
+    monkeypatch.undo()
+    engine.add_request("urgent", prompt(30), PARAMS, priority=0)
+    urgent_step = engine.step()
+    assert [e.request_id for e in urgent_step] == ["urgent"]
+    events += step + urgent_step + step_all(engine)
+    assert [e.token_id for e in events if e.request_id == "long"] == reference(tiny_ref, prompt(23, 40), 12)
 
 
 def test_a_step_between_steps_or_alone_is_not_stopped(make_engine: Any) -> None:

@@ -1,8 +1,8 @@
 """``inflightq worker`` whose every model forward takes at least ``INFLIGHTQ_TEST_STEP_S`` seconds,
 for tests that need requests still generating across something slower than the tiny model (a
 Redis failover takes seconds; the tiny model makes a token in about a millisecond), and with
-``INFLIGHTQ_TEST_LAYER_S`` every layer that long more, spent where a layer may be stopped (a
-step in progress is then long enough for an urgent arrival to stop it). Everything
+``INFLIGHTQ_TEST_LAYER_S`` its first layer that long more, spent just before the step's first
+check for an urgent arrival (a step in progress is then long enough for an arrival to stop it). Everything
 else is the real worker. Run as ``python tests/worker/slow_worker.py worker --name ...``."""
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ def _slow_run(self: Any, *args: Any, **kwargs: Any) -> Any:
     return _run(self, *args, **kwargs)
 
 
-def _slow_layer(self: AttentionMetadata) -> None:
-    time.sleep(float(os.environ["INFLIGHTQ_TEST_LAYER_S"]))
-    _layer_starts(self)
+def _slow_layer(self: AttentionMetadata, layer: int) -> None:
+    if layer == 0:
+        time.sleep(float(os.environ["INFLIGHTQ_TEST_LAYER_S"]))
+    _layer_starts(self, layer)
 
 
 if __name__ == "__main__":

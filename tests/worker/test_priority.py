@@ -114,10 +114,10 @@ def interrupted_steps(metrics_port: int) -> float:
 def test_an_urgent_arrival_stops_the_step_in_progress_and_every_output_stays_exact(
     spawn_worker, client, reference
 ) -> None:
-    # Steps of ~0.2 s, nearly all of it inside layers (slow_worker.py), so an urgent request lands
-    # mid-step; the step it stops is computed again, and neither request may notice in its tokens.
+    # Steps of ~0.2 s, nearly all of it before their first layer's check (slow_worker.py), so an urgent
+    # request lands mid-step; the step it stops is computed again, and neither request may notice.
     metrics_port = free_port()
-    env = {"INFLIGHTQ_PREFETCH_SEQS": "0", "INFLIGHTQ_TEST_STEP_S": "0", "INFLIGHTQ_TEST_LAYER_S": "0.1"}
+    env = {"INFLIGHTQ_PREFETCH_SEQS": "0", "INFLIGHTQ_TEST_STEP_S": "0", "INFLIGHTQ_TEST_LAYER_S": "0.2"}
     spawn_worker("slow", "--max-num-seqs", "1", "--metrics-port", str(metrics_port), env=env, script=slow_worker.SCRIPT)
     model = client.settings.model
     background = client.submit(model, prompt(0), greedy(40), priority=3)

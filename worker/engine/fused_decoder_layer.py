@@ -160,7 +160,7 @@ class FusedDecoderLayer:
     def step(self, meta: Any, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The layer on the engine's metadata (``__call__`` once it has checked it applies;
         ``decode_forward`` calls it directly): the one op where it applies, else the ops one by one."""
-        meta.stop_if_interrupted()
+        meta.stop_if_interrupted(self.layer_idx)
         if self._one_op_applies(meta, hidden_states):
             return self._one_op(meta, hidden_states, cos, sin)
         ops = torch.ops.inflightq

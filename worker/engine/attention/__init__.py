@@ -31,7 +31,7 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     scale = scaling or query.shape[-1] ** -0.5
     if inflightq_meta is not None:
-        inflightq_meta.stop_if_interrupted()
+        inflightq_meta.stop_if_interrupted(module.layer_idx)
     if inflightq_meta is None:  # a compiled forward: one opaque op, the metadata set around the step
         out = paged_attention_op(query, key, value, module.layer_idx, scale)
     else:

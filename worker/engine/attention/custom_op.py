@@ -43,7 +43,7 @@ def paged_attention_op(
     meta = _current
     if meta is None:
         raise RuntimeError("inflightq::paged_attention runs only inside the model runner's step_metadata")
-    meta.stop_if_interrupted()
+    meta.stop_if_interrupted(layer)
     padded, real = query.shape[2], meta.slot_mapping.numel()
     if real == padded:
         return meta.backend.forward(meta, layer, query, key, value, scale)

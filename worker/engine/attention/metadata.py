@@ -42,10 +42,11 @@ class AttentionMetadata:
     max_context_len: int = 0
     interrupt: StepInterrupt | None = None  # the engine's; None: the step always runs to its end
 
-    def stop_if_interrupted(self) -> None:
-        """Every layer, before its attention: raises ``StepInterrupted`` when an urgent arrival asked."""
+    def stop_if_interrupted(self, layer: int) -> None:
+        """Every layer, before its attention: raises ``StepInterrupted`` when an urgent arrival asked
+        and the step is in its first half of layers."""
         if self.interrupt is not None:
-            self.interrupt.stop_if_requested()
+            self.interrupt.stop_if_requested(layer, len(self.kv_caches))
 
 
 def heads_first(*token_major: torch.Tensor) -> list[torch.Tensor]:
