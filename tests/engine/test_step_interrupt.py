@@ -115,3 +115,26 @@ def test_a_step_between_steps_or_alone_is_not_stopped(make_engine: Any) -> None:
     assert engine.interrupt_for(0) is False
     step_all(engine)
     assert engine.stats.interrupted_steps == 0
+
+
+def test_stopped_steps_leave_seeded_sampling_and_grammars_exactly_where_they_were(
+    make_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Sampled (seeded) and constrained rows: a stopped step must not draw from a request's generator
+    # or move its matcher, or the run with stops would diverge from the one without.
+    def run(stops: bool) -> dict[str, list[int]]:
+        engine = make_engine(max_num_seqs=8, max_num_batched_tokens=64, max_prefill_tokens_beside_decodes=8)
+        if stops:
+            arrive_mid_step(engine, monkeypatch, priority=0)
+        regex = {"type": "regex", "value": "[a-z]{3}-[0-9]{4}"}
+        for i in range(3):
+            params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=i, constraint=regex if i else None)
+            engine.add_request(f"r{i}", prompt(50 + i, 10 + 9 * i), params, priority=3)
+        tokens: dict[str, list[int]] = {}
+        for event in step_all(engine):
+            tokens.setdefault(event.request_id, []).append(event.token_id)
+        monkeypatch.undo()
+        assert (engine.stats.interrupted_steps > 0) is stops
+        return tokens
+
+    assert run(stops=True) == run(stops=False)
