@@ -66,3 +66,32 @@ def test_buckets_past_the_step_budget_are_dropped() -> None:
 def test_the_eager_path_is_the_default(make_engine: Any) -> None:
     engine = make_engine()
     assert engine.runner.compiled is None and engine.stats.warmup_s == 0
+
+
+def test_a_compiled_step_stopped_for_an_urgent_arrival_keeps_nothing(
+    compiled_llm: LLM, tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The stop is raised inside the compiled graph, by the opaque attention op at a layer's start.
+    engine = compiled_llm.engine
+    ref_model, _ = load_model(str(tiny_model_dir), torch.float32, "cpu")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 40_000) for _ in range(n)] for n in (6, 9, 13)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"stopped-{i}", prompt, SamplingParams(max_new_tokens=MAX_NEW), priority=3)
+    stop_if_requested = engine._interrupt.stop_if_requested
+
+    def urgent_arrives(layer: int, num_layers: int) -> None:
+        if layer == 0:
+            engine.interrupt_for(0)
+        stop_if_requested(layer, num_layers)
+
+    monkeypatch.setattr(engine._interrupt, "stop_if_requested", urgent_arrives)
+    tokens: dict[str, list[int]] = {}
+    before = engine.stats.interrupted_steps
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        while engine.has_unfinished():
+            for event in engine.step():
+                tokens.setdefault(event.request_id, []).append(event.token_id)
+    assert engine.stats.interrupted_steps - before >= MAX_NEW  # every other step
+    for i, prompt in enumerate(prompts):
+        assert tokens[f"stopped-{i}"] == reference(ref_model, prompt, MAX_NEW)
