@@ -9,14 +9,21 @@ import pytest
 
 from tests.engine.conftest import reference
 from tests.engine.test_engine_scheduling import prompt, step_all
-from worker.engine import EngineEvent, SamplingParams
+from worker.engine import EngineEvent, SamplingParams, step_interrupt
+from worker.engine.step_interrupt import MAX_THROWN_AWAY_SHARE
 
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
 
-def arrive_mid_step(engine: Any, monkeypatch: pytest.MonkeyPatch, priority: int, at_layer: int = 0) -> list[bool]:
+def arrive_mid_step(
+    engine: Any, monkeypatch: pytest.MonkeyPatch, priority: int, at_layer: int = 0, *, budget: bool = False
+) -> list[bool]:
     """From the next step on, a request of ``priority`` 'arrives' (``interrupt_for``, as the worker's
-    intake thread calls it) as each step reaches its layer ``at_layer``; returns what each call answered."""
+    intake thread calls it) as each step reaches its layer ``at_layer``; returns what each call answered.
+    Without ``budget`` the thrown-away time is not limited (the tiny model's steps are too short for
+    it to mean anything; the limit has a test of its own)."""
+    if not budget:
+        monkeypatch.setattr(step_interrupt, "MAX_THROWN_AWAY_SHARE", 1.0)
     answers: list[bool] = []
     stop_if_requested = engine._interrupt.stop_if_requested
 
@@ -138,3 +145,16 @@ def test_stopped_steps_leave_seeded_sampling_and_grammars_exactly_where_they_wer
         return tokens
 
     assert run(stops=True) == run(stops=False)
+
+
+def test_steps_are_not_stopped_once_the_thrown_away_time_is_over_its_share(
+    make_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, _ = loaded_engine(make_engine)
+    answers = arrive_mid_step(engine, monkeypatch, priority=0, budget=True)
+    engine.stats.step_time_s = 10.0
+    engine.stats.interrupted_time_s = 10.0 * MAX_THROWN_AWAY_SHARE + 0.01
+    engine.step()
+    assert answers == [False] and engine.stats.interrupted_steps == 0
+    engine.stats.step_time_s = 20.0  # back under the share: the next arrival stops its step
+    assert engine.step() == [] and answers == [False, True] and engine.stats.interrupted_steps == 1

@@ -200,7 +200,7 @@ class LLMEngine:
                 self.sampler.release(seq.request_id)
             if batch.seqs:
                 least_urgent = max(self.scheduler.urgency(s)[0] for s in batch.seqs)
-                self._interrupt.arm(least_urgent)
+                self._interrupt.arm(least_urgent, self.stats.interrupted_time_s, self.stats.step_time_s)
                 try:
                     events += self._run(batch.seqs, batch.num_new_tokens)
                 finally:
