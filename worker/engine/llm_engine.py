@@ -199,8 +199,12 @@ class LLMEngine:
             for seq in batch.preempted:
                 self.sampler.release(seq.request_id)
             if batch.seqs:
-                least_urgent = max(self.scheduler.urgency(s)[0] for s in batch.seqs)
-                self._interrupt.arm(least_urgent, self.stats.interrupted_time_s, self.stats.step_time_s)
+                seqs = batch.seqs  # judged only if a request arrives: nothing more per step
+                self._interrupt.arm(
+                    lambda priority: self.scheduler.pauses_any(priority, seqs),
+                    self.stats.interrupted_time_s,
+                    self.stats.step_time_s,
+                )
                 try:
                     events += self._run(batch.seqs, batch.num_new_tokens)
                 finally:
@@ -226,9 +230,7 @@ class LLMEngine:
                 masks.result()  # the helper thread reads the matchers: done before anyone changes them
             self.stats.interrupted_steps += 1
             self.stats.interrupted_time_s += time.perf_counter() - started
-            self._interrupt.last_stopped = True
             return []
-        self._interrupt.last_stopped = False
         self.stats.forward_time_s += time.perf_counter() - started
         bitmask = self._await_masks(masks, len(constrained)) if masks is not None else None
         mask_row = {id(s): i for i, s in enumerate(constrained)}

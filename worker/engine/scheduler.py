@@ -32,6 +32,11 @@ from worker.engine.outputs import EngineStats
 from worker.engine.sequence import Sequence, SequenceStatus
 
 
+def _outranks(urgency: float, other: float) -> bool:
+    """The urgent-first rule's test: at least a whole priority level more urgent (lower)."""
+    return urgency <= other - 1
+
+
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
@@ -130,11 +135,16 @@ class Scheduler:
             return False
         # Both queues are sorted by urgency (schedule() sorts them first): the waiting head is the
         # most urgent request waiting, the running tail the least urgent one running.
-        return self.urgency(self.waiting[0])[0] <= self.urgency(self.running[-1])[0] - 1
+        return _outranks(self.urgency(self.waiting[0])[0], self.urgency(self.running[-1])[0])
 
     def _is_peer(self, seq: Sequence, threshold: float) -> bool:
         """Running, and less than a whole level less urgent than the urgent requests being admitted."""
-        return self.urgency(seq)[0] < threshold + 1
+        return not _outranks(threshold, self.urgency(seq)[0])
+
+    def pauses_any(self, priority: float, seqs: list[Sequence]) -> bool:
+        """Whether a new arrival of ``priority`` would run first and pause some of ``seqs`` (the
+        urgent-first rule; asked from another thread, for a step's batch, when a request arrives)."""
+        return any(_outranks(priority, self.urgency(s)[0]) for s in seqs)
 
     def _budget(self, batch: ScheduledBatch) -> int:
         return self.max_num_batched_tokens - batch.num_tokens

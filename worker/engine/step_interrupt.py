@@ -14,13 +14,15 @@ the step's work thrown away would cost everyone else. Each cost is then at most 
 at any layer threw away ~100-140 ms of forward per urgent arrival on the AMX box, 1.5-1.8% of the
 saturated worker's time at a 5% urgent share.)
 
-Who may stop which step is ``StepInterrupt``'s rule; the layers call ``stop_if_requested`` (through
-the step's ``AttentionMetadata``) where they start their attention.
+Whether an arrival is urgent enough is the scheduler's urgent-first rule (``Scheduler.pauses_any``,
+judged only when a request arrives); when a step may stop is ``StepInterrupt``'s; the layers call
+``stop_if_requested`` (through the step's ``AttentionMetadata``) where they start their attention.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 # Stopped steps' thrown-away forward time may be at most this share of the engine's step time: where
 # arrivals more urgent than running work come several times a second, each would otherwise throw
@@ -37,33 +39,34 @@ class StepInterrupted(Exception):
 class StepInterrupt:
     """Set from another thread, read between layers by the step in progress.
 
-    A step may be stopped only for an arrival at least a whole priority level more urgent than the
-    least urgent sequence it computes (the arrival would then pause that sequence in the scheduler's
-    urgent-first step anyway), never twice in a row, so every sequence makes progress whatever
+    A step may be stopped only for an arrival that the scheduler's urgent-first rule would run before
+    some of the sequences it computes (at least a whole priority level more urgent: it pauses them
+    for a step anyway), never twice in a row, so every sequence makes progress whatever
     arrives (the step after a stopped one always runs to its end), and only while the stopped steps
     have thrown away at most ``MAX_THROWN_AWAY_SHARE`` of the step time."""
 
     def __init__(self) -> None:
         self._requested = threading.Event()
-        self._threshold: float | None = None  # an arrival at or below this stops the step in progress
-        self.last_stopped = False
+        # While a stoppable step runs: whether an arrival of a priority is urgent enough to stop it.
+        self._stops_for: Callable[[int], bool] | None = None
+        self._stopped_last = False
 
-    def arm(self, least_urgent: float | None, thrown_away_s: float, step_time_s: float) -> None:
-        """The engine, as a step starts: ``least_urgent`` is its least urgent sequence's effective
-        priority (None: this step must run to its end); ``thrown_away_s`` the forward time of the
-        steps stopped so far, ``step_time_s`` the time of all steps so far."""
+    def arm(self, stops_for: Callable[[int], bool], thrown_away_s: float, step_time_s: float) -> None:
+        """The engine, as a step starts: ``stops_for`` judges an arrival against the step's batch;
+        ``thrown_away_s`` is the forward time of the steps stopped so far, ``step_time_s`` the time
+        of all steps so far."""
         self._requested.clear()
-        over_budget = thrown_away_s > MAX_THROWN_AWAY_SHARE * step_time_s
-        stoppable = least_urgent is not None and not self.last_stopped and not over_budget
-        self._threshold = least_urgent - 1 if stoppable and least_urgent is not None else None
+        within_budget = thrown_away_s <= MAX_THROWN_AWAY_SHARE * step_time_s
+        self._stops_for = stops_for if within_budget and not self._stopped_last else None
+        self._stopped_last = False
 
     def disarm(self) -> None:
-        self._threshold = None
+        self._stops_for = None
 
     def arrival(self, priority: int) -> bool:
         """A request of ``priority`` is on its way to the engine (any thread): True if it stops the step."""
-        threshold = self._threshold
-        if threshold is None or priority > threshold:
+        stops_for = self._stops_for
+        if stops_for is None or not stops_for(priority):
             return False
         self._requested.set()
         return True
@@ -72,4 +75,5 @@ class StepInterrupt:
         """Layer ``layer`` (0-based) of ``num_layers`` starts: stops the step if an arrival asked and
         fewer layers are done than are left."""
         if self._requested.is_set() and 2 * layer < num_layers:
+            self._stopped_last = True
             raise StepInterrupted

@@ -30,11 +30,10 @@ def paged_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     scale = scaling or query.shape[-1] ** -0.5
-    if inflightq_meta is not None:
-        inflightq_meta.stop_if_interrupted(module.layer_idx)
     if inflightq_meta is None:  # a compiled forward: one opaque op, the metadata set around the step
         out = paged_attention_op(query, key, value, module.layer_idx, scale)
     else:
+        inflightq_meta.stop_if_interrupted(module.layer_idx)
         out = inflightq_meta.backend.forward(inflightq_meta, module.layer_idx, query, key, value, scale)
     return out.unsqueeze(0), None  # [1, T, Hq, D], as transformers' attention functions return
 
