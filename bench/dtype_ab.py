@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from bench.engine import workload
-from bench.results_files import pyplot, save, stem, write_figure
-from bench.serve import machine
+from bench.results_files import machine, pyplot, save, stem, write_figure
 
 DTYPES = ("bfloat16", "float32")
 

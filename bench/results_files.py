@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -43,11 +45,17 @@ def save(stem: Path, results: dict, markdown: list[str], plot: Callable[[dict, P
     print(f"wrote {stem}.json, .md and .png")
 
 
+def machine() -> str:
+    """The machine line of a results file: architecture, cores, torch's threads and version."""
+    import torch
+
+    threads = torch.get_num_threads()
+    return f"{platform.machine()}, {os.cpu_count()} cpus, {threads} torch threads, torch {torch.__version__}"
+
+
 def run_header(module: str, argv: list[str] | None) -> dict[str, str]:
     """What every results file opens with: the command that made it (``python -m <module> ...``),
     when (UTC) and on what machine."""
-    from bench.serve import machine  # here, not at the top: bench.serve imports the benchmarks' helpers
-
     args = argv if argv is not None else sys.argv[1:]
     return {
         "command": f"python -m {module} " + " ".join(args),

@@ -30,8 +30,6 @@ import datetime as dt
 import functools
 import gc
 import math
-import os
-import platform
 import shlex
 import signal
 import sys
@@ -44,6 +42,7 @@ from typing import Any
 import httpx
 import redis.asyncio as aioredis
 
+from bench.results_files import machine
 from bench.serve_clients import ENDPOINTS, Sender, chat_sender, queue_sender, run_load, tgi_sender
 from bench.serve_cpu import WORKERS, CpuMeter, local_redis_pid
 from bench.serve_dataset import ChatSample, describe, synthetic_chat
@@ -495,13 +494,6 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
         base = saturated[runs[-1]["endpoint"]]["metrics"]["output_throughput"]
         out["workers_scaling"] = {f"{w} vs {first_workers}": round(v / base, 3) for w, v in scale.items()}
     return out
-
-
-def machine() -> str:
-    import torch
-
-    threads = torch.get_num_threads()
-    return f"{platform.machine()}, {os.cpu_count()} cpus, {threads} torch threads, torch {torch.__version__}"
 
 
 if __name__ == "__main__":
