@@ -77,11 +77,14 @@ def workload(tokenizer: Any, num_prompts: int, seed: int) -> tuple[list[list[int
 
 
 class Ours:
-    def __init__(self, model_name: str, dtype: torch.dtype, device: str = "cpu", compile: bool = False) -> None:
+    def __init__(
+        self, model_name: str, dtype: torch.dtype, device: str = "cpu", compile: bool = False, cuda_graphs: str = "auto"
+    ) -> None:
         from worker.engine.model_loader import load_model
 
         self.model, self.tokenizer = load_model(model_name, dtype, device)
         self.compile = compile
+        self.cuda_graphs: bool | str = {"on": True, "off": False}.get(cuda_graphs, cuda_graphs)
 
     def run(self, prompts: list[list[int]], lengths: list[int]) -> dict:
         from worker.engine import LLM, SamplingParams
@@ -95,6 +98,7 @@ class Ours:
             num_kv_blocks=KV_TOKENS // 16,
             block_size=16,
             compile=self.compile,
+            cuda_graphs=self.cuda_graphs,
         )
         llm.generate(prompts[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up: first-call costs
         stats = llm.engine.stats
@@ -113,6 +117,7 @@ class Ours:
             "forward_share_of_step": round(forward / step_time, 3),
             "step_share_of_wall": round(step_time / wall, 3),
             "sample_text": outs[0].text[:120],
+            "warmup_s": round(stats.warmup_s, 2),  # compile or CUDA-graph capture, before the timed run
         }
 
 
@@ -171,6 +176,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (results then named engine-<date>-cuda)")
     parser.add_argument("--compile", action="store_true", help="our engine with its compiled forward")
     parser.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="our engine's decode steps from CUDA graphs (auto: on with --device cuda)",
+    )
+    parser.add_argument(
         "--tag", default="", help="appended to the results' name, so a second run that day keeps the first"
     )
     args = parser.parse_args(argv)
@@ -195,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         row: dict[str, Any] = {"load_average_before": os.getloadavg()[0]}
-        engines: dict[str, Any] = {"ours": Ours(args.model, dtype, args.device, args.compile)}
+        engines: dict[str, Any] = {"ours": Ours(args.model, dtype, args.device, args.compile, args.cuda_graphs)}
         if not args.skip_transformers:
             engines["transformers_cb"] = TransformersCB(args.model, dtype, args.device)
         # Alternating runs, best of each: a noisy shared machine slows whichever runs in a bad moment.

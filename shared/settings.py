@@ -5,7 +5,7 @@ The README's settings table is generated from this class (``inflightq settings``
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -215,6 +215,12 @@ class Settings(BaseSettings):
     )
     compile_cache: str | None = Field(
         None, description="Directory for the compiled forward's caches; unset = ~/.cache/inflightq/inductor."
+    )
+    cuda_graphs: Literal["auto", "on", "off", "eager"] = Field(
+        "auto",
+        description="Decode steps replayed from CUDA graphs, one per padded batch-size bucket, captured at start "
+        "before the worker takes work. auto: on a CUDA device (not with compile); eager: the same padded step "
+        "uncaptured (to tell a capture fault from a padding one).",
     )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Worker Prometheus port; unset = none.")
     batch_file_dir: str | None = Field(

@@ -32,6 +32,7 @@ def engine_config(settings: Settings, **overrides: Any) -> EngineConfig:
         "compile": settings.compile,
         "compile_cache_dir": settings.compile_cache,
         "compile_dynamic": settings.compile_dynamic,
+        "cuda_graphs": {"on": True, "off": False}.get(settings.cuda_graphs, settings.cuda_graphs),
     }
     return EngineConfig(**(fields | overrides))
 

@@ -40,6 +40,9 @@ class EngineConfig:
     # One graph for 2..max(compile_buckets) tokens (symbolic size, no padding) plus one for a single
     # token, instead of one graph per bucket: two compiles at warm-up instead of len(buckets).
     compile_dynamic: bool = False
+    # Decode steps replayed from CUDA graphs, one per padded batch-size bucket (worker/engine/decode_graphs.py).
+    # "auto": on CUDA (not with compile); True: on, CUDA only; "eager": the same padded step uncaptured.
+    cuda_graphs: bool | str = "auto"
     converted_model_dir: str | None = None  # a .gguf's de-quantized copy; None: ~/.cache/inflightq/models/<name>
 
     @property

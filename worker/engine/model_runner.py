@@ -15,6 +15,7 @@ from worker.engine.attention.metadata import AttentionMetadata, PrefillChunk
 from worker.engine.compiled_forward import CompiledForward, buckets_for, route_linears_through_ops
 from worker.engine.config import EngineConfig
 from worker.engine.decode_forward import DecodeForward
+from worker.engine.decode_graphs import DecodeGraphs, graph_buckets
 from worker.engine.fast_linear import (
     decode_copy_fits,
     decode_rows_for,
@@ -59,7 +60,11 @@ class ModelRunner:
             cpu_kernels=config.cpu_kernels,
             kernel_cache_dir=config.kernel_cache_dir,
         )
-        shape = self.backend.cache_shape(config.num_kv_blocks, block_size, num_kv_heads, head_dim)
+        wants_compile = compile_wanted(config.compile, model, self.device, self.dtype)
+        graphs = None if wants_compile else decode_graphs_mode(config.cuda_graphs, self.device)
+        # Decode graphs pad with a scratch block past the block manager's ones.
+        num_blocks = config.num_kv_blocks + (graphs is not None)
+        shape = self.backend.cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
         self.kv_caches = [
             (
                 lazy_zeros(shape, self.dtype, self.device),
@@ -70,7 +75,8 @@ class ModelRunner:
         attention.register()
         self.compiled: CompiledForward | None = None
         self.decode_forward: DecodeForward | None = None
-        if compile_wanted(config.compile, model, self.device, self.dtype):
+        self.decode_graphs: DecodeGraphs | None = None
+        if wants_compile:
             if prepack_weights:
                 route_linears_through_ops(model)
             buckets = buckets_for(config.max_num_batched_tokens, config.compile_buckets)
@@ -82,6 +88,19 @@ class ModelRunner:
             self.decode_forward = DecodeForward.build(model)
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         self.warmup_s = self.compiled.warmup(self._warmup_step) if self.compiled is not None else 0.0
+        if graphs is not None:
+            assert config.max_model_len is not None  # the engine sets it before building the runner
+            self.decode_graphs = DecodeGraphs(
+                model,
+                self.backend,
+                self.kv_caches,
+                block_size=block_size,
+                max_model_len=config.max_model_len,
+                scratch_block=config.num_kv_blocks,
+                buckets=graph_buckets(config.max_num_seqs),
+                capture=graphs == "capture",
+            )
+            self.warmup_s += self.decode_graphs.warmup()
 
     def _reroute_eager(
         self, model: Any, config: EngineConfig, *, prepack_weights: bool, fuse_projections: bool
@@ -123,8 +142,12 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Computes K/V for each sequence's next ``num_new_tokens`` tokens; returns logits [S, V] for
         the sequences flagged in ``sample`` (in their order), at their last position only. With
-        ``interrupt``, each layer may raise ``StepInterrupted`` (a decode step run as one op of all
-        layers cannot stop: it is the shortest kind of step anyway)."""
+        ``interrupt``, each layer may raise ``StepInterrupted`` (a decode step replayed from a CUDA graph
+        or run as one op of all layers cannot stop: it is the shortest kind of step anyway)."""
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(len(seqs)) and all(n == 1 for n in num_new_tokens):
+            logits = graphs.run(seqs)
+            return logits if all(sample) else logits[[i for i, s in enumerate(sample) if s]]
         order = sorted(range(len(seqs)), key=lambda i: num_new_tokens[i] != 1)  # decodes first, stable
         meta, input_ids, positions, last_rows = self._prepare(
             [seqs[i] for i in order], [num_new_tokens[i] for i in order]
@@ -233,6 +256,20 @@ class ModelRunner:
         meta.cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=self.device)
         meta.max_query_len = max(num_new_tokens)
         meta.max_context_len = max(lens)
+
+
+def decode_graphs_mode(setting: bool | str, device: torch.device) -> str | None:
+    """``capture`` (CUDA graphs), ``eager`` (the same padded static-shape step, not captured) or None.
+    ``auto``: capture on CUDA; True asks for it and fails elsewhere."""
+    if setting == "eager":
+        return "eager"
+    if setting == "auto":
+        return "capture" if device.type == "cuda" else None
+    if not setting:
+        return None
+    if device.type != "cuda":
+        raise ValueError("cuda_graphs=True needs a CUDA device ('eager' runs the padded decode step anywhere)")
+    return "capture"
 
 
 def compile_wanted(setting: bool | str, model: Any, device: torch.device, dtype: torch.dtype) -> bool:
