@@ -21,8 +21,7 @@
 #      with the graphs and once without (their capture time is each run's warmup_s);
 #   4. writes bench/results/device-check-<date>.json and engine-<date>-cuda-graphs-{on,off}.{md,json,png}.
 # Attention on CUDA: flash-attn's kernels where flash-attn is installed and block_size % 256 == 0,
-# else the plain-torch backend (which, inside a graph, reads each decode's block table padded to
-# max_model_len).
+# else the plain-torch backend (whose graphs come per block-table width too: it gathers whole tables).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

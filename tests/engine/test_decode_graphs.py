@@ -13,21 +13,21 @@ import torch
 from tests.engine.conftest import reference, run_to_end
 from tests.engine.test_engine_exactness import random_prompts
 from worker.engine import LLM, SamplingParams
-from worker.engine.decode_graphs import DecodeGraphs, graph_buckets
+from worker.engine.decode_graphs import DecodeGraphs, context_widths, graph_buckets
 from worker.engine.model_loader import load_model
 
 
-def _count_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Decode counts the padded path ran, one entry per step."""
-    sizes: list[int] = []
-    original = DecodeGraphs.run
+def _count_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
+    """(decodes, padded batch size, context width) of every step the padded path ran."""
+    runs: list[tuple[int, int, int]] = []
+    original = DecodeGraphs._fill
 
-    def counted(self: DecodeGraphs, seqs: list[Any]) -> torch.Tensor:
-        sizes.append(len(seqs))
-        return original(self, seqs)
+    def counted(self: DecodeGraphs, seqs: list[Any], b: int, w: int) -> None:
+        runs.append((len(seqs), b, w))
+        original(self, seqs, b, w)
 
-    monkeypatch.setattr(DecodeGraphs, "run", counted)
-    return sizes
+    monkeypatch.setattr(DecodeGraphs, "_fill", counted)
+    return runs
 
 
 def test_buckets_pad_by_at_most_seven_rows_past_eight() -> None:
@@ -36,11 +36,17 @@ def test_buckets_pad_by_at_most_seven_rows_past_eight() -> None:
     assert graph_buckets(3) == (1, 2, 3)
 
 
+def test_gathered_tables_come_in_widths_of_four_times() -> None:
+    assert context_widths(512) == (16, 64, 256, 512)
+    assert context_widths(256) == (16, 64, 256)
+    assert context_widths(10) == (10,)
+
+
 @pytest.mark.parametrize("cpu_kernels", [False, True], ids=["torch-attention", "cpu-kernel-attention"])
 def test_padded_decode_steps_give_generates_tokens(
     make_engine: Any, tiny_ref: Any, monkeypatch: pytest.MonkeyPatch, cpu_kernels: bool
 ) -> None:
-    sizes = _count_runs(monkeypatch)
+    runs = _count_runs(monkeypatch)
     # 11 ragged prompts: decode steps of 11, 10, ... sequences pad to 16, 8, 4, 2 rows as they finish.
     prompts = random_prompts(11, seed=3)
     budgets = [6 + 3 * i for i in range(len(prompts))]
@@ -53,9 +59,13 @@ def test_padded_decode_steps_give_generates_tokens(
         tokens = [e.token_id for e in events[f"r{i}"] if e.token_id >= 0]
         assert tokens == reference(tiny_ref, prompt, budget)[: len(tokens)]
         assert len(tokens) == budget
-    assert sizes, "no decode step took the padded path"
-    assert {engine.runner.decode_graphs.bucket_for(n) for n in sizes} >= {16, 8, 4, 2}
-    assert any(n not in graph_buckets(16) for n in sizes), "no step needed padding rows"
+    assert runs, "no decode step took the padded path"
+    assert {b for _, b, _ in runs} >= {16, 8, 4, 2}
+    assert any(n < b for n, b, _ in runs), "no step needed padding rows"
+    widths = {w for _, _, w in runs}
+    # The plain-torch backend gathers whole tables: short contexts take the narrow graphs (the
+    # tiny model admits 256 blocks of 4); the CPU kernel reads in place, one width for all.
+    assert widths == ({16, 64} if not cpu_kernels else {256})
 
 
 def test_padding_rows_write_only_the_scratch_block(make_engine: Any) -> None:
