@@ -44,7 +44,10 @@ class WorkerCollector:
             "engine_batch_sequences": ("Sequences in the last engine step's forward.", stats.batch_seqs),
             "free_kv_blocks": ("Free KV cache blocks.", engine.num_free_blocks),
             "kv_blocks": ("KV cache blocks in total.", engine.num_total_blocks),
-            "engine_warmup_seconds": ("Seconds the engine spent compiling its forward at start.", stats.warmup_s),
+            "engine_warmup_seconds": (
+                "Seconds the engine spent at start compiling its forward or capturing its decode CUDA graphs.",
+                stats.warmup_s,
+            ),
             "draining": ("1 while the worker drains after SIGTERM.", int(self.service.draining.is_set())),
         }
         for name, (doc, value) in gauges.items():
