@@ -219,8 +219,8 @@ class Settings(BaseSettings):
     cuda_graphs: Literal["auto", "on", "off", "eager"] = Field(
         "auto",
         description="Decode steps replayed from CUDA graphs, one per padded batch-size bucket, captured at start "
-        "before the worker takes work. auto: on a CUDA device (not with compile); eager: the same padded step "
-        "uncaptured (to tell a capture fault from a padding one).",
+        "before the worker takes work. auto: on a CUDA device (not with compile; a capture that fails leaves "
+        "decode steps eager); on: a failed capture stops the worker; eager: the same padded step uncaptured.",
     )
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Worker Prometheus port; unset = none.")
     batch_file_dir: str | None = Field(

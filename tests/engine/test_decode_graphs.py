@@ -147,3 +147,32 @@ def test_an_unknown_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("INFLIGHTQ_CUDA_GRAPHS", "sometimes")
     with pytest.raises(ValidationError, match="cuda_graphs"):
         Settings()
+
+
+def _failing_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a GPU whose capture fails (a host sync inside the forward, say)."""
+    from worker.engine import model_runner
+
+    def refuse(self: DecodeGraphs) -> float:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(model_runner, "decode_graphs_mode", lambda setting, device: "capture" if setting else None)
+    monkeypatch.setattr(DecodeGraphs, "warmup", refuse)
+
+
+def test_a_failed_capture_by_default_leaves_decode_steps_eager(
+    make_engine: Any, tiny_ref: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _failing_capture(monkeypatch)
+    engine = make_engine(cuda_graphs="auto")
+    assert engine.runner.decode_graphs is None
+    prompt = random_prompts(1, seed=4)[0]
+    engine.add_request("r", prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    tokens = [e.token_id for e in run_to_end(engine)["r"] if e.token_id >= 0]
+    assert tokens == reference(tiny_ref, prompt, 6)
+
+
+def test_a_failed_capture_asked_for_fails_the_start(make_engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    _failing_capture(monkeypatch)
+    with pytest.raises(RuntimeError, match="capturing"):
+        make_engine(cuda_graphs=True)

@@ -41,7 +41,8 @@ class EngineConfig:
     # token, instead of one graph per bucket: two compiles at warm-up instead of len(buckets).
     compile_dynamic: bool = False
     # Decode steps replayed from CUDA graphs, one per padded batch-size bucket (worker/engine/decode_graphs.py).
-    # "auto": on CUDA (not with compile); True: on, CUDA only; "eager": the same padded step uncaptured.
+    # "auto": on CUDA (not with compile; a failed capture leaves decode eager); True: on, CUDA only, a failed
+    # capture fails the start; "eager": the same padded step uncaptured.
     cuda_graphs: bool | str = "auto"
     converted_model_dir: str | None = None  # a .gguf's de-quantized copy; None: ~/.cache/inflightq/models/<name>
 

@@ -100,7 +100,14 @@ class ModelRunner:
                 buckets=graph_buckets(config.max_num_seqs),
                 capture=graphs == "capture",
             )
-            self.warmup_s += self.decode_graphs.warmup()
+            try:
+                self.warmup_s += self.decode_graphs.warmup()
+            except RuntimeError as exc:
+                if config.cuda_graphs != "auto":
+                    raise
+                # Asked for by default, not by the user: a model whose forward cannot be captured still serves.
+                log.warning("decode CUDA graphs could not be captured (%s); decode steps run eager", exc)
+                self.decode_graphs = None
 
     def _reroute_eager(
         self, model: Any, config: EngineConfig, *, prepack_weights: bool, fuse_projections: bool
