@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from bench.results_files import pyplot, run_header, save, stem, write_figure
-from worker.engine.hardware import DTYPES
-from worker.engine.memory import anonymous_memory
+from worker.engine.core.memory import anonymous_memory
+from worker.engine.model.hardware import DTYPES
 
 TABLES = ("in order", "scattered")
 FLOOR = "K/V read"
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="")
     args = parser.parse_args(argv)
-    from worker.engine.attention.cpu_kernel import paged_decode_available
+    from worker.engine.model.kernels.cpu_kernel import paged_decode_available
 
     if not paged_decode_available():
         raise SystemExit("the CPU attention kernel did not build (no C++ compiler?)")

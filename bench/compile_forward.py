@@ -31,9 +31,9 @@ from bench.results_files import pyplot, save
 def runner(
     model_name: str, dtype: torch.dtype, compiled: bool, buckets: tuple[int, ...], dynamic: bool = False
 ) -> tuple[Any, float]:
-    from worker.engine.config import EngineConfig
-    from worker.engine.model_loader import load_model
-    from worker.engine.model_runner import ModelRunner
+    from worker.engine.core.config import EngineConfig
+    from worker.engine.model.model_loader import load_model
+    from worker.engine.model.model_runner import ModelRunner
 
     model, _ = load_model(model_name, dtype, "cpu")
     started = time.perf_counter()

@@ -35,8 +35,8 @@ def exactness(device: str, dtype: torch.dtype, cuda_graphs: bool) -> dict:
     """Ragged prompts, chunked prefill and prefix hits on a tiny random Llama: greedy tokens equal generate's
     (decode steps of 25 sequences down to one, so every graph bucket up to 32 replays)."""
     from worker.engine import LLM, SamplingParams
-    from worker.engine.model_loader import load_model
-    from worker.engine.tiny_model import make_tiny_llama
+    from worker.engine.model.model_loader import load_model
+    from worker.engine.model.tiny_model import make_tiny_llama
 
     folder = make_tiny_llama(Path(tempfile.gettempdir()) / "inflightq-device-check-tiny")
     ours, tokenizer = load_model(str(folder), dtype, device)

@@ -1,6 +1,6 @@
 """Which dtype ``auto`` should pick on this CPU: our engine in bf16 and in fp32, interleaved.
 
-``worker.engine.hardware.resolve_dtype`` picks bf16 on a CPU where bf16 is faster than fp32.
+``worker.engine.model.hardware.resolve_dtype`` picks bf16 on a CPU where bf16 is faster than fp32.
 That depends on more than the bf16 units: on a CPU with AVX-512 but no AVX512-BF16 the engine's
 decode steps read bf16 weights through ``decode_linear`` (half the bytes of fp32), while larger
 matmuls run in fp32 on an upcast copy. This runs both dtypes of the
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--tag", default="")
     args = parser.parse_args(argv)
     from worker.engine import LLM, SamplingParams
-    from worker.engine.hardware import resolve_dtype
+    from worker.engine.model.hardware import resolve_dtype
 
     # No prefix caching: no round reuses another's KV blocks.
     llms = {

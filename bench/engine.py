@@ -80,7 +80,7 @@ class Ours:
     def __init__(
         self, model_name: str, dtype: torch.dtype, device: str = "cpu", compile: bool = False, cuda_graphs: str = "auto"
     ) -> None:
-        from worker.engine.model_loader import load_model
+        from worker.engine.model.model_loader import load_model
 
         self.model, self.tokenizer = load_model(model_name, dtype, device)
         self.compile = compile
@@ -125,7 +125,7 @@ class TransformersCB:
     def __init__(self, model_name: str, dtype: torch.dtype, device: str = "cpu") -> None:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        from worker.engine.model_loader import load_model
+        from worker.engine.model.model_loader import load_model
 
         self.model, _ = load_model(model_name, dtype, device)
         # Left to itself it takes 90% of free RAM for its cache; give it the same room and token budget as ours.
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--tag", default="", help="appended to the results' name, so a second run that day keeps the first"
     )
     args = parser.parse_args(argv)
-    from worker.engine.model_loader import load_tokenizer
+    from worker.engine.model.model_loader import load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -44,7 +44,7 @@ def _calls(model: Any, rows: int) -> dict[str, Callable[[], None]]:
     """One pass over the model's linears at ``rows`` rows, per kernel, each through the engine's own
     ``PackedLinear``: with its layout put aside it takes oneDNN (as ``bench.step_ab`` switches it), with
     it decode_linear (16 rows a call)."""
-    from worker.engine.fast_linear import decode_layouts_in_order
+    from worker.engine.model.fast_linear import decode_layouts_in_order
 
     linears = decode_layouts_in_order(model)
     layouts = [linear.laid_out for linear in linears]
@@ -72,7 +72,7 @@ def _calls(model: Any, rows: int) -> dict[str, Callable[[], None]]:
 def _fp32_weights(model: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Each matmul of an fp32 model's step, once, in the forward's order: sibling projections fused
     (``fuse_sibling_projections``, as the engine does), then every other linear."""
-    from worker.engine.fused_projections import fuse_sibling_projections
+    from worker.engine.model.fused_projections import fuse_sibling_projections
 
     fuse_sibling_projections(model, pack=False)
     weights: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -90,7 +90,7 @@ def _fp32_weights(model: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
 
 def _fp32_packings(weights: list[tuple[torch.Tensor, torch.Tensor | None]]) -> dict[str, list[Any]]:
     """Each fp32 kernel's ``PackedLinear`` of every weight, made once for all row counts."""
-    from worker.engine.fast_linear import PackedLinear
+    from worker.engine.model.fast_linear import PackedLinear
 
     choices = {"oneDNN packed": False, "MKL packed": True, "engine's choice": None}
     return {name: [PackedLinear(w, b, mkl=mkl) for w, b in weights] for name, mkl in choices.items()}
@@ -120,9 +120,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(KERNELS_BY_DTYPE))
     args = parser.parse_args(argv)
     from worker.engine import EngineConfig, LLMEngine
-    from worker.engine import model_runner as runner_module
-    from worker.engine.fast_linear import decode_layouts_in_order
-    from worker.engine.model_loader import load_model
+    from worker.engine.model import model_runner as runner_module
+    from worker.engine.model.fast_linear import decode_layouts_in_order
+    from worker.engine.model.model_loader import load_model
 
     kernels = KERNELS_BY_DTYPE[args.dtype]
     if args.dtype == "float32":

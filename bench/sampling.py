@@ -40,7 +40,7 @@ def real_logits(name: str, dtype: torch.dtype, rows: int) -> torch.Tensor:
     """The model's next-token logits after ``rows`` different chat prompts: [rows, vocab], from the
     transformers model itself (the engine's copy has its layers swapped for the fused ones)."""
     from bench.serve_dataset import synthetic_chat
-    from worker.engine.model_loader import load_model
+    from worker.engine.model.model_loader import load_model
 
     model, tokenizer = load_model(name, dtype, "cpu")
     samples = synthetic_chat(tokenizer, rows, input_len=(40, 120), output_len=(1, 1), seed=3)
@@ -53,8 +53,8 @@ def real_logits(name: str, dtype: torch.dtype, rows: int) -> torch.Tensor:
 
 
 def time_sampler(logits: torch.Tensor, vocab: int, rows: int, rounds: int) -> list[dict[str, Any]]:
-    from worker.engine.sampler import Sampler, SamplingRow
-    from worker.engine.sampling_params import SamplingParams
+    from worker.engine.sampling.sampler import Sampler, SamplingRow
+    from worker.engine.sampling.sampling_params import SamplingParams
 
     samplers = {path: Sampler(vocab, "cpu", kernel=path == "kernel") for path in PATHS}
     out = []

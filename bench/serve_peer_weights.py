@@ -34,7 +34,7 @@ def hf_dir(model: str) -> Path:
         # Our own loader writes the de-quantized copy (and its tokenizer) on first load; the worker
         # package installs the name resolver that puts it where shared/model_source.py says.
         import worker  # noqa: F401
-        from worker.engine.model_loader import load_model
+        from worker.engine.model.model_loader import load_model
 
         load_model(model)
     return target

@@ -60,8 +60,8 @@ FLOOR = "weights read"
 def _switches(model: Any) -> tuple[Callable[..., None], Callable[..., None], int, int, int]:
     """(set decode_linear on/off, set fused layers on/off (and their one op), how many of each, and the
     bytes of the weights laid out for decode_linear) for a built engine's model."""
-    from worker.engine.fast_linear import PackedLinear, decode_layouts_in_order
-    from worker.engine.fused_decoder_layer import FusedDecoderLayer
+    from worker.engine.model.fast_linear import PackedLinear, decode_layouts_in_order
+    from worker.engine.model.fused_decoder_layer import FusedDecoderLayer
 
     linears: list[tuple[PackedLinear, torch.Tensor]] = [
         (linear, linear.laid_out) for linear in decode_layouts_in_order(model) if linear.laid_out is not None
@@ -95,7 +95,7 @@ def _switches(model: Any) -> tuple[Callable[..., None], Callable[..., None], int
 
 
 def _small_page_copies(layouts: list[torch.Tensor]) -> list[torch.Tensor]:
-    from worker.engine.memory import anonymous_memory
+    from worker.engine.core.memory import anonymous_memory
 
     if not layouts:
         return []
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--tag", default="")
     args = parser.parse_args(argv)
     from worker.engine import EngineConfig, LLMEngine, SamplingParams
-    from worker.engine.model_loader import load_model
+    from worker.engine.model.model_loader import load_model
 
     model, tokenizer = load_model(args.model, getattr(torch, args.dtype), "cpu")
     engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=4096))

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compile", action="store_true")
     args = parser.parse_args(argv)
     from worker.engine import EngineConfig, LLMEngine, SamplingParams
-    from worker.engine.model_loader import load_model
+    from worker.engine.model.model_loader import load_model
 
     model, tokenizer = load_model(args.model, getattr(torch, args.dtype), "cpu")
     batches = [int(b) for b in args.batches.split(",")]

@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from worker.engine.tiny_model import make_tiny_llama
+            from worker.engine.model.tiny_model import make_tiny_llama
 
             model = str(make_tiny_llama(Path(tmp) / "tiny-random-llama"))
         settings = base.model_copy(update={"model": model, "max_queue_depth": max(counts) + 1024})

@@ -69,7 +69,7 @@ def workload(tokenizer: Any, num_prompts: int) -> list[list[int]]:
 
 class Runner:
     def __init__(self, model_name: str, dtype: torch.dtype) -> None:
-        from worker.engine.model_loader import load_model
+        from worker.engine.model.model_loader import load_model
 
         self.model, self.tokenizer = load_model(model_name, dtype, "cpu")
 

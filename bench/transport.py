@@ -207,7 +207,7 @@ def engine_rate(llm: Any, prompts: list[list[int]]) -> float:
 def main(
     *, seconds: float = 5.0, batch: int = 64, out_dir: str = "bench/results", cluster: bool = False
 ) -> dict[str, Any]:
-    from worker.engine.tiny_model import make_tiny_llama
+    from worker.engine.model.tiny_model import make_tiny_llama
 
     base = get_settings()
     url, private = ensure_redis(base.redis_url)

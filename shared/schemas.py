@@ -30,7 +30,7 @@ def new_request_id() -> str:
 
 
 ConstraintType = Literal["json_schema", "json_object", "regex", "lark"]
-# Compact JSON, as the engine compiles it (worker/engine/structured.py); the two must agree so
+# Compact JSON, as the engine compiles it (worker/engine/sampling/structured.py); the two must agree so
 # that what the API accepted is what the worker runs.
 _JSON_OPTIONS = {"whitespace_flexible": False}
 

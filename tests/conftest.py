@@ -31,7 +31,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """Builds the CPU attention kernel before any test starts a worker process: a fresh machine's
     first build takes half a minute, which would otherwise land inside some worker's start-up
     timeout. Later runs only load the cached library."""
-    from worker.engine.attention.cpu_kernel import paged_decode_available
+    from worker.engine.model.kernels.cpu_kernel import paged_decode_available
 
     settings = Settings()  # where the workers will look for it (INFLIGHTQ_CPU_KERNELS, INFLIGHTQ_KERNEL_CACHE)
     if settings.cpu_kernels:
@@ -124,7 +124,7 @@ def _delete_run_keys(redis_url: str, run_prefix: str) -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.engine.tiny_model import make_tiny_llama
+    from worker.engine.model.tiny_model import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 

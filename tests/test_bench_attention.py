@@ -38,7 +38,7 @@ def test_the_check_catches_a_kernel_that_attends_wrong(monkeypatch: pytest.Monke
         pytest.skip(missing("a C++ compiler", "apt-get install g++"))
     import torch
 
-    from worker.engine.attention.cpu_kernel import paged_decode_available
+    from worker.engine.model.kernels.cpu_kernel import paged_decode_available
 
     assert paged_decode_available()
     real = torch.ops.inflightq.paged_decode

@@ -10,7 +10,7 @@ import pytest
 
 from bench import linear_rows
 from tests.ci_skips import missing
-from worker.engine import model_runner
+from worker.engine.model import model_runner
 
 
 def test_linear_rows_reports_both_kernels_against_the_read(tiny_model_dir: Path, tmp_path: Path) -> None:

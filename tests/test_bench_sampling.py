@@ -11,7 +11,7 @@ import torch
 
 from bench import sampling
 from tests.ci_skips import missing
-from worker.engine.sampler import Sampler
+from worker.engine.sampling.sampler import Sampler
 
 
 def test_sampling_reports_both_paths_for_every_case(

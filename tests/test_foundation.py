@@ -16,7 +16,7 @@ from shared.keys import Keys
 from shared.request_lifecycle import FINAL_STATUSES, RequestStatus, can_move
 from shared.schemas import DoneEvent, ErrorEvent, QueuedRequest, SamplingSpec, TokenEvent, parse_event
 from shared.settings import Settings
-from worker.engine import model_loader
+from worker.engine.model import model_loader
 
 
 def test_settings_read_prefixed_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,7 +4,7 @@ import os
 import shutil
 
 from shared.model_source import resolve
-from worker.engine import model_loader
+from worker.engine.model import model_loader
 
 
 def _locate(name: str) -> tuple[str, str | None]:

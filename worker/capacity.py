@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from worker.engine.outputs import EngineLoad
+from worker.engine.core.outputs import EngineLoad
 
 
 @dataclass(frozen=True)

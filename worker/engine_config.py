@@ -39,8 +39,8 @@ def engine_config(settings: Settings, **overrides: Any) -> EngineConfig:
 
 def settings_dtype(settings: Settings, device: torch.device | None = None) -> torch.dtype:
     """What ``settings.dtype`` means on ``device`` for a worker with these settings (``auto``
-    depends on whether its CPU kernels are on: ``worker.engine.hardware.resolve_dtype``)."""
-    from worker.engine.hardware import resolve_dtype
+    depends on whether its CPU kernels are on: ``worker.engine.model.hardware.resolve_dtype``)."""
+    from worker.engine.model.hardware import resolve_dtype
 
     return resolve_dtype(
         settings.dtype, device, cpu_kernels=settings.cpu_kernels, kernel_cache_dir=settings.kernel_cache

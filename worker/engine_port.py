@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from worker.engine.outputs import EngineEvent, EngineLoad, EngineStats
-from worker.engine.sampling_params import SamplingParams
+from worker.engine.core.outputs import EngineEvent, EngineLoad, EngineStats
+from worker.engine.sampling.sampling_params import SamplingParams
 
 
 class Engine(Protocol):

@@ -30,7 +30,7 @@ from shared.keys import CONSUMER_GROUP, Keys
 from shared.settings import Settings
 from worker.admission import Admission
 from worker.capacity import Capacity
-from worker.engine.outputs import EngineLoad
+from worker.engine.core.outputs import EngineLoad
 from worker.reconnect import ResilientLoop
 from worker.run_state import RunState
 from worker.streams import ensure_groups, is_missing_group, priority_streams

@@ -11,7 +11,7 @@ from worker.service import WorkerService
 
 def log_kv_cache(settings: Settings, engine: object) -> None:
     """The KV cache's size, at start: operators add these up across the workers of a host."""
-    from worker.engine.model_runner import ModelRunner
+    from worker.engine.model.model_runner import ModelRunner
 
     config = engine.config  # type: ignore[attr-defined]
     param = next(engine.model.parameters())  # type: ignore[attr-defined]
@@ -34,7 +34,7 @@ def run_worker(settings: Settings, *, name: str | None = None) -> int:
     import torch
 
     from worker.engine import LLMEngine
-    from worker.engine.hardware import resolve_device
+    from worker.engine.model.hardware import resolve_device
     from worker.engine_config import engine_config, settings_dtype
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

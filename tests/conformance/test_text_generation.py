@@ -155,7 +155,7 @@ def test_watermark_is_tgis_green_list(client: Client, live_api) -> None:
     often than plain greedy tokens do: what TGI's detector counts."""
     import httpx
 
-    from worker.engine.watermark import greenlist
+    from worker.engine.sampling.watermark import greenlist
 
     prompt = "Once upon a time"
     with httpx.Client(base_url=live_api.url) as http:

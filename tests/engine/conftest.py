@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from worker.engine import LLM, EngineConfig, LLMEngine
-from worker.engine.model_loader import load_model
+from worker.engine.model.model_loader import load_model
 
 
 @pytest.fixture(scope="session")
@@ -82,7 +82,7 @@ def tiny_llm(
 ) -> LLM:
     """The tiny Llama in ``dtype`` in an ``LLM`` on the CPU kernels; ``decode_rows``: bf16 matmuls of up to
     that many rows on decode_linear (and decode steps' layers as one op), as on an AVX-512 CPU."""
-    from worker.engine import model_runner
+    from worker.engine.model import model_runner
 
     if decode_rows:
         monkeypatch.setattr(model_runner, "decode_rows_for", lambda dtype: decode_rows)

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from tests.engine.conftest import reference
-from worker.engine import LLM, EngineConfig, LLMEngine, SamplingParams, step_interrupt
-from worker.engine.compiled_forward import buckets_for
-from worker.engine.model_loader import load_model
+from worker.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from worker.engine.core import step_interrupt
+from worker.engine.model.compiled_forward import buckets_for
+from worker.engine.model.model_loader import load_model
 
 MAX_NEW = 10
 

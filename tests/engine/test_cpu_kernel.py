@@ -12,11 +12,11 @@ import torch
 
 from tests.ci_skips import missing
 from tests.engine.avx2_build import REPO, run_avx2_check
-from worker.engine import attention
-from worker.engine.attention.cpu_backend import CpuKernelAttentionBackend
-from worker.engine.attention.cpu_kernel import paged_decode_available
-from worker.engine.attention.metadata import AttentionMetadata
-from worker.engine.attention.torch_backend import TorchAttentionBackend
+from worker.engine.model import attention
+from worker.engine.model.attention.cpu_backend import CpuKernelAttentionBackend
+from worker.engine.model.attention.metadata import AttentionMetadata
+from worker.engine.model.attention.torch_backend import TorchAttentionBackend
+from worker.engine.model.kernels.cpu_kernel import paged_decode_available
 
 BLOCK = 16
 
@@ -178,4 +178,4 @@ def test_a_build_without_avx512_attends_the_same(tmp_path: Path) -> None:
     """This box builds the kernel for its AVX-512; CPUs with AVX2 only get the other code paths (8-wide
     dot products, V summed one query head at a time). Built for Haswell in a fresh process, they match
     the torch path as well."""
-    run_avx2_check(AVX2_CHECK, REPO / "worker" / "engine" / "attention" / "paged_decode.cpp", tmp_path)
+    run_avx2_check(AVX2_CHECK, REPO / "worker" / "engine" / "model" / "kernels" / "paged_decode.cpp", tmp_path)

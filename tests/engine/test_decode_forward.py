@@ -16,9 +16,9 @@ from tests.ci_skips import missing
 from tests.engine.conftest import reference, tiny_llm
 from tests.engine.test_engine_exactness import random_prompts
 from worker.engine import LLM, SamplingParams
-from worker.engine.attention.cpu_kernel import paged_decode_available
-from worker.engine.decode_forward import DecodeForward
-from worker.engine.model_loader import load_model
+from worker.engine.model.decode_forward import DecodeForward
+from worker.engine.model.kernels.cpu_kernel import paged_decode_available
+from worker.engine.model.model_loader import load_model
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -13,8 +13,8 @@ import torch
 from tests.engine.conftest import reference, run_to_end
 from tests.engine.test_engine_exactness import random_prompts
 from worker.engine import LLM, SamplingParams
-from worker.engine.decode_graphs import DecodeGraphs, context_widths, graph_buckets
-from worker.engine.model_loader import load_model
+from worker.engine.model.decode_graphs import DecodeGraphs, context_widths, graph_buckets
+from worker.engine.model.model_loader import load_model
 
 
 def _count_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
@@ -151,7 +151,7 @@ def test_an_unknown_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _failing_capture(monkeypatch: pytest.MonkeyPatch) -> None:
     """As on a GPU whose capture fails (a host sync inside the forward, say)."""
-    from worker.engine import model_runner
+    from worker.engine.model import model_runner
 
     def refuse(self: DecodeGraphs) -> float:
         raise RuntimeError("operation not permitted when stream is capturing")

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tests.ci_skips import missing
-from worker.engine.attention.cpu_kernel import paged_decode_available
-from worker.engine.fast_linear import (
+from worker.engine.core.memory import HUGE_PAGE_BYTES
+from worker.engine.model.fast_linear import (
     DECODE_ROWS_NATIVE_BF16,
     DECODE_ROWS_UPCAST,
     KERNEL_MAX_ROWS,
@@ -26,9 +26,9 @@ from worker.engine.fast_linear import (
     prepack_linears,
     prepack_supported,
 )
-from worker.engine.hardware import cpu_has_avx512, cpu_has_fast_bf16
-from worker.engine.memory import HUGE_PAGE_BYTES
-from worker.engine.model_loader import load_model
+from worker.engine.model.hardware import cpu_has_avx512, cpu_has_fast_bf16
+from worker.engine.model.kernels.cpu_kernel import paged_decode_available
+from worker.engine.model.model_loader import load_model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -120,7 +120,8 @@ def test_a_model_on_the_kernel_gives_the_same_decode_logits(tiny_model_dir: Path
 
 @pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.float32), reason="hardware: no oneDNN on this CPU")
 def test_the_second_copy_is_taken_only_where_it_fits(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.engine import EngineConfig, LLMEngine, model_runner
+    from worker.engine import EngineConfig, LLMEngine
+    from worker.engine.model import model_runner
 
     model, tokenizer = load_model(str(tiny_model_dir), torch.bfloat16, "cpu")
     weights = sum(m.weight.numel() * 2 for m in model.modules() if type(m) is torch.nn.Linear)
@@ -145,7 +146,8 @@ def test_a_bf16_engine_on_the_kernel_serves_prompts_longer_than_a_step(
     """Chunked prefill: a step whose only chunk ends mid-prompt samples nothing, so the head is
     called with zero rows; the kernel returns an empty result instead of failing the step."""
     from tests.engine.test_engine_exactness import random_prompts
-    from worker.engine import LLM, EngineConfig, LLMEngine, SamplingParams, model_runner
+    from worker.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+    from worker.engine.model import model_runner
 
     monkeypatch.setattr(model_runner, "decode_rows_for", lambda dtype: 4)  # as on an AVX512-BF16 CPU
     outputs = []
@@ -169,8 +171,9 @@ def test_a_bf16_engine_on_the_kernel_serves_prompts_longer_than_a_step(
 def test_an_engine_keeps_its_decode_layouts_back_to_back_in_the_forward_order(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from worker.engine import EngineConfig, LLMEngine, fast_linear, model_runner
-    from worker.engine.fused_projections import fuse_sibling_projections
+    from worker.engine import EngineConfig, LLMEngine
+    from worker.engine.model import fast_linear, model_runner
+    from worker.engine.model.fused_projections import fuse_sibling_projections
 
     monkeypatch.setattr(model_runner, "decode_rows_for", lambda dtype: 4)  # as on an AVX512-BF16 CPU
     monkeypatch.setattr(model_runner, "decode_copy_fits", lambda model, available: True)

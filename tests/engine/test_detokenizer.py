@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from worker.engine.detokenizer import IncrementalDetokenizer, _PrefixOffsetDecoder
-from worker.engine.model_loader import load_tokenizer
+from worker.engine.model.model_loader import load_tokenizer
+from worker.engine.sampling.detokenizer import IncrementalDetokenizer, _PrefixOffsetDecoder
 
 MULTILINGUAL = "Grüße aus Köln! 東京は晴れ 🌞🌧️ — naïve café, 👩‍👩‍👧 family; Ελληνικά, русский, العربية. Done ✅"
 

@@ -107,7 +107,7 @@ def test_logits_at_last_positions_only(make_engine: Any, tiny_ref: Any) -> None:
 
 @pytest.mark.timeout(300)
 def test_default_model_chat_prompts_match_generate(default_model_name: str) -> None:
-    from worker.engine.model_loader import load_model
+    from worker.engine.model.model_loader import load_model
 
     llm = LLM(default_model_name, dtype="float32", num_kv_blocks=128)
     ref, tokenizer = load_model(default_model_name, torch.float32, "cpu")

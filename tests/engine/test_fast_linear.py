@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.engine.fast_linear import prepack_linears, prepack_supported
-from worker.engine.model_loader import load_model
+from worker.engine.model.fast_linear import prepack_linears, prepack_supported
+from worker.engine.model.model_loader import load_model
 
 
 @pytest.mark.skipif(
@@ -30,7 +30,7 @@ def test_prepacked_model_gives_the_same_logits(tiny_model_dir: Path, dtype: torc
 
 def onednn_bf16_matmul_available() -> bool:
     """oneDNN's bf16 matmul needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; an AVX2-only CPU has neither."""
-    from worker.engine.fast_linear import pack_weight
+    from worker.engine.model.fast_linear import pack_weight
 
     try:
         pack_weight(torch.zeros(8, 8, dtype=torch.bfloat16))
@@ -42,7 +42,7 @@ def onednn_bf16_matmul_available() -> bool:
 @pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.float32), reason="hardware: no oneDNN on this CPU")
 @pytest.mark.parametrize("upcast", [True, False])
 def test_bf16_linear_keeps_bf16_in_and_out_whichever_matmul_runs(upcast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.engine import fast_linear
+    from worker.engine.model import fast_linear
 
     if not upcast and not onednn_bf16_matmul_available():
         pytest.skip("hardware: this CPU has no oneDNN bf16 matmul (the engine upcasts here, the upcast=True case)")
@@ -72,7 +72,7 @@ def test_an_fp32_weight_packed_for_mkl_serves_every_row_count(out_features: int,
     # One packing (made for MKL_PACK_ROWS rows) is used at whatever rows a step brings: decode
     # steps of 1..64 streams, a prefill chunk's hundreds. A packing that only held for its own row
     # count would break here, at every count but 32.
-    from worker.engine.fast_linear import PackedLinear
+    from worker.engine.model.fast_linear import PackedLinear
 
     torch.manual_seed(out_features + in_features)
     weight = torch.randn(out_features, in_features) * 0.05
@@ -93,7 +93,7 @@ def test_an_fp32_weight_packed_for_mkl_serves_every_row_count(out_features: int,
 
 @pytest.mark.skipif(not mkl_available(), reason="this torch has no MKL")
 def test_fp32_matmuls_go_to_mkl_only_on_intel_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.engine import fast_linear
+    from worker.engine.model import fast_linear
 
     weight = torch.randn(64, 32)
     for vendor, expected in (("GenuineIntel", True), ("AuthenticAMD", False), ("", False)):

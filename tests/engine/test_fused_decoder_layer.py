@@ -17,11 +17,11 @@ from tests.ci_skips import missing
 from tests.engine.conftest import reference, tiny_llm
 from tests.engine.test_engine_exactness import random_prompts
 from worker.engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from worker.engine.attention.cpu_kernel import paged_decode_available
-from worker.engine.fused_decoder_layer import DecodeLayers, FusedDecoderLayer, fuse_decoder_layers
-from worker.engine.fused_norms import fuse_rms_norms
-from worker.engine.fused_projections import fuse_sibling_projections
-from worker.engine.model_loader import load_model
+from worker.engine.model.fused_decoder_layer import DecodeLayers, FusedDecoderLayer, fuse_decoder_layers
+from worker.engine.model.fused_norms import fuse_rms_norms
+from worker.engine.model.fused_projections import fuse_sibling_projections
+from worker.engine.model.kernels.cpu_kernel import paged_decode_available
+from worker.engine.model.model_loader import load_model
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -223,7 +223,7 @@ def test_the_source_check_sees_through_a_module_wrapping_the_function() -> None:
     import inspect
     from types import SimpleNamespace
 
-    from worker.engine.fused_decoder_layer import _function_source
+    from worker.engine.model.fused_decoder_layer import _function_source
 
     def wrap(func: Any) -> torch.nn.Module:
         class Func(torch.nn.Module):

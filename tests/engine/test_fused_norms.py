@@ -15,9 +15,9 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from tests.ci_skips import missing
-from worker.engine.attention.cpu_kernel import paged_decode_available
-from worker.engine.fused_norms import fuse_rms_norms
-from worker.engine.model_loader import load_model
+from worker.engine.model.fused_norms import fuse_rms_norms
+from worker.engine.model.kernels.cpu_kernel import paged_decode_available
+from worker.engine.model.model_loader import load_model
 
 
 @pytest.fixture(scope="module", autouse=True)

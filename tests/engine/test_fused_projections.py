@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.engine.fast_linear import prepack_linears, prepack_supported
-from worker.engine.fused_projections import fuse_sibling_projections
-from worker.engine.model_loader import load_model
+from worker.engine.model.fast_linear import prepack_linears, prepack_supported
+from worker.engine.model.fused_projections import fuse_sibling_projections
+from worker.engine.model.model_loader import load_model
 
 
 def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.ci_skips import missing
-from worker.engine.attention.cpu_kernel import paged_decode_available
-from worker.engine.sampler import greedy_pick
+from worker.engine.model.kernels.cpu_kernel import paged_decode_available
+from worker.engine.sampling.sampler import greedy_pick
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.engine import hardware
-from worker.engine.attention import cpu_kernel
+from worker.engine.model import hardware
+from worker.engine.model.kernels import cpu_kernel
 
 CPU = torch.device("cpu")
 

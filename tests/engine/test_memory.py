@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.engine.memory import (
+from worker.engine.core.memory import (
     HUGE_PAGE_BYTES,
     anonymous_memory,
     auto_num_kv_blocks,
@@ -63,7 +63,7 @@ def test_usage_past_the_limit_leaves_nothing(tmp_path: Path) -> None:
 
 
 def test_a_limited_cgroup_sizes_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    import worker.engine.memory as memory
+    import worker.engine.core.memory as memory
 
     monkeypatch.setattr(memory, "cgroup_memory_headroom", lambda: 64 << 20)
     # 25% of the 64 MiB the limit leaves, in 1 MiB blocks; the host's free memory is far larger.

@@ -14,7 +14,7 @@ import torch
 
 from tests.ci_skips import missing
 from tests.engine.avx2_build import REPO, run_avx2_check
-from worker.engine.attention.cpu_kernel import paged_decode_available
+from worker.engine.model.kernels.cpu_kernel import paged_decode_available
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -200,4 +200,4 @@ def test_a_build_without_avx512_draws_the_same(tmp_path: Path) -> None:
     """This box builds the kernels for its AVX-512; CPUs with AVX2 only get the other code paths (an
     8-wide exp, scalar selection and sums). Built for Haswell in a fresh process, they pass the same
     reference checks."""
-    run_avx2_check(AVX2_CHECK, REPO / "worker" / "engine" / "sample_rows.cpp", tmp_path)
+    run_avx2_check(AVX2_CHECK, REPO / "worker" / "engine" / "model" / "kernels" / "sample_rows.cpp", tmp_path)

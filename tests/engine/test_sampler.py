@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tests.ci_skips import missing
-from worker.engine.attention.cpu_kernel import paged_decode_available
-from worker.engine.sampler import NUM_CANDIDATES, Sampler, SamplerOutput, SamplingRow
-from worker.engine.sampling_filters import _top_p_full, _typical_p_full, filter_candidates, filter_full
-from worker.engine.sampling_params import SamplingParams
+from worker.engine.model.kernels.cpu_kernel import paged_decode_available
+from worker.engine.sampling.sampler import NUM_CANDIDATES, Sampler, SamplerOutput, SamplingRow
+from worker.engine.sampling.sampling_filters import _top_p_full, _typical_p_full, filter_candidates, filter_full
+from worker.engine.sampling.sampling_params import SamplingParams
 
 VOCAB = 64
 NEG = float("-inf")

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from shared.schemas import SamplingSpec
-from worker.engine.sampling_params import SamplingParams
+from worker.engine.sampling.sampling_params import SamplingParams
 
 INVALID = [
     ("max_new_tokens", 0),

@@ -1,4 +1,4 @@
-"""An urgent arrival stops the step in progress between two layers (``worker/engine/step_interrupt.py``):
+"""An urgent arrival stops the step in progress between two layers (``worker/engine/core/step_interrupt.py``):
 the stopped step keeps nothing, the arrival runs next, and every sequence's output stays exact."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import pytest
 
 from tests.engine.conftest import reference
 from tests.engine.test_engine_scheduling import prompt, step_all
-from worker.engine import EngineEvent, SamplingParams, step_interrupt
-from worker.engine.step_interrupt import MAX_THROWN_AWAY_SHARE
+from worker.engine import EngineEvent, SamplingParams
+from worker.engine.core import step_interrupt
+from worker.engine.core.step_interrupt import MAX_THROWN_AWAY_SHARE
 
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
 

@@ -12,7 +12,7 @@ import pytest
 from tests.engine.conftest import run_to_end
 from tests.structured_cases import PROMPTS, REGEXES, SCHEMAS, full_match, validate
 from worker.engine import SamplingParams
-from worker.engine.structured import Constraint
+from worker.engine.sampling.structured import Constraint
 
 
 def text_of(events: list[Any]) -> str:

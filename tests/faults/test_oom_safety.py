@@ -43,7 +43,7 @@ from shared.schemas import SamplingSpec
 from shared.settings import Settings
 from tests.worker.conftest import WorkerProcess
 from tests.worker.test_redis_outage import persistent_redis
-from worker.engine.memory import available_memory_bytes
+from worker.engine.core.memory import available_memory_bytes
 
 MiB = 1 << 20
 # What a worker may hold beyond its RSS at ready and its full cache: one step's activations
@@ -290,7 +290,7 @@ def fill_and_measure(
 def test_two_workers_with_full_small_caches_stay_in_budget(
     worker_env: dict[str, str], settings: Settings, tmp_path: Path
 ) -> None:
-    from worker.engine.tiny_model import make_tiny_llama
+    from worker.engine.model.tiny_model import make_tiny_llama
 
     # 8 layers x 8 KV heads x head_dim 64, float64: 1 MiB of cache per 16-token block, little compute.
     model = make_tiny_llama(tmp_path / "kv-heavy", num_layers=8, num_heads=8, num_kv_heads=8, head_dim=64)

@@ -12,7 +12,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from worker.engine import model_runner
+from worker.engine.model import model_runner
 
 SCRIPT = Path(__file__).resolve()
 BREAK_TOKEN = 4241

@@ -25,7 +25,7 @@ import redis
 from shared.keys import Keys
 from shared.redis_connect import connect
 from shared.settings import get_settings
-from worker.engine import model_runner
+from worker.engine.model import model_runner
 
 SCRIPT = Path(__file__).resolve()
 # A gate nobody opens releases the step after this long, so a broken test ends in its own

@@ -15,8 +15,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from worker.engine import model_runner
-from worker.engine.attention.metadata import AttentionMetadata
+from worker.engine.model import model_runner
+from worker.engine.model.attention.metadata import AttentionMetadata
 
 SCRIPT = Path(__file__).resolve()
 _run = model_runner.ModelRunner.run  # importing this module (tests do, for SCRIPT) patches nothing

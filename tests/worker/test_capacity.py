@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from worker.capacity import Capacity, Take
-from worker.engine.outputs import EngineLoad, RunningLoad
+from worker.engine.core.outputs import EngineLoad, RunningLoad
 
 
 def load(

@@ -27,7 +27,7 @@ from worker.active import ActiveRequest
 from worker.admission import Admission
 from worker.capacity import Capacity
 from worker.engine import EngineEvent
-from worker.engine.outputs import EngineLoad, RunningLoad
+from worker.engine.core.outputs import EngineLoad, RunningLoad
 from worker.intake import Intake, WorkerLoad
 from worker.publisher import Publisher
 from worker.run_state import RunState

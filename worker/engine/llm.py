@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from worker.engine.config import EngineConfig
-from worker.engine.llm_engine import LLMEngine
-from worker.engine.outputs import RequestOutput
-from worker.engine.sampling_params import SamplingParams
+from worker.engine.core.config import EngineConfig
+from worker.engine.core.llm_engine import LLMEngine
+from worker.engine.core.outputs import RequestOutput
+from worker.engine.sampling.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 

@@ -1,0 +1,329 @@
+"""The streaming core: requests in, token events out, one scheduler step at a time.
+
+The worker drives it (add_request / abort / step) and reads its admission info and stats;
+``LLM`` wraps it for offline use. Thread-safe: a lock serialises the public calls, so an
+abort from an I/O thread lands between steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from worker.engine.core.block_manager import BlockManager
+from worker.engine.core.config import EngineConfig
+from worker.engine.core.memory import auto_num_kv_blocks
+from worker.engine.core.outputs import EngineEvent, EngineLoad, EngineStats, FinishReason, RunningLoad
+from worker.engine.core.scheduler import Scheduler
+from worker.engine.core.sequence import Sequence, SequenceStatus
+from worker.engine.core.step_interrupt import StepInterrupt, StepInterrupted
+from worker.engine.model.model_runner import ModelRunner
+from worker.engine.sampling.detokenizer import IncrementalDetokenizer
+from worker.engine.sampling.sampler import Sampler, SamplingRow
+from worker.engine.sampling.sampling_params import SamplingParams
+from worker.engine.sampling.structured import StructuredOutput
+
+
+class LLMEngine:
+    def __init__(
+        self, model: Any, tokenizer: Any, config: EngineConfig | None = None, *, clock: Callable[[], float] = time.time
+    ) -> None:
+        """``model`` and ``tokenizer`` loaded already (``from_config`` loads them from ``config.model``); the
+        model's own device and dtype are used."""
+        config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        text_config = model.config.get_text_config()
+        max_model_len = min(
+            config.max_model_len or 1 << 30, getattr(text_config, "max_position_embeddings", None) or 1 << 30
+        )
+        param = next(model.parameters())
+        num_kv_blocks = config.num_kv_blocks
+        if num_kv_blocks is None:
+            num_kv_blocks = auto_num_kv_blocks(
+                ModelRunner.kv_bytes_per_block(model, config.block_size, param.dtype),
+                param.device,
+                max_blocks=config.max_num_seqs * -(-max_model_len // config.block_size),
+                fraction=config.kv_memory_fraction,
+            )
+        max_model_len = min(max_model_len, num_kv_blocks * config.block_size)
+        self.config = config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len)
+        self.max_model_len = max_model_len
+        self.stats = EngineStats()
+        self.block_manager = BlockManager(num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            self.stats,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            aging_steps=config.aging_steps,
+            max_prefill_tokens_beside_decodes=config.max_prefill_tokens_beside_decodes,
+            clock=clock,
+        )
+        self.runner = ModelRunner(model, config)
+        self.stats.warmup_s = self.runner.warmup_s
+        self.sampler = Sampler(text_config.vocab_size, param.device)
+        # Rows of the embedding table: an id past them would fail the whole batch's forward.
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.special_token_ids = set(getattr(tokenizer, "all_special_ids", ()))
+        self.structured = StructuredOutput(tokenizer, text_config.vocab_size, self.eos_token_ids)
+        self._seqs: dict[str, Sequence] = {}
+        self._pending: list[EngineEvent] = []  # events decided outside a step (e.g. a resume already complete)
+        self._arrivals = 0
+        self._lock = threading.RLock()
+        self._interrupt = StepInterrupt()
+        # Read by the worker's capacity decision without the lock (a step holds it for its whole forward).
+        self.load = EngineLoad(config.max_num_seqs, config.block_size)
+        self._refresh_load()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """Loads ``config.model`` on ``config.device`` in ``config.dtype`` and builds the engine around it."""
+        from worker.engine.model.hardware import resolve_device, resolve_dtype
+        from worker.engine.model.model_loader import load_model
+
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(
+            config.dtype, device, cpu_kernels=config.cpu_kernels, kernel_cache_dir=config.kernel_cache_dir
+        )
+        model, tokenizer = load_model(config.model, dtype, device, config.converted_model_dir)
+        return cls(model, tokenizer, config)
+
+    # --- what it holds, read by the worker ------------------------------------------------------
+    @property
+    def max_num_seqs(self) -> int:
+        return self.scheduler.max_num_seqs
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    def _refresh_load(self) -> None:
+        """Called with the lock held, after anything that moves blocks or the queues."""
+        bm, scheduler = self.block_manager, self.scheduler
+        claimed = sum(bm.blocks_for(s.num_tokens) - len(s.block_table) for s in scheduler.waiting)
+        self.load = EngineLoad(
+            max_num_seqs=scheduler.max_num_seqs,
+            block_size=bm.block_size,
+            num_seqs=len(self._seqs),
+            spare_blocks=bm.num_free_blocks - claimed,
+            running=tuple(RunningLoad(scheduler.urgency(s)[0], len(s.block_table)) for s in scheduler.running),
+            waiting=tuple(scheduler.urgency(s)[0] for s in scheduler.waiting),
+        )
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs or self._pending)
+
+    # --- requests -----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        tenant: str | None = None,
+        prior_output_token_ids: Seq[int] = (),
+    ) -> None:
+        params = params or SamplingParams()
+        prompt, prior = list(prompt_token_ids), list(prior_output_token_ids)
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        bad = next((t for t in (*prompt, *prior) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{self.vocab_size - 1})")
+        if len(prompt) + len(prior) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt) + len(prior)} tokens leaves no room (max_model_len {self.max_model_len})"
+            )
+        if params.seed is None:  # a fixed seed per request makes a crash-resumed request continue identically
+            params = dataclasses.replace(params, seed=secrets.randbits(63))
+        # Built outside the lock (a new constraint compiles in milliseconds); raises on a bad one.
+        matcher = self.structured.matcher(params.constraint, prior) if params.constraint is not None else None
+        with self._lock:
+            if request_id in self._seqs:
+                raise ValueError(f"request {request_id!r} is already in the engine")
+            detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop, prior_output_token_ids=prior)
+            seq = Sequence(
+                request_id, prompt, params, arrival=self._arrivals, priority=priority, deadline=deadline,
+                tenant=tenant, prior_output_token_ids=prior, detokenizer=detok,
+            )  # fmt: skip
+            seq.matcher = matcher
+            self._arrivals += 1
+            if len(prior) >= params.max_new_tokens:
+                self._pending.append(EngineEvent(request_id, len(prior), -1, "", finish_reason="length"))
+                return
+            self._seqs[request_id] = seq
+            self.scheduler.add(seq)
+            self._refresh_load()
+
+    def interrupt_for(self, priority: int) -> bool:
+        """A request of ``priority`` is on its way (from any thread, without the lock): stops the
+        step in progress at its next layer if that step computes work at least a whole level less
+        urgent (``step_interrupt``). True if it asked the step to stop."""
+        return self._interrupt.arrival(priority)
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            seq = self._seqs.get(request_id)
+            if seq is None:
+                return False
+            self._drop(seq)
+            self._refresh_load()
+            return True
+
+    # --- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[EngineEvent]:
+        with self._lock:
+            started = time.perf_counter()
+            events, self._pending = self._pending, []
+            batch = self.scheduler.schedule()
+            for seq in batch.expired:
+                events.append(EngineEvent(seq.request_id, seq.num_output_tokens, -1, "", finish_reason="expired"))
+                self.stats.expired += 1
+                self._drop(seq)
+            for seq in batch.preempted:
+                self.sampler.release(seq.request_id)
+            if batch.seqs:
+                seqs = batch.seqs  # judged only if a request arrives: nothing more per step
+                self._interrupt.arm(
+                    lambda priority: self.scheduler.pauses_any(priority, seqs),
+                    self.stats.interrupted_time_s,
+                    self.stats.step_time_s,
+                )
+                try:
+                    events += self._run(batch.seqs, batch.num_new_tokens)
+                finally:
+                    self._interrupt.disarm()
+            self.stats.steps += 1
+            self.stats.batch_tokens = batch.num_tokens
+            self.stats.batch_seqs = len(batch.seqs)
+            self.stats.step_time_s += time.perf_counter() - started
+            self._refresh_load()
+            return events
+
+    def _run(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[EngineEvent]:
+        sample = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, num_new_tokens, strict=True)]
+        constrained = [s for s, f in zip(seqs, sample, strict=True) if f and s.matcher is not None]
+        masks = self.structured.fill_async([s.matcher for s in constrained]) if constrained else None
+        started = time.perf_counter()
+        try:
+            logits = self.runner.run(seqs, num_new_tokens, sample, self._interrupt)
+        except StepInterrupted:
+            # Nothing was kept: tokens, sampling and the prefix cache are as before this step,
+            # which the next one schedules again (an urgent arrival first).
+            if masks is not None:
+                masks.result()  # the helper thread reads the matchers: done before anyone changes them
+            self.stats.interrupted_steps += 1
+            self.stats.interrupted_time_s += time.perf_counter() - started
+            return []
+        self.stats.forward_time_s += time.perf_counter() - started
+        bitmask = self._await_masks(masks, len(constrained)) if masks is not None else None
+        mask_row = {id(s): i for i, s in enumerate(constrained)}
+        sampling: list[Sequence] = []
+        for seq, n, s in zip(seqs, num_new_tokens, sample, strict=True):
+            seq.num_computed_tokens += n
+            self.block_manager.register_computed(seq)
+            if s:
+                sampling.append(seq)
+        if not sampling:
+            return []
+        rows = [
+            SamplingRow(
+                s.request_id, s.params, s.prompt_token_ids, s.output_token_ids, s.num_output_tokens,
+                allowed=bitmask[mask_row[id(s)]] if bitmask is not None and id(s) in mask_row else None,
+            )
+            for s in sampling
+        ]  # fmt: skip
+        out = self.sampler.sample(logits, rows)
+        events = []
+        for i, seq in enumerate(sampling):
+            if seq.matcher is not None and seq.matcher.is_error():  # its mask could not be computed
+                error = f"structured output failed: {seq.matcher.get_error()}"
+                events.append(self._fail(seq, error, seq.num_output_tokens))
+                continue
+            logprob = out.logprobs[i] if out.logprobs is not None else None
+            top = out.top_logprobs[i] if out.top_logprobs is not None and seq.params.logprobs else None
+            events.append(self._on_token(seq, out.token_ids[i], logprob, top))
+        self.stats.generated_tokens += len(sampling)
+        return events
+
+    def _on_token(
+        self, seq: Sequence, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None
+    ) -> EngineEvent:
+        seq.append_token(token_id)
+        seq.status = SequenceStatus.DECODING
+        params = seq.params
+        finish: FinishReason | None = None
+        if token_id in self.eos_token_ids and not params.ignore_eos:
+            finish = "eos_token"
+        elif token_id in params.stop_token_ids:
+            finish = "stop_sequence"
+        text, stopped = seq.detokenizer.add(token_id)
+        if finish is None and stopped:
+            finish = "stop_sequence"
+        if seq.matcher is not None and finish is None:
+            if not seq.matcher.consume_token(token_id):
+                error = f"structured output failed: {seq.matcher.get_error()}"
+                return self._fail(seq, error, seq.num_output_tokens - 1)
+            if seq.matcher.is_stopped():  # the grammar is complete and nothing may follow: EOS was all it allowed
+                finish = "eos_token"
+        if finish is None and (seq.num_output_tokens >= params.max_new_tokens or seq.num_tokens >= self.max_model_len):
+            finish = "length"
+        if finish is not None and not stopped:
+            text += seq.detokenizer.finish()
+        top_named = [(t, self.tokenizer.decode([t]), lp) for t, lp in top] if top is not None else None
+        event = EngineEvent(
+            seq.request_id, seq.num_output_tokens - 1, token_id, text, logprob, top_named, finish,
+            token_id in self.special_token_ids,
+        )  # fmt: skip
+        if finish is not None:
+            seq.finish_reason = finish
+            self._drop(seq)
+        return event
+
+    def _await_masks(self, masks: Any, rows: int) -> Any:
+        waited = time.perf_counter()
+        fill = masks.result()
+        self.stats.mask_wait_s += time.perf_counter() - waited
+        self.stats.mask_time_s += fill.fill_time_s
+        self.stats.masked_rows += rows
+        self.stats.masked_steps += 1
+        return fill.bitmask
+
+    def _fail(self, seq: Sequence, message: str, index: int) -> EngineEvent:
+        """Ends one request with an error (``index``: tokens it had sent); the rest of the batch carries on."""
+        seq.finish_reason = "error"
+        self._drop(seq)
+        return EngineEvent(seq.request_id, index, -1, "", finish_reason="error", error=message)
+
+    def _drop(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        self.sampler.release(seq.request_id)
+        self._seqs.pop(seq.request_id, None)
+        seq.status = SequenceStatus.FINISHED
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return ids

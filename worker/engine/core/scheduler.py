@@ -1,0 +1,232 @@
+"""Who runs this step, and how many tokens each: the step's admission logic in one place.
+
+Order of business each step: expire requests past their deadline; give every running decode its
+next token, preempting the least urgent sequence when blocks run short; then prefill work in
+urgency order, chunked to the token budget: an ongoing prefill runs only after the waiting
+requests more urgent than it were admitted (otherwise background prefills in progress take every
+step's budget and an urgent request waits for all of them). Urgency is (priority - steps since
+arrival / aging_steps, arrival): lower runs sooner. Aging moves an old request ahead of newer,
+nominally more urgent ones, so nobody starves; between two given requests the order never flips,
+so preemption cannot ping-pong.
+
+Urgent prefill first: when the most urgent waiting request is at least a whole priority level
+more urgent than the least urgent running one, the step prefills the waiting requests of that
+urgency, and only the running sequences about as urgent (less than a level behind) decode beside
+them; the less urgent rest sits that one step out (as TGI's router pauses decoding for a
+prefill). On a CPU a step of a full batch costs several times a lone prefill, so this is what
+keeps an urgent request's first token close to its idle latency while background work saturates.
+(It first required the waiting request to outrank everything running: with urgent requests
+already decoding, as under a steady urgent share, a new one then waited for a full step: measured
+4.3x its idle p99 time to first token instead of <= 2x.)
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from worker.engine.core.block_manager import BlockManager
+from worker.engine.core.outputs import EngineStats
+from worker.engine.core.sequence import Sequence, SequenceStatus
+
+
+def _outranks(urgency: float, other: float) -> bool:
+    """The urgent-first rule's test: at least a whole priority level more urgent (lower)."""
+    return urgency <= other - 1
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens to compute this step, per sequence
+    expired: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_tokens: int = 0  # sum of num_new_tokens, kept as they change: the budget is read per sequence
+    is_decode: list[bool] = field(default_factory=list)  # for its next output token (else a prompt chunk)
+    num_decodes: int = 0
+
+    def add(self, seq: Sequence, n: int, *, decode: bool = False) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(n)
+        self.is_decode.append(decode)
+        self.num_tokens += n
+        self.num_decodes += decode
+
+    def drop(self, seq: Sequence) -> None:
+        if seq in self.seqs:
+            i = self.seqs.index(seq)
+            self.num_tokens -= self.num_new_tokens[i]
+            self.num_decodes -= self.is_decode[i]
+            del self.seqs[i], self.num_new_tokens[i], self.is_decode[i]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        stats: EngineStats,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        aging_steps: int | None = 256,
+        max_prefill_tokens_beside_decodes: int | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.blocks = block_manager
+        self.stats = stats
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.aging_steps = aging_steps
+        self.max_prefill_tokens_beside_decodes = max_prefill_tokens_beside_decodes
+        self.clock = clock
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.step_count = 0
+        self._admission_stopped = False  # this step: a waiting request could not start
+
+    def urgency(self, seq: Sequence) -> tuple[float, int]:
+        age = (self.step_count - seq.arrival_step) / self.aging_steps if self.aging_steps else 0.0
+        return (seq.priority - age, seq.arrival)
+
+    def add(self, seq: Sequence) -> None:
+        seq.arrival_step = self.step_count
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> bool:
+        """Take a sequence out (abort/finish), freeing its blocks now."""
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+                self.blocks.free(seq)
+                return True
+        return False
+
+    def schedule(self) -> ScheduledBatch:
+        self.step_count += 1
+        batch = ScheduledBatch(expired=self._expire())
+        self.running.sort(key=self.urgency)
+        self.waiting.sort(key=self.urgency)
+        self._admission_stopped = False
+        if self._urgent_waiting():
+            threshold = self.urgency(self.waiting[0])[0]
+            self._admit(batch, while_head=lambda head: self.urgency(head)[0] <= threshold)
+            if batch.seqs:
+                # Its peers keep decoding: urgent streams stay live; only background work pauses.
+                # Running is sorted by urgency, so the peers are its head (a snapshot: _continue
+                # may preempt); those just admitted are in the batch already.
+                for seq in list(itertools.takewhile(lambda s: self._is_peer(s, threshold), self.running)):
+                    if seq.num_tokens - seq.num_computed_tokens == 1 and seq not in batch.seqs:
+                        self._continue(seq, batch)
+                return self._done(batch)
+        remaining = {s: s.num_tokens - s.num_computed_tokens for s in self.running}
+        # Decodes first: they are latency-critical and cost one token each.
+        for seq in [s for s in self.running if remaining[s] == 1]:
+            self._continue(seq, batch)
+        for seq in [s for s in self.running if remaining[s] > 1]:
+            self._admit(batch, while_head=lambda head, seq=seq: self.urgency(head) < self.urgency(seq))
+            self._continue(seq, batch)
+        self._admit(batch)
+        return self._done(batch)
+
+    def _urgent_waiting(self) -> bool:
+        if not self.waiting or not self.running:
+            return False
+        # Both queues are sorted by urgency (schedule() sorts them first): the waiting head is the
+        # most urgent request waiting, the running tail the least urgent one running.
+        return _outranks(self.urgency(self.waiting[0])[0], self.urgency(self.running[-1])[0])
+
+    def _is_peer(self, seq: Sequence, threshold: float) -> bool:
+        """Running, and less than a whole level less urgent than the urgent requests being admitted."""
+        return not _outranks(threshold, self.urgency(seq)[0])
+
+    def pauses_any(self, priority: float, seqs: list[Sequence]) -> bool:
+        """Whether a new arrival of ``priority`` would run first and pause some of ``seqs`` (the
+        urgent-first rule; asked from another thread, for a step's batch, when a request arrives)."""
+        return any(_outranks(priority, self.urgency(s)[0]) for s in seqs)
+
+    def _budget(self, batch: ScheduledBatch) -> int:
+        return self.max_num_batched_tokens - batch.num_tokens
+
+    def _prefill_budget(self, batch: ScheduledBatch) -> int:
+        """Prompt tokens this step may still take. Beside decodes, at most
+        max_prefill_tokens_beside_decodes in all: a step's time is about a decode batch's plus its
+        prefill tokens', and nothing can join a step in progress, so a long background chunk would
+        hold every running stream's next token, and an urgent arrival, for the whole of it."""
+        cap = self.max_prefill_tokens_beside_decodes
+        if cap is None or batch.num_decodes == 0:
+            return self._budget(batch)
+        return min(self._budget(batch), cap - (batch.num_tokens - batch.num_decodes))
+
+    def _continue(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """A running sequence's next tokens (one for a decode, a chunk of its prompt for a prefill)."""
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        budget = self._budget(batch) if remaining == 1 else self._prefill_budget(batch)
+        if seq.status is SequenceStatus.WAITING or budget <= 0:
+            return  # preempted earlier this step, or no budget left: it sits this step out
+        n = min(remaining, budget)
+        while not self.blocks.allocate(seq, n):
+            victim = max((s for s in self.running if s not in batch.seqs), key=self.urgency)
+            self._preempt(victim, batch, "kv_blocks")
+            if victim is seq:
+                return
+        batch.add(seq, n, decode=remaining == 1)
+
+    def _admit(self, batch: ScheduledBatch, while_head: Callable[[Sequence], bool] = lambda _: True) -> None:
+        """Waiting requests in urgency order, while ``while_head`` holds for the next one. The first
+        that cannot start stops admission for the rest of the step (strict priority)."""
+        while self.waiting and not self._admission_stopped and self._prefill_budget(batch) > 0:
+            if not while_head(self.waiting[0]):
+                return
+            seq = self.waiting[0]
+            if len(self.running) >= self.max_num_seqs and not self._preempt_less_urgent(seq, batch):
+                self._admission_stopped = True
+                return
+            if not seq.block_table:  # fresh or preempted: reuse whatever prefix is cached
+                hits = self.blocks.match_prefix(seq)
+                self.stats.prefix_cache_queries += seq.num_tokens
+                self.stats.prefix_cache_hits += hits
+            n = min(seq.num_tokens - seq.num_computed_tokens, self._prefill_budget(batch))
+            while not self.blocks.allocate(seq, n):
+                if not self._preempt_less_urgent(seq, batch):
+                    self.blocks.free(seq)  # give back the prefix blocks it grabbed; strict priority: stop here
+                    self._admission_stopped = True
+                    return
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.PREFILLING
+            self.running.append(seq)
+            batch.add(seq, n)
+
+    def _done(self, batch: ScheduledBatch) -> ScheduledBatch:
+        self.stats.num_running = len(self.running)
+        self.stats.num_waiting = len(self.waiting)
+        return batch
+
+    def _expire(self) -> list[Sequence]:
+        now = self.clock()
+        expired = [s for s in (*self.running, *self.waiting) if s.deadline is not None and now > s.deadline]
+        for seq in expired:
+            self.remove(seq)
+        return expired
+
+    def _preempt_less_urgent(self, seq: Sequence, batch: ScheduledBatch) -> bool:
+        """An urgent waiting request displaces the least urgent running one, if that one is less urgent."""
+        if not self.running:
+            return False
+        victim = max(self.running, key=self.urgency)
+        if self.urgency(victim) <= self.urgency(seq):
+            return False
+        self._preempt(victim, batch, "urgency")
+        return True
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch, reason: str) -> None:
+        batch.drop(seq)
+        self.running.remove(seq)
+        self.stats.recomputed_tokens += seq.num_computed_tokens  # an upper bound: the prefix cache may keep some
+        self.blocks.free(seq)  # tokens are kept; their KV is recomputed (or found in the prefix cache)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self.stats.preemptions += 1
+        self.stats.preemptions_by_reason[reason] += 1
+        batch.preempted.append(seq)

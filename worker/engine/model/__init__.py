@@ -1,0 +1,1 @@
+"""The model: its loading, runner, forwards, attention backends and CPU kernels."""

@@ -1,0 +1,1 @@
+"""The CPU kernels: their C++ sources and headers, and the one build that compiles them."""

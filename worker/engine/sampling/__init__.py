@@ -1,0 +1,1 @@
+"""Sampling: the sampler, its filters and penalties, structured output, watermark and detokenizer."""
