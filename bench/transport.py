@@ -16,10 +16,14 @@ private 3-master Redis Cluster (``INFLIGHTQ_REDIS_CLUSTER``: one script call per
 round trip per node, SPUBLISH), with each node's CPU time per million token events (INFO cpu):
 the figure a capacity plan divides by.
 
-Results go to ``bench/results/transport-<stamp>.json`` and ``.md``."""
+Results go to ``bench/results/transport-<stamp>.json`` and ``.md``.
+
+    python -m bench.transport --cluster      # or: inflightq bench transport --cluster
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -204,7 +208,28 @@ def engine_rate(llm: Any, prompts: list[list[int]]) -> float:
     return rate[0]
 
 
-def main(
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(prog="inflightq bench transport", description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=float, default=5.0, help="how long each measurement runs")
+    p.add_argument("--batch", type=positive, default=64, help="token events per engine step (sequences in the batch)")
+    p.add_argument("--out", default="bench/results", help="directory for transport-*.json and .md")
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="also: the publisher through one node vs a private 3-master Redis Cluster",
+    )
+    args = p.parse_args(argv)
+    return run(seconds=args.seconds, batch=args.batch, out_dir=args.out, cluster=args.cluster)
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def run(
     *, seconds: float = 5.0, batch: int = 64, out_dir: str = "bench/results", cluster: bool = False
 ) -> dict[str, Any]:
     from worker.engine.model.tiny_model import make_tiny_llama
@@ -321,3 +346,7 @@ def write(report: dict[str, Any], out_dir: Path) -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     (out_dir / f"transport-{stamp}.json").write_text(json.dumps(report, indent=2) + "\n")
     (out_dir / f"transport-{stamp}.md").write_text(markdown(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -361,61 +361,52 @@ def purge(
         print(f"inflightq: deleted {deleted} keys at {where}")
 
 
-@bench_app.command("transport")
-def bench_transport(
-    seconds: float = typer.Option(5.0, help="How long each measurement runs."),
-    batch: int = typer.Option(64, min=1, help="Token events per engine step (sequences in the batch)."),
-    out: str = typer.Option("bench/results", help="Directory for transport-*.json and .md."),
-    cluster: bool = typer.Option(
-        False, "--cluster", help="Also: the publisher through one node vs a private 3-master Redis Cluster."
-    ),
-) -> None:
-    """Token events/s one worker publishes (tiny random model) vs raw pipelined PUBLISH, same Redis, same run."""
-    from bench.transport import main
-
-    main(seconds=seconds, batch=batch, out_dir=out, cluster=cluster)
-
-
-@bench_app.command("engine", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def bench_engine(ctx: typer.Context) -> None:
-    """Our engine vs transformers' continuous batching on the default model, same run (args: see --help of
-    python -m bench.engine, e.g. --dtypes float32,bfloat16)."""
-    from bench.engine import main
-
-    main(list(ctx.args))
+# The benchmarks live in the source checkout's bench/, which uses the product and is not part of the
+# installed package: each command runs ``python -m bench.<name>`` with the arguments given.
+BENCHMARKS = {
+    "engine": "Our engine vs transformers' continuous batching on the default model, same run.",
+    "transport": "Token events/s one worker publishes (tiny random model) vs raw pipelined PUBLISH, same Redis, "
+    "same run.",
+    "structured": "32 requests, half with a JSON schema, vs the same 32 unconstrained, same run; mask time per "
+    "step and per row beside the forward.",
+    "serve": "Load generator in the manner of `vllm bench serve` through the API and the queue, beside the "
+    "offline engine and transformers' continuous batching on the same prompts.",
+    "priority": "Urgent requests while background work saturates the pool: TTFT vs the idle stack, FCFS and "
+    "transformers' continuous batching, same run.",
+    "streams": "What idle-waiting streams cost one API process: Redis connections, RSS and CPU at 100 / 1,000 / "
+    "10,000 open streams, on Redis and on a private Redis Cluster.",
+}
 
 
-@bench_app.command("structured", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def bench_structured(ctx: typer.Context) -> None:
-    """32 requests, half with a JSON schema, vs the same 32 unconstrained, same run; mask time per step and
-    per row beside the forward (args: python -m bench.structured --help)."""
-    from bench.structured import main
+def _run_benchmark(name: str, args: list[str]) -> None:
+    """Replaces this process with ``python -m bench.<name> ARGS`` from the checkout this package lives in."""
+    import os
+    from pathlib import Path
 
-    main(list(ctx.args))
-
-
-@bench_app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def bench_serve(ctx: typer.Context) -> None:
-    """Load generator in the manner of `vllm bench serve` through the API and the queue, beside the offline
-    engine and transformers' continuous batching on the same prompts (args: python -m bench.serve --help)."""
-    from bench.serve import main
-
-    main(list(ctx.args))
-
-
-@bench_app.command("priority", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def bench_priority(ctx: typer.Context) -> None:
-    """Urgent requests while background work saturates the pool: TTFT vs the idle stack, FCFS and transformers'
-    continuous batching, same run (args: python -m bench.priority --help)."""
-    from bench.priority import main
-
-    main(list(ctx.args))
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench" / f"{name}.py").is_file():
+        typer.echo(
+            f"inflightq: the benchmarks run from a source checkout; there is no bench/ beside {root / 'inflightq_cli'} "
+            "(installed from a wheel?): clone the repository and run `inflightq bench` there",
+            err=True,
+        )
+        raise typer.Exit(2)
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", f"bench.{name}", *args], os.environ | {"PYTHONPATH": path})
 
 
-@bench_app.command("streams", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def bench_streams(ctx: typer.Context) -> None:
-    """What idle-waiting streams cost one API process: Redis connections, RSS and CPU at 100 / 1,000 / 10,000
-    open streams, on Redis and on a private Redis Cluster (args: python -m bench.streams --help)."""
-    from bench.streams import main
+def _bench_command(name: str) -> Any:
+    def command(ctx: typer.Context) -> None:
+        _run_benchmark(name, list(ctx.args))
 
-    main(list(ctx.args))
+    return command
+
+
+for _name, _help in BENCHMARKS.items():
+    bench_app.command(
+        _name,
+        help=f"{_help} Arguments: `inflightq bench {_name} --help`.",
+        add_help_option=False,
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    )(_bench_command(_name))

@@ -1,9 +1,12 @@
 """The ``inflightq`` command with a user's mistakes: one clear line on stderr and a non-zero exit code,
-never a traceback; ``inflightq purge`` deletes one deployment's keys (RQ's included) and nothing else."""
+never a traceback; ``inflightq purge`` deletes one deployment's keys (RQ's included) and nothing else;
+``inflightq bench`` runs the source checkout's bench/, which the product never imports."""
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +115,39 @@ def test_purge_also_deletes_rqs_keys_on_rqs_own_redis(env: dict[str, str], redis
         rq.delete(mine.request("not-rqs"), mine.rq() + ":job:batch-1")
         main.close()
         rq.close()
+
+
+def test_bench_runs_the_checkouts_benchmark_with_the_arguments_given(env: dict[str, str], tmp_path: Path) -> None:
+    """From any directory: the arguments reach ``python -m bench.transport`` (its own --help answers)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "inflightq_cli", "bench", "transport", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: inflightq bench transport") and "--cluster" in done.stdout, done.stdout
+
+
+def test_bench_without_a_checkout_says_so(env: dict[str, str], tmp_path: Path) -> None:
+    """The package alone, as a wheel installs it (no bench/ beside it), answers with one line and exit 2."""
+    shutil.copytree(REPO / "inflightq_cli", tmp_path / "inflightq_cli", ignore=shutil.ignore_patterns("__pycache__"))
+    done = subprocess.run(
+        [sys.executable, "-m", "inflightq_cli", "bench", "engine"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    one_line_error(done, "source checkout", str(tmp_path / "inflightq_cli"))
+
+
+def test_the_product_never_imports_bench() -> None:
+    imports_bench = re.compile(r"^\s*(from|import)\s+bench\b", re.MULTILINE)
+    product = [p for part in ("inflightq_cli", "shared", "producer_api", "worker") for p in (REPO / part).rglob("*.py")]
+    assert len(product) > 20
+    assert [str(p) for p in product if imports_bench.search(p.read_text())] == []
