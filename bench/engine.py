@@ -81,8 +81,11 @@ class Ours:
         self, model_name: str, dtype: torch.dtype, device: str = "cpu", compile: bool = False, cuda_graphs: str = "auto"
     ) -> None:
         from worker.engine.model.model_loader import load_model
+        from worker.models import locate
 
-        self.model, self.tokenizer = load_model(model_name, dtype, device)
+        # Names resolve explicitly: scripts/device-check.sh runs this from a checkout that is not
+        # installed, where the engine finds no default resolver.
+        self.model, self.tokenizer = load_model(model_name, dtype, device, resolve=locate)
         self.compile = compile
         self.cuda_graphs: bool | str = {"on": True, "off": False}.get(cuda_graphs, cuda_graphs)
 
@@ -126,8 +129,9 @@ class TransformersCB:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         from worker.engine.model.model_loader import load_model
+        from worker.models import locate
 
-        self.model, _ = load_model(model_name, dtype, device)
+        self.model, _ = load_model(model_name, dtype, device, resolve=locate)
         # Left to itself it takes 90% of free RAM for its cache; give it the same room and token budget as ours.
         self.cb_config = ContinuousBatchingConfig(num_blocks=KV_TOKENS // 256, max_batch_tokens=MAX_BATCH_TOKENS)
 
@@ -186,11 +190,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     args = parser.parse_args(argv)
     from worker.engine.model.model_loader import load_tokenizer
+    from worker.models import locate
 
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.model, resolve=locate)
     prompts, lengths = workload(tokenizer, args.num_prompts, args.seed)
     results: dict[str, Any] = {
         "command": "python -m bench.engine "

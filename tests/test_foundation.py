@@ -17,6 +17,7 @@ from shared.request_lifecycle import FINAL_STATUSES, RequestStatus, can_move
 from shared.schemas import DoneEvent, ErrorEvent, QueuedRequest, SamplingSpec, TokenEvent, parse_event
 from shared.settings import Settings
 from worker.engine.model import model_loader
+from worker.models import locate
 
 
 def test_settings_read_prefixed_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -114,9 +115,22 @@ def test_private_redis_is_a_real_server() -> None:
 
 def test_the_engine_resolves_model_names_through_the_one_shared_table() -> None:
     source = model_source.resolve("smollm2-135m-instruct")
-    assert model_loader.resolve_name is not None
-    assert model_loader.resolve_name("smollm2-135m-instruct") == (source.file, str(source.converted_dir))
+    # The distribution declares the worker's locate as the engine's default (pyproject.toml's entry point).
+    assert model_loader.installed_resolver() is locate
+    assert locate("smollm2-135m-instruct") == (source.file, str(source.converted_dir))
     assert not hasattr(model_loader, "ALIASES")
+
+
+def test_a_resolver_passed_to_the_loader_maps_names_instead_of_the_installed_one(tiny_model_dir) -> None:
+    asked: list[str] = []
+
+    def resolve(name: str) -> tuple[str, str | None]:
+        asked.append(name)
+        return str(tiny_model_dir), None
+
+    tokenizer = model_loader.load_tokenizer("a-name-only-this-resolver-knows", resolve=resolve)
+    assert asked == ["a-name-only-this-resolver-knows"]
+    assert tokenizer.encode("The quick brown fox")
 
 
 def test_the_engine_imports_neither_shared_nor_redis_and_reads_no_environment() -> None:

@@ -6,18 +6,18 @@ from typing import Any
 
 import torch
 
-from shared.model_source import resolve
 from shared.settings import Settings
 from worker.engine import EngineConfig
+from worker.models import locate
 
 
 def engine_config(settings: Settings, **overrides: Any) -> EngineConfig:
     """``overrides``: EngineConfig fields that differ from the settings (e.g. a resolved device or dtype)."""
-    source = resolve(settings.model)  # the name resolved once, here; the engine gets a path
+    model, converted_model_dir = locate(settings.model)  # the name resolved once, here; the engine gets a path
     fields: dict[str, Any] = {
-        "model": source.file,
+        "model": model,
         "served_model_name": settings.model,
-        "converted_model_dir": str(source.converted_dir) if source.gguf_file else None,
+        "converted_model_dir": converted_model_dir,
         "dtype": settings.dtype,
         "device": settings.device,
         "max_num_seqs": settings.max_num_seqs,

@@ -11,6 +11,7 @@ import torch
 from worker.engine.core.config import EngineConfig
 from worker.engine.core.llm_engine import LLMEngine
 from worker.engine.core.outputs import RequestOutput
+from worker.engine.model.model_loader import Resolve
 from worker.engine.sampling.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -31,13 +32,16 @@ class LLM:
         cpu_kernels: bool = True,
         kernel_cache_dir: str | None = None,
         tokenizer: Any = None,
+        resolve: Resolve | None = None,
         **config_fields: Any,
     ) -> None:
         """``model``: a model name (``smollm2-135m-instruct``), a Hugging Face directory, a .gguf file or a hub
         id; or a loaded HF model together with ``tokenizer``. The keywords are ``EngineConfig``'s fields, with
         its defaults: ``cpu_kernels=False`` keeps plain-torch CPU attention and norms (no compiled kernels),
         ``kernel_cache_dir`` moves the kernel's build cache from ~/.cache/inflightq/kernels; ``config_fields``
-        takes the others (max_model_len, aging_steps, attention_backend, served_model_name, ...)."""
+        takes the others (max_model_len, aging_steps, attention_backend, served_model_name, ...). ``resolve``
+        maps a model name to its files; by default names resolve through the installed table of models
+        (``model_loader.installed_resolver``)."""
         config = EngineConfig(
             model=model if isinstance(model, str) else "",
             dtype=dtype,
@@ -52,7 +56,7 @@ class LLM:
             **config_fields,
         )
         if isinstance(model, str):
-            self.engine = LLMEngine.from_config(config)
+            self.engine = LLMEngine.from_config(config, resolve=resolve)
         elif tokenizer is None:
             raise ValueError("pass tokenizer= with a loaded model")
         else:

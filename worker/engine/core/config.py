@@ -10,7 +10,7 @@ import torch
 
 @dataclass
 class EngineConfig:
-    model: str = ""  # a Hugging Face directory, a .gguf file, a hub id, or a name model_loader.resolve_name knows
+    model: str = ""  # a Hugging Face directory, a .gguf file, a hub id, or a model name the resolver knows
     served_model_name: str | None = None  # what requests call the model; None = model
     dtype: str | torch.dtype = "auto"  # auto: bf16 where the hardware runs it fast, else fp32 (fp16 on old GPUs)
     device: str | torch.device = "auto"  # auto: cuda if present, else cpu

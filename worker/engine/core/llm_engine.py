@@ -22,6 +22,7 @@ from worker.engine.core.outputs import EngineEvent, EngineLoad, EngineStats, Fin
 from worker.engine.core.scheduler import Scheduler
 from worker.engine.core.sequence import Sequence, SequenceStatus
 from worker.engine.core.step_interrupt import StepInterrupt, StepInterrupted
+from worker.engine.model.model_loader import Resolve
 from worker.engine.model.model_runner import ModelRunner
 from worker.engine.sampling.detokenizer import IncrementalDetokenizer
 from worker.engine.sampling.sampler import Sampler, SamplingRow
@@ -83,8 +84,9 @@ class LLMEngine:
         self._refresh_load()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
-        """Loads ``config.model`` on ``config.device`` in ``config.dtype`` and builds the engine around it."""
+    def from_config(cls, config: EngineConfig, *, resolve: Resolve | None = None) -> LLMEngine:
+        """Loads ``config.model`` on ``config.device`` in ``config.dtype`` and builds the engine around it;
+        ``resolve`` maps a model name to its files (default: the installed resolver, ``model_loader``)."""
         from worker.engine.model.hardware import resolve_device, resolve_dtype
         from worker.engine.model.model_loader import load_model
 
@@ -92,7 +94,7 @@ class LLMEngine:
         dtype = resolve_dtype(
             config.dtype, device, cpu_kernels=config.cpu_kernels, kernel_cache_dir=config.kernel_cache_dir
         )
-        model, tokenizer = load_model(config.model, dtype, device, config.converted_model_dir)
+        model, tokenizer = load_model(config.model, dtype, device, config.converted_model_dir, resolve=resolve)
         return cls(model, tokenizer, config)
 
     # --- what it holds, read by the worker ------------------------------------------------------

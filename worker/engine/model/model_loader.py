@@ -1,22 +1,25 @@
 """Load a Hugging Face causal LM and its tokenizer from a local directory, a ``.gguf`` file or a
-hub id (a model *name* such as ``smollm2-135m-instruct`` goes through ``resolve_name``).
+hub id. A model *name* such as ``smollm2-135m-instruct`` goes through a ``Resolve``: the one passed
+in, else the one the installed distribution declares (the ``inflightq.model_names`` entry point:
+the table of names lives outside the engine, which may not import it).
 
-GGUF models are de-quantized once and cached as safetensors (about 20 s the first time,
-about 1 s after)."""
+GGUF models are de-quantized once and cached as safetensors, so later loads skip the conversion."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-# The one table of model names is shared/model_source.py, which the engine may not import; importing the
-# worker package installs its resolver here (worker/__init__.py): name -> (path, where a .gguf's copy goes).
-resolve_name: Callable[[str], tuple[str, str | None]] | None = None
+# name -> (what to open: a directory, a .gguf file or a hub id; where a .gguf's de-quantized copy goes, or None)
+Resolve = Callable[[str], tuple[str, str | None]]
+RESOLVER_GROUP = "inflightq.model_names"
 
 DEFAULT_CACHE = Path("~/.cache/inflightq/models")
 
@@ -28,8 +31,18 @@ class _Location:
     cache: Path | None  # where a converted copy lives (GGUF only)
 
 
-def _locate(spec: str, converted_dir: str | None = None) -> _Location:
-    path, named_cache = resolve_name(spec) if resolve_name is not None else (spec, None)
+@functools.cache
+def installed_resolver() -> Resolve | None:
+    """The resolver the installed distribution declares in the ``inflightq.model_names`` entry point
+    group; None where none does (a spec is then opened as given)."""
+    for entry in entry_points(group=RESOLVER_GROUP):
+        return entry.load()
+    return None
+
+
+def _locate(spec: str, converted_dir: str | None, resolve: Resolve | None) -> _Location:
+    resolve = resolve or installed_resolver()
+    path, named_cache = resolve(spec) if resolve is not None else (spec, None)
     file = Path(path).expanduser()
     if file.suffix != ".gguf":
         return _Location(path, None, None)
@@ -39,25 +52,33 @@ def _locate(spec: str, converted_dir: str | None = None) -> _Location:
     return _Location(str(file.parent), file.name, Path(cache))
 
 
-def load_tokenizer(spec: str, converted_dir: str | None = None) -> Any:
+def load_tokenizer(spec: str, converted_dir: str | None = None, *, resolve: Resolve | None = None) -> Any:
     from transformers import AutoTokenizer
 
-    loc = _locate(spec, converted_dir)
+    loc = _locate(spec, converted_dir, resolve)
     if loc.cache is not None and (loc.cache / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(loc.cache)
     kwargs = {"gguf_file": loc.gguf_file} if loc.gguf_file else {}
     return AutoTokenizer.from_pretrained(loc.path, **kwargs)
 
 
-def load_model(spec: str, dtype: Any = None, device: Any = "cpu", converted_dir: str | None = None) -> tuple[Any, Any]:
+def load_model(
+    spec: str,
+    dtype: Any = None,
+    device: Any = "cpu",
+    converted_dir: str | None = None,
+    *,
+    resolve: Resolve | None = None,
+) -> tuple[Any, Any]:
     """Returns ``(model, tokenizer)``; the model in eval mode on ``device`` in ``dtype``. ``converted_dir``: where
-    a .gguf's de-quantized copy is kept (default: what ``resolve_name`` says, else ~/.cache/inflightq/models)."""
+    a .gguf's de-quantized copy is kept (default: what the resolver says, else ~/.cache/inflightq/models);
+    ``resolve``: how model names map to files (default: ``installed_resolver()``)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    loc = _locate(spec, converted_dir)
+    loc = _locate(spec, converted_dir, resolve)
     dtype = dtype or torch.float32
-    tokenizer = load_tokenizer(spec, converted_dir)
+    tokenizer = load_tokenizer(spec, converted_dir, resolve=resolve)
     if loc.cache is not None and not (loc.cache / "config.json").exists():
         _convert_gguf(loc, tokenizer)
     source = str(loc.cache) if loc.cache is not None else loc.path
