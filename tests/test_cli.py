@@ -22,9 +22,9 @@ from tests.api.conftest import fake_heartbeat
 REPO = Path(__file__).resolve().parents[1]
 
 
-def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, env: dict[str, str], cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "inflightq_cli", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "inflightq_cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
     )
 
 
@@ -119,14 +119,7 @@ def test_purge_also_deletes_rqs_keys_on_rqs_own_redis(env: dict[str, str], redis
 
 def test_bench_runs_the_checkouts_benchmark_with_the_arguments_given(env: dict[str, str], tmp_path: Path) -> None:
     """From any directory: the arguments reach ``python -m bench.transport`` (its own --help answers)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "inflightq_cli", "bench", "transport", "--help"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = cli("bench", "transport", "--help", env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: inflightq bench transport") and "--cluster" in done.stdout, done.stdout
 
@@ -134,14 +127,7 @@ def test_bench_runs_the_checkouts_benchmark_with_the_arguments_given(env: dict[s
 def test_bench_without_a_checkout_says_so(env: dict[str, str], tmp_path: Path) -> None:
     """The package alone, as a wheel installs it (no bench/ beside it), answers with one line and exit 2."""
     shutil.copytree(REPO / "inflightq_cli", tmp_path / "inflightq_cli", ignore=shutil.ignore_patterns("__pycache__"))
-    done = subprocess.run(
-        [sys.executable, "-m", "inflightq_cli", "bench", "engine"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = cli("bench", "engine", env=env, cwd=tmp_path)
     assert done.returncode == 2
     one_line_error(done, "source checkout", str(tmp_path / "inflightq_cli"))
 
