@@ -30,9 +30,8 @@ class EngineConfig:
     cpu_kernels: bool = True  # False: never build or use the compiled CPU kernels (plain-torch attention, HF layers)
     kernel_cache_dir: str | None = None  # where the CPU kernel is built; None: ~/.cache/inflightq/kernels
     # Compiled forward (torch.compile over padded token-count buckets, all compiled at start). Off by
-    # default: on the 2-core CPU boxes a step is bound by streaming the weights, so compiling buys
-    # 1.04-1.25x for 2-9 minutes of warm-up at every start (bench/results/peers-2026-12-02.md).
-    # "auto": on for CPU bf16/fp32 models.
+    # default: a CPU step is bound by streaming the weights, so compiling gains little for minutes of
+    # warm-up at every start (see docs/benchmarks.md). "auto": on for CPU bf16/fp32 models.
     compile: bool | str = False
     compile_cache_dir: str | None = None  # inductor's caches; None: ~/.cache/inflightq/inductor
     # Token counts compiled for; a step runs the smallest bucket >= its tokens, bigger steps run eager.

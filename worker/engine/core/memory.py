@@ -97,9 +97,9 @@ def anonymous_memory(count: int, dtype: torch.dtype, *, huge_pages: bool = True)
     """``count`` zeros of ``dtype`` in private anonymous memory: committed page by page on first
     touch, and advised (``madvise``) to be backed by 2 MB pages, or explicitly not.
 
-    A decode step streams every weight once and, at 32 streams, the KV blocks of every sequence; in
-    4 KB pages that is a TLB miss and a stop of the hardware prefetcher (which does not cross a
-    page) every 64 cache lines. Boxes whose transparent huge pages are ``madvise`` (the default of
+    A decode step streams every weight once and, with many streams, the KV blocks of every sequence;
+    in 4 KB pages that is a TLB miss and a stop of the hardware prefetcher (which does not cross a
+    page) every 64 cache lines. Systems whose transparent huge pages are ``madvise`` (the default of
     most distributions) give 2 MB pages only to memory that asks. Private, not shared: a shared
     anonymous map is shmem, whose huge pages are a separate setting (off by default). Where the
     kernel has no huge pages the advice is a no-op and the memory is plain 4 KB pages."""
@@ -120,9 +120,9 @@ def anonymous_memory(count: int, dtype: torch.dtype, *, huge_pages: bool = True)
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros that cost memory only where written. On CPU an anonymous mmap hands out zero pages
     on first touch, so a KV cache sized for the worst case commits only what sequences fill
-    (torch.zeros would commit it all at once on a box shared with other processes). In 4 KB pages:
-    the KV cache in 2 MB ones (``anonymous_memory``) served a 32-request run no faster, and would
-    commit memory 2 MB at a time."""
+    (torch.zeros would commit it all at once on a host shared with other processes). In 4 KB pages:
+    2 MB ones (``anonymous_memory``) would commit memory 2 MB at a time and serve the KV cache no
+    faster (see docs/benchmarks.md)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)

@@ -2,17 +2,14 @@
 
 A step cannot take a request once its forward runs, so an urgent request that arrives while a
 loaded worker computes a long step (a prefill chunk beside a full decode batch, or a whole-budget
-prefill) waits for all of it before its own prefill even starts: on the 2-core AMX box such a step
-took 160-300 ms of an urgent request's time to first token, about its whole idle latency again
-(traces in bench/results/priority-2026-12-04-interrupt.md). Instead, the engine stops that step
-between two layers and runs the arrival first: the layers it computed are thrown away and computed
-again next time, unchanged, since nothing the step decided was kept (no token counted, sampled or
+prefill) waits for all of it before its own prefill even starts, which can add about its whole
+idle latency again to its time to first token (see docs/benchmarks.md). Instead, the engine stops
+that step between two layers and runs the arrival first: the layers it computed are thrown away and
+computed again next time, unchanged, since nothing the step decided was kept (no token counted, sampled or
 cached; the KV it wrote sits in slots only their own sequence reads, after it recomputes them).
 
 Only a step in its first half of layers stops: past it, finishing costs the arrival less than
-the step's work thrown away would cost everyone else. Each cost is then at most half a step. (Stopping
-at any layer threw away ~100-140 ms of forward per urgent arrival on the AMX box, 1.5-1.8% of the
-saturated worker's time at a 5% urgent share.)
+the step's work thrown away would cost everyone else. Each cost is then at most half a step.
 
 Whether an arrival is urgent enough is the scheduler's urgent-first rule (``Scheduler.pauses_any``,
 judged only when a request arrives); when a step may stop is ``StepInterrupt``'s; the layers call
@@ -28,7 +25,7 @@ from collections.abc import Callable
 # arrivals more urgent than running work come several times a second, each would otherwise throw
 # away up to half a step (on top of the step the scheduler's urgent-first rule pauses the less urgent
 # work for), and a steady share of priority-1 traffic beside priority-3 batch work could cost a
-# fifth of the throughput. At the 5% urgent share of `inflightq bench priority` it took 1-2%.
+# large part of the throughput.
 MAX_THROWN_AWAY_SHARE = 0.05
 
 

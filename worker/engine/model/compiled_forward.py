@@ -1,11 +1,11 @@
 """The model's decoder compiled with torch.compile (inductor), one graph per token-count bucket.
 
-A small batch's eager forward is partly per-op overhead: a 30-layer decoder runs a few hundred
-small ops per step. Inductor fuses the norms, rotary embedding and activations into a few C++
+A small batch's eager forward is partly per-op overhead: a decoder of a few dozen layers runs a
+few hundred small ops per step. Inductor fuses the norms, rotary embedding and activations into a few C++
 loops. The matmuls stay what the eager path runs, oneDNN on weights packed once
 (``fast_linear``), sibling projections (q/k/v, gate/up) as one wide matmul: each is one opaque
-op, ``torch.ops.inflightq.packed_linear`` (inductor's own bf16 matmuls on this CPU measured
-1.4x slower than the packed ones), and the siblings' identical calls are merged by the
+op, ``torch.ops.inflightq.packed_linear`` (inductor's own bf16 matmuls are slower than the
+packed ones), and the siblings' identical calls are merged by the
 compiler's common-subexpression pass. The paged attention is one opaque op too
 (``attention.custom_op``), so each bucket is one graph.
 
@@ -162,7 +162,7 @@ class CompiledForward:
             dynamic=None if dynamic else False,
             fullgraph=True,
             # Single-threaded fused loops: at decode sizes they are microseconds of work, and an OpenMP
-            # barrier per loop on a shared 2-core box cost 18x that (measured 184 vs 20 ms a forward).
+            # barrier per loop on shared cores costs many times that (see docs/benchmarks.md).
             # The matmuls and the attention kernel keep torch's threads.
             options={"post_grad_custom_pre_pass": _MergeSiblingMatmuls(), "cpp.threads": 1},
         )

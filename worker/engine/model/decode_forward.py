@@ -1,13 +1,12 @@
 """A decode step's forward without transformers' model code: embed, rotary, the fused layers, norm, head.
 
-At one stream a decode step of the default model is a 270 MB stream of weights (~9.5 ms on the
-2-core boxes) plus everything around it, and transformers' ``LlamaForCausalLM`` /
-``LlamaModel`` forwards add time of their own per step: output-capturing decorators, the causal
-mask (which the engine's attention never reads), kwargs through 30 ``nn.Module`` calls with their
-hook checks, output dataclasses. On the 2-core AMX Xeon: 0.65-0.9 ms of a 12 ms forward alone
-(interleaved), 0.35-0.41 ms of a whole step at 1-4 sequences (``bench.step_ab``'s ``no decode
-forward`` variant; bench/results/amx-box-2026-12-03.md). This calls the same modules' rerouted forwards in the same
-order on the same tensors (so the values are transformers' bit for bit), from one Python loop.
+At one stream a decode step of a small model is a stream of its weights plus everything around
+it, and transformers' ``LlamaForCausalLM`` / ``LlamaModel`` forwards add time of their own per
+step: output-capturing decorators, the causal mask (which the engine's attention never reads),
+kwargs through every layer's ``nn.Module`` calls with their hook checks, output dataclasses (see
+docs/benchmarks.md, ``bench.step_ab``'s ``no decode forward`` variant). This calls the same
+modules' rerouted forwards in the same order on the same tensors (so the values are
+transformers' bit for bit), from one Python loop.
 
 Taken only where it cannot differ: the model's, its body's and its rotary embedding's code is
 Llama's own (source compared, as ``fused_decoder_layer`` does for layers), every layer is a

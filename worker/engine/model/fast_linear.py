@@ -1,38 +1,28 @@
-"""Prepacked linear layers on CPU (oneDNN), for bf16 and fp32.
+"""Prepacked linear layers on CPU (oneDNN, MKL, or the engine's decode kernel), for bf16 and fp32.
 
 ``F.linear`` on CPU re-lays-out the weight for its kernel on every call; for the small row
-counts of a decode step that costs as much as the multiply itself. Packing each weight once
-into oneDNN's blocked format makes a 1..8-row bf16 matmul about 2x faster and a 32-row one
-15-40% faster, fp32 1.3-1.6x at 8-32 rows (measured on the 2-core AVX-512-BF16 box).
-Packed copies live beside the originals, so code that reads ``.weight`` still works.
+counts of a decode step that costs as much as the multiply itself, so each weight is packed once
+into oneDNN's blocked format. Packed copies live beside the originals, so code that reads
+``.weight`` still works.
 
-On a CPU without bf16 instructions (no AVX512_BF16 / AMX) oneDNN emulates a bf16 matmul and is
-2.5-4x slower than fp32 at decode row counts; there the packed copy of a bf16 weight is its
-exact fp32 upcast and the matmul runs in fp32 on the upcast input, rounding the output to bf16:
-the same products and fp32 accumulation a native bf16 matmul does, at fp32 speed, for twice
-the weight memory.
+On a CPU without bf16 instructions (no AVX512_BF16 / AMX) oneDNN emulates a bf16 matmul, slower
+than fp32; there the packed copy of a bf16 weight is its exact fp32 upcast and the matmul runs in
+fp32 on the upcast input, rounding the output to bf16: the same products and fp32 accumulation a
+native bf16 matmul does, at fp32 speed, for twice the weight memory.
 
 With ``decode_rows`` (the engine sets it from ``decode_rows_for`` where the CPU kernels are
 built), a bf16 weight also gets the layout of ``decode_linear.cpp``, and calls of 1 to
 ``decode_rows`` rows -- the decode steps of a few streams -- go through that kernel, which
-streams the bf16 weight; larger calls stay on oneDNN. Where the CPU has AVX512-BF16 it is 1.4-1.6x
-faster than oneDNN's native bf16 matmul at 1-4 rows. Where it has AVX-512 but no bf16 unit it
-reads half the bytes of the fp32 upcast and is 2.3x faster at 1-4 rows, 1.9x at 8 and 1.35x at
-16 (a whole model's linears, the 2-core Ice Lake). The cost is one more copy of the weights, so
-the engine takes it only while that copy is a small share of the free memory
-(``decode_copy_fits``): a 135M model's 0.3 GB, not a 7B model's 14 GB.
+streams the bf16 weight (with AVX-512 but no bf16 unit it reads half the bytes of the fp32
+upcast); larger calls stay on oneDNN. The cost is one more copy of the weights, so the engine
+takes it only while that copy is a small share of the free memory (``decode_copy_fits``).
 
 An fp32 weight on an Intel CPU is packed for MKL's sgemm (``cblas_sgemm_pack``, through torch's
-``mkl::_mkl_linear``) instead of oneDNN: on the 2-core AMX Xeon, over the default model's layers'
-linears (fused q/k/v and gate/up, o, down) interleaved in one process, MKL's packed sgemm was
-1.2x faster at 32 rows, 1.16x at 64, 1.1x at 128 and level at 256-512 rows (prefill chunks); over
-every linear with the head, 1.23x at 1 row, 1.13x at 32 (bench/results/linear-rows-2026-12-04-*).
-A vocabulary-wide weight (the head, 49,152 outputs) is the exception: level up to 32 rows, then
-1.4-1.5x slower (15.4 vs 11.0 ms at 40 rows, 72.8 vs 47.8 at 256), so one wider than
-``MKL_MAX_OUT_FEATURES`` stays on oneDNN. One packing serves every row count. MKL asks for
-2-3x a weight's bytes (9 MB at least) but writes, so commits, about the weight's size: the
-default model's packed layers added 569 MB to the resident set either way. On other vendors'
-CPUs MKL is not known to pick its tuned kernels, so oneDNN stays there.
+``mkl::_mkl_linear``) instead of oneDNN, which it beats at decode and prefill-chunk row counts;
+a vocabulary-wide weight (wider than ``MKL_MAX_OUT_FEATURES``) stays on oneDNN, which is faster
+for it past a few dozen rows. One packing serves every row count. MKL asks for a few times a
+weight's bytes but writes, so commits, about the weight's size. On other vendors' CPUs MKL is not
+known to pick its tuned kernels, so oneDNN stays there. Figures: see docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -47,17 +37,17 @@ from worker.engine.model.hardware import cpu_has_avx512, cpu_has_fast_bf16, cpu_
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)  # float64 stays on plain F.linear (exactness tests)
 KERNEL_MAX_ROWS = 16  # the most rows the decode_linear op takes
-# Rows up to which decode_linear beats oneDNN (measured, a whole model's linears in one process):
-# against native bf16 (AVX512-BF16) oneDNN's blocking wins past 4; against the fp32 upcast
-# (AVX-512 without bf16) the kernel reads half the bytes and still wins at 16.
+# Rows up to which decode_linear beats oneDNN over a whole model's linears: against native bf16
+# (AVX512-BF16) oneDNN's blocking wins past 4; against the fp32 upcast (AVX-512 without bf16) the
+# kernel reads half the bytes and still wins at 16.
 DECODE_ROWS_NATIVE_BF16 = 4
 DECODE_ROWS_UPCAST = 16
 DECODE_CHUNK = 32  # decode_linear reads in_features in chunks of this many values
 DECODE_COPY_MAX_SHARE = 0.1  # of the free memory the decode layouts may take
-# Rows MKL packs an fp32 weight for: a packing serves any row count, and this one was the fastest
-# of 16, 32 and 64 at 1 to 128 rows (within noise of each other past that).
+# Rows MKL packs an fp32 weight for: a packing serves any row count; 32 is the fastest of 16, 32
+# and 64 at decode and prefill-chunk row counts (see docs/benchmarks.md).
 MKL_PACK_ROWS = 32
-MKL_MAX_OUT_FEATURES = 16_384  # wider (a vocabulary head) stays on oneDNN, measured faster past 32 rows
+MKL_MAX_OUT_FEATURES = 16_384  # wider (a vocabulary head) stays on oneDNN, faster for it past a few dozen rows
 
 LinearForward = Callable[[torch.Tensor], torch.Tensor]
 
@@ -199,8 +189,8 @@ def gather_decode_layouts(model: nn.Module) -> int:
     """Moves every decode layout of ``model`` into one buffer, in the forward's order; returns its bytes.
 
     A decode step of a few rows is a stream of these weights. Allocated one by one they lie apart,
-    and each call's stream starts cold; back to back in the order the step reads them, a model's
-    linears at one row ran 1.05-1.09x faster (bench/results/decode-linear-prefetch-2026-12-03-*).
+    and each call's stream starts cold; back to back in the order the step reads them, the stream
+    runs on from one linear into the next (see docs/benchmarks.md).
     The buffer asks for 2 MB pages (``anonymous_memory``): in 4 KB ones the hardware prefetcher
     stops at every page, every 64 cache lines of the stream.
     Same values, so the same results. While copying, the buffer and the layouts not yet moved both

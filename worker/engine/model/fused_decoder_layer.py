@@ -19,8 +19,8 @@ float64 models, a call without the engine's attention metadata) keeps transforme
 
 A decode-only step whose four projections all go through ``decode_linear`` (bf16, a few rows) on
 the CPU kernel attention backend runs the whole layer as one op instead (``decode_layer.cpp``):
-the same ops in the same order, called from C++, which saves their ~4-5 us each of calls from
-Python (bit for bit the same values). ``decode_forward`` goes one further: all the layers as one op
+the same ops in the same order, called from C++, which saves each one's call from Python (bit for
+bit the same values). ``decode_forward`` goes one further: all the layers as one op
 (``DecodeLayers``, ``decode_layers`` in ``decode_layer.cpp``).
 """
 
@@ -43,7 +43,7 @@ FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def fused_layer_ops_available() -> bool:
-    """Whether the CPU kernels' library (built by ``attention.cpu_kernel``) is loaded with the ops."""
+    """Whether the CPU kernels' library (built by ``kernels.cpu_kernel``) is loaded with the ops."""
     ops = getattr(torch.ops, "inflightq", None)
     names = ("rotary_split", "add_rms_norm", "silu_mul", "decode_layer", "decode_layers")
     return ops is not None and all(hasattr(ops, name) for name in names)

@@ -2,9 +2,9 @@
 
 The module computes the norm as eight tensor ops (to fp32, pow, mean, add, rsqrt, mul, back to
 the model's dtype, times the weight). At decode row counts each costs its dispatch, not its
-arithmetic, and a forward runs the norm twice per layer: the fused op is 3-5x faster per call
-(bf16 bit-identical to the module; fp32 within an ulp, the reduction order differs) and takes
-~1.5 ms off a 14 ms single-stream step of the default model.
+arithmetic, and a forward runs the norm twice per layer: the fused op pays one dispatch (bf16
+bit-identical to the module; fp32 within an ulp, the reduction order differs; figures: see
+docs/benchmarks.md).
 
 Only modules whose ``forward`` is the Llama norm's own code are rerouted (transformers copies it
 verbatim into Qwen2, Mistral and others); a norm with another formula (Gemma's ``1 + weight``)
@@ -38,7 +38,7 @@ def _is_llama_norm(cls: type) -> bool:
 
 
 def fused_rms_norm_available() -> bool:
-    """Whether the CPU kernels' library (built by ``attention.cpu_kernel``) is loaded with the op."""
+    """Whether the CPU kernels' library (built by ``kernels.cpu_kernel``) is loaded with the op."""
     return hasattr(torch.ops, "inflightq") and hasattr(torch.ops.inflightq, "rms_norm")
 
 

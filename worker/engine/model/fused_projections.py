@@ -2,8 +2,8 @@
 
 A decoder layer of a Llama-style model calls ``q_proj(x)``, ``k_proj(x)`` and ``v_proj(x)`` on
 the same tensor, then ``gate_proj(h)`` and ``up_proj(h)``: five small matmuls where two wider
-ones do the same work. On CPU at decode-sized row counts the two wide ones are 10-20% faster
-(fp32, 8..32 rows, oneDNN), and on GPU they are fewer kernel launches. This is what vLLM's
+ones do the same work. On CPU at decode-sized row counts the two wide ones are faster (oneDNN;
+see docs/benchmarks.md), and on GPU they are fewer kernel launches. This is what vLLM's
 ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` do, but without touching the model's
 code: each sibling's ``forward`` is rerouted to a shared group that runs the wide matmul the
 first time it sees an input and hands each sibling its column slice. A sibling called with an

@@ -67,9 +67,9 @@ def resolve_dtype(
     That is where the CPU has bf16 units (AVX512-BF16, AMX), and where it has AVX-512 without them
     but the engine's CPU kernels are built (``cpu_kernels``, the build cached under
     ``kernel_cache_dir``): there decode steps read the bf16 weights through ``decode_linear`` and
-    larger matmuls run in fp32 on an upcast copy, 1.35-1.97x fp32 at 1-8 streams and level at 32
-    (``bench.dtype_ab`` on the 2-core Ice Lake). Elsewhere bf16 matmuls are emulated or upcast
-    and slower than fp32."""
+    larger matmuls run in fp32 on an upcast copy, faster than fp32 at a few streams and level with it
+    at many (``bench.dtype_ab``; see docs/benchmarks.md). Elsewhere bf16 matmuls are emulated or
+    upcast and slower than fp32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":

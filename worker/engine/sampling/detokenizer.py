@@ -1,6 +1,6 @@
 """Token ids in, text deltas out, one token at a time, with stop strings matched on the text.
 
-Decoding uses the tokenizers library's ``DecodeStream`` (Rust, under a microsecond a token),
+Decoding uses the tokenizers library's ``DecodeStream`` (Rust),
 which holds back tokens that end inside a UTF-8 character. Tokenizers without a Rust backend
 fall back to the prefix-offset technique: decode a short window, emit what grew.
 

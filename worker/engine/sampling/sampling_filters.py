@@ -2,7 +2,7 @@
 ones left, renormalised.
 
 Two ways to apply them, with the same result:
-- on the whole vocabulary (sorts of [rows, vocab]: about 2 ms a row on a CPU), and
+- on the whole vocabulary (sorts of [rows, vocab], costly on a CPU), and
 - on a row's top-K candidates only, when the row's first active filter provably drops every
   token outside them (top_k <= K; top_p reached within the candidates; min_p's threshold above
   the K-th probability; typical_p's cut before any outside token's distance to the entropy).

@@ -1,9 +1,9 @@
 """Structured output: a request's constraint (JSON schema, any JSON object, regex, Lark grammar)
 becomes an llguidance matcher that says, before each draw, which tokens keep the output valid.
 
-Per model, one llguidance view of the tokenizer (built once, ~1 s). Per constraint, one compiled
-matcher kept as a template and cloned for each request that uses it (a clone costs microseconds,
-a compile milliseconds). Per constrained sequence, one matcher, kept in step with the sequence's
+Per model, one llguidance view of the tokenizer (built once). Per constraint, one compiled
+matcher kept as a template and cloned for each request that uses it (a clone is far cheaper than
+a compile). Per constrained sequence, one matcher, kept in step with the sequence's
 output tokens: it consumes each sampled token, and a request resumed after a crash replays the
 tokens it already has into a fresh one. The batch's masks are filled by llguidance's executor,
 which drops the GIL, on a helper thread while the model's forward runs."""

@@ -2,10 +2,9 @@
 paged-decode kernel (``paged_decode.cpp``), which reads each cached K/V row in place instead
 of gathering every decode's context into a padded copy first.
 
-At 32 sequences of ~200 tokens the gather and its two batched matmuls move three to four times
-the bytes of the cache they read; on a memory-bound CPU the kernel's one pass is 2x faster per
-layer (measured 1.6 ms vs 3.9 ms, fp32, SmolLM2-135M's 3 kv heads). Prefill chunks still use
-SDPA through the plain-torch path.
+The gather and its two batched matmuls move several times the bytes of the cache they read; on a
+memory-bound CPU the kernel's one pass is faster per layer (see docs/benchmarks.md). Prefill
+chunks still use SDPA through the plain-torch path.
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ The kernel is compiled with ``torch.utils.cpp_extension`` for this machine's CPU
 (``-march=native``) into ``~/.cache/inflightq/kernels/<key>``, where the key hashes the source,
 torch's version, the flags and the CPU's model and feature flags: a cache carried to another
 CPU (a container image, a shared home) is rebuilt, never run with instructions the CPU lacks.
-A build takes about half a minute once; later processes load the shared library in
-milliseconds. Without a C++ compiler or ninja the build fails, and the engine keeps the
-plain-torch attention: slower, same results (the worker package puts the ``ninja`` wheel on
-PATH). ``EngineConfig.cpu_kernels`` / ``kernel_cache_dir`` (the worker's INFLIGHTQ_CPU_KERNELS /
-INFLIGHTQ_KERNEL_CACHE) turn it off / move the cache.
+A build runs once per machine and key; later processes load the shared library. Without a C++
+compiler or ninja the build fails, and the engine keeps the plain-torch attention: slower, same
+results (the worker package puts the ``ninja`` wheel on PATH). ``EngineConfig.cpu_kernels`` /
+``kernel_cache_dir`` (the worker's INFLIGHTQ_CPU_KERNELS / INFLIGHTQ_KERNEL_CACHE) turn it off /
+move the cache.
 """
 
 from __future__ import annotations

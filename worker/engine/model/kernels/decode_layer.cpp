@@ -2,16 +2,15 @@
 // forward, called from C++.
 //
 // At one to a few streams every op of the fused layer does microseconds of arithmetic, and each
-// call from Python costs another ~4-5 us of interpreter, argument parsing and dispatch (measured:
-// rms_norm on one 576-wide row, 4.5 us a call from Python). Eleven calls per layer and a few
-// Python frames around them (the packed linear, the attention backend) make ~2 ms of a 21 ms
-// batch-1 step on the 2-core Ice Lake. Here the same ops run in the same order on the same
-// tensors through the dispatcher's typed handles (~0.1-0.3 us a call), so the results are the
-// Python path's bit for bit; only the calls around them go.
+// call from Python costs as much again in interpreter, argument parsing and dispatch: eleven calls
+// per layer and a few Python frames around them (the packed linear, the attention backend) are a
+// visible share of a small batch's step. Here the same ops run in the same order on the same
+// tensors through the dispatcher's typed handles, a fraction of that cost a call, so the results
+// are the Python path's bit for bit; only the calls around them go.
 //
 // Taken only by decode-only steps whose projections all run through decode_linear (bf16 weights
 // laid out for it, few rows) on the CPU kernel attention backend; anything else keeps the Python
-// forward. Built with the other CPU kernels by worker/engine/model/kernels/cpu_kernel.py; registered
+// forward. Built with the other CPU kernels by cpu_kernel.py; registered
 // as torch.ops.inflightq.decode_layer.
 
 #include <ATen/ATen.h>
@@ -89,10 +88,9 @@ at::Tensor decode_layer(const at::Tensor& hidden, const at::Tensor& in_weight, d
 // Every layer of a decode step, one after another, each as decode_layer: the per-layer lists hold
 // each layer's weights (PackedLinear's laid-out weight and fp32 bias or none) and KV caches; the
 // sizes and constants are every layer's (the caller checks that they agree). Called once per step
-// instead of once per layer from Python, which parsed decode_layer's 29 arguments and ran its
-// checks 30 times: a batch-1 step 1.02x and a batch-4 step 1.03x faster on the 2-core AVX512-BF16
-// EPYC (bench.step_ab's "each layer from Python"; bench/results/epyc-box-2026-12-03.md). The same
-// function on the same tensors: the same values.
+// instead of once per layer from Python, which would parse decode_layer's 29 arguments and run its
+// checks once per layer (bench.step_ab's "each layer from Python"; see docs/benchmarks.md). The
+// same function on the same tensors: the same values.
 at::Tensor decode_layers(const at::Tensor& hidden, at::TensorList in_weight, double in_eps, at::TensorList qkv,
                          const c10::List<std::optional<at::Tensor>>& qkv_bias, int64_t qkv_out, const at::Tensor& cos,
                          const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,

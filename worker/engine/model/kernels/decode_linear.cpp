@@ -1,16 +1,13 @@
 // A bf16 linear layer for the 1-4 rows of a small decode step, read at the memory's rate.
 //
 // At one to four streams a decode step multiplies each weight by a handful of rows: the matmuls
-// are a read of every weight (270 MB per step for SmolLM2-135M in bf16), so their speed is the
-// rate at which the weights stream in. oneDNN's packed matmul reaches 18-34 GB/s on the 2-core
-// AVX512-BF16 EPYC for the model's shapes, which have few output rows (192-3,072 besides the
-// head) and a fixed cost per call; the box streams 55 GB/s. This kernel reads a weight laid out
-// for it once, at load, in blocks of BLOCK_ROWS output rows whose 32-value chunks of the input
-// dimension alternate ([N / 4][K / 32][4][32]), so each thread walks one contiguous stream and
-// prefetches a few cache lines ahead; AVX512-BF16's dot-product instruction multiplies 32 bf16
-// pairs per instruction into fp32 sums. Measured on that box over a whole model's linears,
-// interleaved with oneDNN in one process: 1.58x at 1 and 2 rows, 1.37x at 4 (7.2 vs 11.5 ms
-// per batch-1 step).
+// are a read of every weight, so their speed is the rate at which the weights stream in. For a
+// small model's shapes, which have few output rows and a fixed cost per call, oneDNN's packed
+// matmul stays well below the memory's rate. This kernel reads a weight laid out for it once, at
+// load, in blocks of BLOCK_ROWS output rows whose 32-value chunks of the input dimension alternate
+// ([N / 4][K / 32][4][32]), so each thread walks one contiguous stream and prefetches a few cache
+// lines ahead; AVX512-BF16's dot-product instruction multiplies 32 bf16 pairs per instruction into
+// fp32 sums. Figures against oneDNN: see docs/benchmarks.md.
 //
 // Results: products of bf16 values are exact in fp32 and summed in fp32, bias added in fp32,
 // rounded once to bf16 -- what a native bf16 matmul (oneDNN's included) does, in another order.
@@ -21,10 +18,9 @@
 // values: the lane shifted left by 16 is the even one as an fp32, the lane with its low half
 // cleared the odd one, so two integer ops widen 16 pairs with no shuffle, and plain
 // fp32 FMAs sum them (a product of two bf16 values is exact in fp32, so the fused multiply-add
-// rounds only the sum, as dpbf16 does). Measured on a 2-core AVX-512 Ice Lake without BF16:
-// see bench/results/step-ab-2026-12-02-icelake-*.
+// rounds only the sum, as dpbf16 does).
 //
-// Built with the attention kernel by worker/engine/model/kernels/cpu_kernel.py; registered as
+// Built with the other CPU kernels by cpu_kernel.py; registered as
 // torch.ops.inflightq.decode_linear. Without AVX-512 (where the engine does not route to it) a plain
 // loop gives the same results, so the op exists and is tested on every CPU.
 
@@ -58,8 +54,8 @@ using inflightq_rounding::bf16_bits16;
 using inflightq_rounding::widen_bf16_bits;
 
 #if defined(__AVX512F__)
-// sum4 sums a block's four rows at once: at 2-4 input rows four _mm512_reduce_add_ps per block were
-// about a third of the kernel's instructions by count (K = 576: 18 chunks per block).
+// sum4 sums a block's four rows at once: at 2-4 input rows four _mm512_reduce_add_ps per block
+// would be a large share of the kernel's instructions.
 static_assert(BLOCK_ROWS == 4, "sum4 and the 8-byte store take a block's rows four at a time");
 using inflightq_simd::sum4;
 #endif
@@ -76,10 +72,9 @@ void write_block(const uint16_t* block, const uint16_t* x, const float* bias, ui
   for (int64_t c = 0; c < k; c += CHUNK) {
     const uint16_t* chunk = block + c * BLOCK_ROWS;
 #if defined(__AVX512BF16__)
-    // The block's next 2 KB, into L2 (the hardware prefetcher alone leaves the stream at ~30 GB/s).
-    // Into L2, not L1: each line is read once, and an L1 fill per line competed with the loads it
-    // serves (a model's linears at one row, interleaved: 1.14x faster than _MM_HINT_T0, 1.03x
-    // faster than no software prefetch; bench/results/decode-linear-prefetch-*).
+    // The block's next 2 KB, into L2 (the hardware prefetcher alone leaves the stream short of the
+    // memory's rate). Into L2, not L1: each line is read once, and an L1 fill per line competes
+    // with the loads it serves (see docs/benchmarks.md).
     for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(chunk + 1024 + 32 * line), _MM_HINT_T1);
     __m512bh xs[M];
     for (int m = 0; m < M; ++m) xs[m] = (__m512bh)_mm512_loadu_si512(x + m * k + c);

@@ -4,13 +4,13 @@
 //   rotary_split: the fused q/k/v projection's output split into q, k and v ([T, heads, D],
 //     contiguous), q and k rotated: x * cos + rotate_half(x) * sin, each product and the sum
 //     rounded to the model's dtype as apply_rotary_pos_emb's three tensor ops round them.
-//     transformers spends ~16 tensor ops on this per layer (views, slices, negations, cats).
+//     transformers spends a dozen or more tensor ops on this per layer (views, slices, negations, cats).
 //   silu_mul: the fused gate/up projection's output -> silu(gate) * up, silu rounded before the
 //     product (the MLP's act_fn, then the multiply); four ops in the module. SiLU's exp is the
 //     one torch's own vectorized SiLU calls (SLEEF's, on the same vector width).
 //
-// At decode row counts each of those ops costs its dispatch (~3-5 us), not its arithmetic.
-// Built with the attention kernel by worker/engine/model/kernels/cpu_kernel.py; registered as
+// At decode row counts each of those ops costs its dispatch, not its arithmetic.
+// Built with the other CPU kernels by cpu_kernel.py; registered as
 // torch.ops.inflightq.rotary_split / silu_mul; used by worker/engine/model/fused_decoder_layer.py.
 
 #include <ATen/ATen.h>
@@ -135,11 +135,10 @@ void silu_mul_columns(const scalar_t* gate, const scalar_t* up, scalar_t* y, int
 }
 
 #if defined(__AVX512F__)
-// The bf16 columns' loop with the widening and both roundings in vector registers: the scalar loop
-// above left them to the compiler, which kept bf16_bits' NaN branch per value scalar, and the op ran
-// at half the speed of torch's own silu then multiply on a 512-token prefill (646 vs 310 us,
-// [512, 1536], 2 threads). The same operations in the same order, so the same values (the vector
-// widening and roundings are rounding.h's, beside their scalar forms).
+// The bf16 columns' loop with the widening and both roundings in vector registers: left to the
+// compiler, the scalar loop above keeps bf16_bits' NaN branch per value scalar and runs slower than
+// torch's own silu then multiply on a prefill. The same operations in the same order, so the same
+// values (the vector widening and roundings are rounding.h's, beside their scalar forms).
 template <>
 void silu_mul_columns<c10::BFloat16>(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* y, int64_t c0,
                                      int64_t c1, int64_t inter) {

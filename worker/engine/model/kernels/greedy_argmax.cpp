@@ -1,14 +1,14 @@
 // The greedy pick of a step: each row's argmax over the vocabulary, as torch.argmax picks it (the first
 // index of the largest value; a NaN counts as the largest, so the first NaN wins).
 //
-// torch.argmax on CPU walks a row one value at a time: ~2 ns a value, 104 us for one row of the default
-// model's 49,152 logits and 1.4 ms for 32 rows on the 2-core boxes, after a bf16 -> fp32 copy of the
-// logits that the sampler made because bf16 argmax is slower still. That is 4-6% of a 32-row decode
-// step. Here each row is read once in 16-value vectors (bf16 widened in registers), each lane keeping
+// torch.argmax on CPU walks a row one value at a time, after a bf16 -> fp32 copy of the logits that
+// the sampler makes because bf16 argmax is slower still: over a vocabulary of tens of thousands,
+// a visible share of a many-row decode step (see docs/benchmarks.md). Here each row is read once
+// in 16-value vectors (bf16 widened in registers), each lane keeping
 // its largest value and that value's first index, then the lanes are merged (the largest value, the
 // smallest index among lanes that hold it). Comparisons only, so the pick is torch's exactly.
 //
-// Built with the other CPU kernels by worker/engine/model/kernels/cpu_kernel.py; registered as
+// Built with the other CPU kernels by cpu_kernel.py; registered as
 // torch.ops.inflightq.greedy_argmax; used by worker/engine/sampling/sampler.py for all-greedy steps.
 
 #include <ATen/ATen.h>

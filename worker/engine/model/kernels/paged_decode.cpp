@@ -1,15 +1,15 @@
 // Paged attention for decode steps on CPU: one query token per sequence, K/V read in place.
 //
 // The plain-torch path gathers every decode's context out of the paged cache (index_select)
-// and then runs two batched matmuls over the copy: on a 2-core box at 32 sequences of ~200
-// tokens that is ~40% of a decode step, mostly memory traffic for the copy. This kernel walks
+// and then runs two batched matmuls over the copy: at many sequences that is a large share of a
+// decode step, mostly memory traffic for the copy. This kernel walks
 // each sequence's block table and reads each cached K row once for all the query heads that
 // share its kv head (grouped-query attention), and its V rows once (the AVX-512 path for up to four
 // query heads of a group at a time), with scores and the softmax in the accumulation type (fp32
 // for fp32/bf16/fp16, fp64 for fp64) as the torch path does. A context's blocks are asked for one
 // block ahead of use, since they lie scattered over the cache.
 //
-// Built on first use by worker/engine/model/kernels/cpu_kernel.py (torch.utils.cpp_extension) and
+// Built on first use by cpu_kernel.py (torch.utils.cpp_extension) and
 // registered as torch.ops.inflightq.paged_decode, beside torch.ops.inflightq.cache_write.
 
 #include <ATen/ATen.h>
@@ -73,9 +73,9 @@ template <typename acc_t, typename scalar_t>
 constexpr bool kSimd =
     std::is_same_v<acc_t, float> && (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>);
 
-// q . k over one head. A plain loop under `omp simd reduction` was compiled (gcc 12) into vector
-// multiplies followed by a chain of dependent scalar adds per token and head, which made the
-// scores a third of the kernel; here the lanes are summed by a shuffle tree once per dot.
+// q . k over one head. A plain loop under `omp simd reduction` compiles into vector multiplies
+// followed by a chain of dependent scalar adds per token and head; here the lanes are summed by a
+// shuffle tree once per dot.
 template <typename acc_t, typename scalar_t>
 inline acc_t dot(const acc_t* q, const scalar_t* k, int64_t n) {
   int64_t d = 0;
@@ -93,9 +93,8 @@ inline acc_t dot(const acc_t* q, const scalar_t* k, int64_t n) {
 
 // Asks for a block's first n rows of one kv head (K or V) in L1 ahead of use. Once a worker has
 // freed and reused blocks for a while, a context's blocks lie scattered over the cache, and the
-// hardware prefetcher loses the stream at every block's edge (2 KB of a 64-wide bf16 head): with
-// blocks in random order the loops stalled on those loads, and 30 layers' K/V were read at
-// ~6 GB/s on the 2-core EPYC (~9-12 ns per token and query head with this, ~13 without).
+// hardware prefetcher loses the stream at every block's edge (2 KB of a 64-wide bf16 head), and
+// without this the loops stall on those loads.
 template <typename scalar_t>
 inline void prefetch_rows(const scalar_t* rows, int64_t n, int64_t head_dim) {
   const char* bytes = reinterpret_cast<const char*>(rows);
@@ -116,7 +115,7 @@ inline void prefetch_next_block(const scalar_t* head, const int64_t* table, int6
 // The scaled scores q . k of every query head of a group against every cached K row of one kv head
 // (q: [group][NV * 16] fp32, scores: [group][len]). Four rows at a time, widened once for the whole
 // group, and the four dot products of a head summed by one tree (sum4) instead of four
-// reductions: with one reduction per dot, the scores took ~60 cycles per token and query head.
+// reductions, one per dot.
 template <int NV, typename scalar_t>
 void simd_scores(const float* q, int64_t group, const scalar_t* k_head, const int64_t* table, int64_t block_size,
                  int64_t len, float scale, float* scores) {
@@ -245,7 +244,7 @@ bool simd_weighted_sums(const acc_t* p, int64_t group, const scalar_t* v_head, c
 
 // Softmax's numerator in place, s[t] = exp(s[t] - max(s)); returns the sum. exp is SLEEF's vector
 // exp (1 ulp), the one torch's own softmax calls, from libtorch_cpu: a scalar libm exp per score
-// was a third of the kernel's time at 200-token contexts.
+// would be a large share of the kernel's time.
 #if defined(__AVX512F__)
 extern "C" __m512 Sleef_expf16_u10(__m512);
 inline float simd_exp_in_place(float* s, int64_t n) {
@@ -434,8 +433,8 @@ void paged_decode(
 }
 
 // Writes a step's K/V ([1, Hkv, T, D], any strides with unit stride along D) into the caches'
-// slots ([Hkv, slots, D]). index_copy_ does the same but costs ~25 us per call for a few dozen
-// rows (two calls per layer per step: ~1.5 ms of a 32-sequence step on the 2-core box).
+// slots ([Hkv, slots, D]). index_copy_ does the same but its fixed cost per call, two calls per
+// layer per step, adds up to a visible share of a many-sequence step.
 template <typename scalar_t>
 void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) {
   const int64_t heads = src.size(1), tokens = src.size(2), dim = src.size(3);

@@ -1,12 +1,12 @@
 // RMSNorm of a Llama-style decoder in one pass per row, with the rounding steps of the model's own
 // module (transformers' LlamaRMSNorm): the row in fp32, y = x * rsqrt(mean(x^2) + eps) rounded to
 // the model's dtype, then weight * y rounded again. The module runs that as eight tensor ops; at
-// decode row counts each op costs its dispatch (~3 us), not its arithmetic, and a forward calls
-// the norm 2 * layers + 1 times (61 for SmolLM2-135M): ~1.5 ms of a 14 ms single-stream step.
+// decode row counts each op costs its dispatch, not its arithmetic, and a forward calls the norm
+// 2 * layers + 1 times.
 // The mean of squares is summed in double: torch sums it in fp32 in its own (pairwise, vectorized)
 // order, which a plain fp32 loop here would miss by an ulp more often than the correctly rounded sum.
 //
-// Built with the attention kernel by worker/engine/model/kernels/cpu_kernel.py; registered as
+// Built with the other CPU kernels by cpu_kernel.py; registered as
 // torch.ops.inflightq.rms_norm.
 
 #include <ATen/ATen.h>

@@ -2,8 +2,8 @@
 //
 // c10's BFloat16 conversions are scalar (a NaN branch per value); these are the same rounding
 // (to nearest even, NaN kept quiet) written so the compiler vectorizes the loops that use them.
-// Included by rms_norm.cpp, decoder_layer_ops.cpp and decode_linear.cpp (built together by
-// attention/cpu_kernel.py, whose build key hashes this header too).
+// Included by the kernels beside it (built together by cpu_kernel.py, whose build key hashes this
+// header too).
 #pragma once
 
 #include <c10/util/BFloat16.h>

@@ -3,9 +3,8 @@
 //
 // The torch path (sampler.py, sampling_filters.py) runs a dozen ops over [rows, vocab]: an fp32 copy of
 // bf16 logits, the division by the temperature, softmax, cumsum, searchsorted, and for top_p a topk or
-// a full sort. On the 2-core boxes that was ~0.4 ms for one row at temperature 1.0 and ~12 ms for 32
-// (a 32-row decode step is ~44 ms), and top_p 0.95 ~1.8 ms a row. Here each row is read a few times in
-// place, in parallel over rows, and nothing over the vocabulary is sorted:
+// a full sort: a visible share of a many-row decode step (see docs/benchmarks.md). Here each row is read
+// a few times in place, in parallel over rows, and nothing over the vocabulary is sorted:
 //
 //   1. y = x / temperature (fp32, torch's rounding), and its max M.
 //   2. top_k: the k-th largest y by a 4096-bucket histogram of y's order-preserving bits, then a
@@ -21,7 +20,7 @@
 //      positive weight.
 //
 // typical_p needs the entropy of what top_k..min_p leave and a sort by distance to it; rows with it
-// take the torch path. Built with the other CPU kernels by worker/engine/model/kernels/cpu_kernel.py;
+// take the torch path. Built with the other CPU kernels by cpu_kernel.py;
 // registered as torch.ops.inflightq.sample_rows; used by worker/engine/sampling/sampler.py.
 
 #include <ATen/ATen.h>
@@ -80,7 +79,7 @@ inline void exp_shifted(float* v, int64_t n, float shift) {
 #if defined(__AVX512F__)
 // The lanes of x in `keep`, packed, at out (all 16 lanes are written: buffers have SLACK floats of
 // room past their n). Compressing into a register and storing the whole vector, not
-// _mm512_mask_compressstoreu_ps: that store to memory is microcoded on AMD Zen 4, ~10x slower.
+// _mm512_mask_compressstoreu_ps: that store to memory is microcoded on AMD Zen 4, many times slower.
 inline void store_compressed(float* out, __mmask16 keep, __m512 x) {
   _mm512_storeu_ps(out, _mm512_maskz_compress_ps(keep, x));
 }

@@ -1,9 +1,9 @@
 // Horizontal sums of several SIMD accumulators at once, for the CPU kernels.
 //
-// A kernel that ends each dot product with _mm512_reduce_add_ps pays ~8 dependent instructions per
-// sum; summing four accumulators in one tree of adds costs ~13 instructions for all four. Included
-// by decode_linear.cpp and attention/paged_decode.cpp (built together by attention/cpu_kernel.py,
-// whose build key hashes this header too).
+// A kernel that ends each dot product with _mm512_reduce_add_ps pays a chain of dependent
+// instructions per sum; one tree of adds sums four accumulators for not much more than one.
+// Included by decode_linear.cpp and paged_decode.cpp (built together by cpu_kernel.py, whose build
+// key hashes this header too).
 #pragma once
 
 #if defined(__AVX512F__)
