@@ -5,7 +5,8 @@ everything just before) must print its ready line; then every other fenced ``bas
 runs in README order, with ``localhost:8000`` pointed at this stack's port. A generation example must
 exit 0 and answer sensibly: every one asks for the capital of France (or continues "The capital of
 France is"), so its output must name Paris. Blocks that need the stack stopped (``inflightq purge``)
-run after Ctrl-C, last. A new example with no rule here fails this test until it gets one.
+run after Ctrl-C, last. A new example with no rule here fails this test until it gets one. Each
+block runs exactly as printed: nothing is defined for it beforehand.
 """
 
 from __future__ import annotations
@@ -34,14 +35,6 @@ EXPECTED = {
     "inflightq status": "1 live worker(s)",
     "inflightq purge": "deleted",
 }
-# Names the README's Python snippets use without defining (they stand for the reader's own data).
-PYTHON_PREAMBLE = """
-from shared.model_source import load_tokenizer
-_tok = load_tokenizer("smollm2-135m-instruct")
-prompt_token_ids = list(_tok.apply_chat_template(
-    [{"role": "user", "content": "Name the capital of France."}], add_generation_prompt=True, tokenize=True,
-    return_dict=False))
-"""
 
 
 def readme_blocks() -> list[tuple[str, str]]:
@@ -107,7 +100,7 @@ def run_block(lang: str, code: str, env: dict[str, str], port: int) -> subproces
     if lang == "bash":
         args = ["bash", "-euo", "pipefail", "-c", code]
     elif lang == "python":
-        args = [sys.executable, "-c", PYTHON_PREAMBLE + code]
+        args = [sys.executable, "-c", code]  # as printed: nothing defined for it beforehand
     else:
         raise AssertionError(f"a README block in {lang!r}: teach tests/test_readme.py to run it")
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
