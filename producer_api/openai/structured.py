@@ -11,7 +11,9 @@ Tool calls use the Hermes format that SmolLM2, Qwen and most open chat models ar
 functions' parameter schemas); ``auto`` lets the model choose free text or calls, through a Lark
 grammar whose text branch cannot begin a call, so a call, once begun, is always well formed.
 Templates that know ``tools`` get them (``apply_chat_template(tools=...)``); for the others the
-tools go into the system message in the same format."""
+tools go into the system message in the same format.
+
+Schemas are strict (``producer_api.strict_schema``): an object admits only the keys it lists."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from producer_api.strict_schema import strict_schema
 from producer_api.validation import constraint_of
 from shared.errors import ValidationError
 from shared.schemas import Constraint
@@ -47,7 +50,8 @@ def response_format_constraint(response_format: dict[str, Any] | None) -> Constr
     if kind == "json_object":
         if response_format and response_format.get("value") is not None:
             # TGI's convention (huggingface_hub turns a json_schema response_format into it): the value is a schema.
-            return constraint_of({"type": "json_schema", "value": response_format["value"]}, "response_format")
+            value = strict_schema(response_format["value"])
+            return constraint_of({"type": "json_schema", "value": value}, "response_format")
         return constraint_of({"type": "json_object"}, "response_format")
     if kind == "json_schema":
         spec = response_format.get("json_schema") if response_format else None
@@ -55,7 +59,8 @@ def response_format_constraint(response_format: dict[str, Any] | None) -> Constr
             raise ValidationError(
                 "response_format.json_schema must be {'name': ..., 'schema': {...}}", field="response_format"
             )
-        return constraint_of({"type": "json_schema", "value": spec.get("schema") or {}}, "response_format")
+        schema = strict_schema(spec.get("schema") or {})
+        return constraint_of({"type": "json_schema", "value": schema}, "response_format")
     # TGI's chat grammar (huggingface_hub's InferenceClient sends it): {"type": "json" | "regex", "value": ...}
     if kind in ("json", "regex") and response_format and "value" in response_format:
         value = response_format["value"]
@@ -65,7 +70,7 @@ def response_format_constraint(response_format: dict[str, Any] | None) -> Constr
             except ValueError:
                 raise ValidationError("response_format.value must be a JSON schema", field="response_format") from None
         wire = "json_schema" if kind == "json" else "regex"
-        return constraint_of({"type": wire, "value": value}, "response_format")
+        return constraint_of({"type": wire, "value": strict_schema(value)}, "response_format")
     message = "response_format.type must be text, json_object, json_schema (OpenAI) or json, regex (TGI)"
     raise ValidationError(message, field="response_format")
 
@@ -152,7 +157,7 @@ def calls_grammar(
     variants = [
         {
             "type": "object",
-            "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+            "properties": {"name": {"const": f["name"]}, "arguments": strict_schema(f["parameters"])},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }

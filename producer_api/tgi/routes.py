@@ -11,13 +11,15 @@ import anyio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from producer_api import sse
 from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
 from producer_api.dispatch import Dispatcher, Submission
+from producer_api.errors import TgiRoute
 from producer_api.models_common import TGI_ERRORS, inline_schema
+from producer_api.relay import stream_response
 from producer_api.state import arrival, state_of
 from producer_api.streaming import unless_disconnected
+from producer_api.strict_schema import strict_schema
 from producer_api.tgi import formatting
 from producer_api.tgi.models import GenerateRequest, GenerateResponse, Grammar, Info, SimpleToken, StreamResponse
 from producer_api.timing import tgi_headers
@@ -33,7 +35,7 @@ from producer_api.validation import (
 from shared.errors import UnsupportedParameterError, ValidationError
 from shared.schemas import Constraint
 
-router = APIRouter(tags=["TGI"])
+router = APIRouter(tags=["TGI"], route_class=TgiRoute)
 
 _STREAM_DOC: dict[int | str, dict[str, Any]] = {
     200: {
@@ -108,7 +110,8 @@ async def plan(request: Request, body: GenerateRequest, key: ApiKey | None, *, s
 
 
 def grammar_constraint(grammar: Grammar | None) -> Constraint | None:
-    """TGI's grammar as the wire constraint: json (a schema, as an object or JSON text) or regex."""
+    """TGI's grammar as the wire constraint: json (a schema, as an object or JSON text; strict, as
+    TGI's outlines reads it: ``producer_api.strict_schema``) or regex."""
     if grammar is None:
         return None
     value = grammar.value
@@ -119,7 +122,7 @@ def grammar_constraint(grammar: Grammar | None) -> Constraint | None:
             message = "parameters.grammar.value must be a JSON schema"
             raise ValidationError(message, field="parameters.grammar") from None
     kind = {"json": "json_schema", "regex": "regex", "json_object": "json_object"}[grammar.type]
-    return constraint_of({"type": kind, "value": value}, "parameters.grammar")
+    return constraint_of({"type": kind, "value": strict_schema(value)}, "parameters.grammar")
 
 
 async def generate(request: Request, body: GenerateRequest, key: ApiKey | None, route: str) -> tuple[dict, dict]:
@@ -183,14 +186,18 @@ async def generate_stream(request: Request, body: GenerateRequest, key: ApiKey |
     events = st.dispatcher.events(
         request_id, route=route, model=sub.model, started=arrival(request), deadline=sub.deadline
     )
-    body_stream = formatting.stream_events(
-        events,
-        path=request.url.path,
+    formatter = formatting.TgiStream(
         seed=sub.sampling.seed,
         special_ids=st.tokenizers.special_ids(sub.model),
         prefix=body.inputs if body.parameters.return_full_text else "",
     )
-    return sse.response(body_stream, route, headers={"x-request-id": request_id})
+    return stream_response(
+        [events],
+        formatter,
+        route=route,
+        max_buffered=st.settings.stream_buffer_events,
+        headers={"x-request-id": request_id},
+    )
 
 
 @router.post(
