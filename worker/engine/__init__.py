@@ -1,4 +1,8 @@
-"""The continuous-batching engine. Knows nothing of Redis; the worker drives ``LLMEngine``."""
+"""The continuous-batching engine. Knows nothing of Redis; the worker drives ``LLMEngine``, users ``LLM``.
+
+Three rooms: ``core`` (the loop, scheduler, block manager, sequences, outputs), ``model`` (runner,
+forwards, attention backends, loader, and the C++ kernels in ``model/kernels``) and ``sampling``
+(sampler, filters, penalties, structured output, watermark, detokenizer)."""
 
 from worker.engine.core.config import EngineConfig
 from worker.engine.core.llm_engine import LLMEngine
