@@ -1,4 +1,4 @@
-"""OpenAI's routes: /v1/completions, /v1/chat/completions (stream or not, n choices), /v1/models.
+"""OpenAI's routes: /v1/completions, /v1/chat/completions (stream or not, n choices), /v1/models[/{model}].
 
 Each request becomes n queued requests per prompt (n choices, each with its own derived seed)."""
 
@@ -53,7 +53,7 @@ from producer_api.validation import (
     resolve_priority,
     sampling_spec,
 )
-from shared.errors import UnsupportedParameterError, ValidationError
+from shared.errors import ModelNotFoundError, UnsupportedParameterError, ValidationError
 from shared.schemas import Constraint
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])
@@ -309,13 +309,31 @@ def chat_message(message: Any) -> dict[str, Any]:
 # Models -----------------------------------------------------------------------------------------
 
 
-@router.get("/models", response_model=ModelList, responses=OPENAI_ERRORS, summary="Models with live workers")
-async def list_models(request: Request, key: ApiKey | None = Depends(authenticate)) -> ModelList:
-    st = state_of(request)
-    live = await st.dispatcher.live_workers()
+async def live_models(st: AppState) -> dict[str, ModelCard]:
+    """The served models that have a live worker, each dated by the start of one of them."""
     served = set(st.settings.served_models)
     cards: dict[str, ModelCard] = {}
-    for heartbeat in live:
+    for heartbeat in await st.dispatcher.live_workers():
         if heartbeat.model in served and heartbeat.model not in cards:
             cards[heartbeat.model] = ModelCard(id=heartbeat.model, created=int(heartbeat.started_at))
-    return ModelList(data=list(cards.values()))
+    return cards
+
+
+@router.get("/models", response_model=ModelList, responses=OPENAI_ERRORS, summary="Models with live workers")
+async def list_models(request: Request, key: ApiKey | None = Depends(authenticate)) -> ModelList:
+    return ModelList(data=list((await live_models(state_of(request))).values()))
+
+
+@router.get(
+    "/models/{model:path}", response_model=ModelCard, responses=OPENAI_ERRORS, summary="One model with live workers"
+)
+async def retrieve_model(model: str, request: Request, key: ApiKey | None = Depends(authenticate)) -> ModelCard:
+    """The model as ``/v1/models`` lists it; OpenAI's 404 ``model_not_found`` for one it does not list."""
+    st = state_of(request)
+    card = (await live_models(st)).get(model)
+    if card is not None:
+        return card
+    if model in st.settings.served_models:
+        raise ModelNotFoundError(f"model {model!r} is served here but has no live worker now", field="model")
+    served = ", ".join(st.settings.served_models)
+    raise ModelNotFoundError(f"model {model!r} is not served here; served: {served}", field="model")

@@ -79,6 +79,8 @@ def test_no_live_worker_is_503_after_the_wait(
         chat = {"model": api.settings.model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
         assert http.post("/v1/chat/completions", json=chat).json()["error"]["type"] == "service_unavailable"
         assert http.get("/v1/models").json() == {"object": "list", "data": []}
+        idle = http.get(f"/v1/models/{api.settings.model}")  # served, but as /v1/models says: not live
+        assert idle.status_code == 404 and "no live worker" in idle.json()["error"]["message"]
 
 
 def test_a_request_whose_workers_all_die_gets_503_not_a_hang(

@@ -63,6 +63,17 @@ def test_chat_stream_usage(client: OpenAI, model: str) -> None:
     assert chunks[-2].choices[0].finish_reason in ("length", "stop")
 
 
+def test_models_list_and_retrieve(client: OpenAI, model: str) -> None:
+    assert model in [m.id for m in client.models.list().data]
+    card = client.models.retrieve(model)
+    assert card.id == model and card.object == "model" and card.created > 0
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    error = missing.value.body
+    assert isinstance(error, dict) and error["code"] == "model_not_found" and error["param"] == "model"
+    assert error["type"] == "invalid_request_error" and "no-such-model" in error["message"]
+
+
 def test_completions(client: OpenAI, model: str) -> None:
     out = client.completions.create(model=model, prompt="Once upon", max_tokens=5, n=2, logprobs=2, seed=1)
     assert len(out.choices) == 2 and len(out.choices[0].logprobs.top_logprobs[0]) == 2
