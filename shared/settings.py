@@ -61,7 +61,10 @@ class Settings(BaseSettings):
 
     # Queue and recovery.
     reclaim_after_s: float = Field(
-        30.0, gt=0, description="Idle time before a dead worker's in-flight request is taken over."
+        30.0,
+        gt=0,
+        description="Idle time before a pending request is taken over although its worker still beats (a stuck "
+        "worker's); a dead worker's are taken over once its heartbeat stops (heartbeat_stale_s).",
     )
     max_deliveries: int = Field(3, ge=1, description="Deliveries before a request goes to the dead-letter stream.")
     result_ttl_s: int = Field(86_400, ge=1, description="How long results, request hashes and replay logs live.")
@@ -84,7 +87,8 @@ class Settings(BaseSettings):
         gt=0,
         description="/health, `inflightq status` and the API's admission count a worker live while its last "
         "heartbeat is at most this old (workers beat every second, or every heartbeat_ttl_s / 3 if shorter); "
-        "a killed worker stops counting within it.",
+        "a killed worker stops counting within it, and another worker takes its requests over once its "
+        "heartbeat has not moved for this long (and at least 3 beats).",
     )
     engine_stall_s: float = Field(
         300.0,

@@ -4,8 +4,9 @@ what counts as waiting, and how a live worker keeps the entries it took.
 Per model: one stream per priority, read by one consumer group of workers (``CONSUMER_GROUP``
 in ``shared.keys``); a notify list that wakes idle workers. A request waits while its entry
 is in a stream and not yet delivered to a worker; a delivered entry stays pending until its
-worker finishes it (XACK and XDEL, once ``FINISH`` ran), and one pending past
-``reclaim_after_s`` is taken over by another worker (XAUTOCLAIM)."""
+worker finishes it (XACK and XDEL, once ``FINISH`` ran). A dead worker's entries (its heartbeat
+stopped) are taken over by another worker at once (``CLAIM_FROM_DEAD``); any entry pending past
+``reclaim_after_s`` (a live but stuck worker's, or one handed back) by the next XAUTOCLAIM."""
 
 from __future__ import annotations
 
@@ -33,6 +34,28 @@ for i = 3, #ARGV do
   end
 end
 return lost
+"""
+
+# KEYS: priority stream.  ARGV: group, dead consumer, new owner, most entries to take.
+# Takes over up to that many of a dead worker's pending entries at once (XCLAIM: their delivery
+# counts go up as with XAUTOCLAIM) and removes the dead consumer once it holds none. Returns the
+# claimed entries as XCLAIM does (an entry deleted meanwhile is not among them).
+CLAIM_FROM_DEAD = """
+local taken = {}
+local count = tonumber(ARGV[4])
+if count > 0 then
+  local ids = {}
+  for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', count, ARGV[2])) do
+    table.insert(ids, p[1])
+  end
+  if #ids > 0 then
+    taken = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, unpack(ids))
+  end
+end
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) == 0 then
+  redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+end
+return taken
 """
 
 

@@ -18,6 +18,11 @@ from shared.settings import Settings
 from worker.reconnect import ResilientLoop
 
 
+def beat_interval(settings: Settings) -> float:
+    """How often every worker beats: each second, or three times per heartbeat_ttl_s if shorter."""
+    return min(1.0, settings.heartbeat_ttl_s / 3)
+
+
 class Heartbeat(ResilientLoop):
     def __init__(
         self,
@@ -33,7 +38,7 @@ class Heartbeat(ResilientLoop):
         self.redis = connection
         self.worker_name = name
         self.advertisement = advertisement
-        self.every = min(1.0, settings.heartbeat_ttl_s / 3)
+        self.every = beat_interval(settings)
         self._beat_due = 0.0
 
     def turn(self) -> None:

@@ -2,13 +2,17 @@
 
 A live worker keeps the entries it is running fresh (XCLAIM ... JUSTID to itself every
 ``reclaim_after_s / 3``, only for entries it still owns), so a long generation is never stolen.
-Every worker also runs XAUTOCLAIM with ``min-idle = reclaim_after_s`` on each priority stream,
-most urgent first, taking over as much as it has room for: a dead worker's entries go idle and
-land here. The new owner resumes each from its replay log (see ``admission``).
+
+Every worker looks at the group's consumers every ``LOOK_EVERY_S``: one whose heartbeat stopped
+(``heartbeat_watch``: SIGKILL, an OOM kill, a lost host) has its pending entries taken over at
+once, most urgent stream first, as many as this worker has room for. Behind that, XAUTOCLAIM with
+``min-idle = reclaim_after_s`` on each priority stream takes what went idle with a live owner (a
+worker whose heartbeat goes on but whose refresh stopped) and what was handed back. The new owner
+resumes each from its replay log (see ``acceptance``).
 
 Handing work back on drain uses the same path: the entry stays pending but its idle time is
-pushed past the threshold (XCLAIM ... IDLE), so the next XAUTOCLAIM of any live worker takes it
-and continues from the tokens already sent; nothing is generated twice."""
+pushed past the threshold (XCLAIM ... IDLE), so the next XAUTOCLAIM of any live worker (within
+``LOOK_EVERY_S``) takes it and continues from the tokens already sent; nothing is generated twice."""
 
 from __future__ import annotations
 
@@ -21,8 +25,9 @@ import redis
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.request_lifecycle import DELIVERIES
 from shared.settings import Settings
-from shared.work_queue import REFRESH
-from worker.admission import Admission
+from shared.work_queue import CLAIM_FROM_DEAD, REFRESH
+from worker.acceptance import Acceptance
+from worker.heartbeat_watch import HeartbeatWatch, dead_after_s
 from worker.inbox import OwnedEntries
 from worker.reconnect import ResilientLoop
 from worker.run_state import RunState
@@ -30,13 +35,16 @@ from worker.streams import ensure_groups, is_missing_group, priority_streams
 
 log = logging.getLogger("inflightq.worker")
 
+# How often a worker looks for dead workers' and handed-back entries.
+LOOK_EVERY_S = 0.5
+
 
 class Recovery(ResilientLoop):
     def __init__(
         self,
         settings: Settings,
         connection: redis.Redis,
-        admission: Admission,
+        acceptance: Acceptance,
         owned: OwnedEntries,
         state: RunState,
         *,
@@ -49,7 +57,7 @@ class Recovery(ResilientLoop):
         self.settings = settings
         self.keys = Keys.for_prefix(settings.key_prefix)
         self.redis = connection
-        self.admission = admission
+        self.acceptance = acceptance
         self.owned = owned
         self.state = state
         self.worker_name = name
@@ -57,13 +65,17 @@ class Recovery(ResilientLoop):
         self.on_lost = on_lost
         self.streams = priority_streams(self.keys, model, settings.priority_levels)
         self._refresh = connection.register_script(REFRESH)
+        self._claim_from_dead = connection.register_script(CLAIM_FROM_DEAD)
         self.min_idle_ms = int(settings.reclaim_after_s * 1000)
         self.refresh_every = settings.reclaim_after_s / 3
-        self.claim_every = settings.reclaim_after_s / 2
+        self.claim_every = min(settings.reclaim_after_s / 2, LOOK_EVERY_S)
+        dead_after = dead_after_s(settings)
+        # A look later than this (the thread starved) says nothing about who beat meanwhile.
+        self.watch = HeartbeatWatch(dead_after, max_gap=max(dead_after / 2, 4 * self.claim_every))
         self._next_refresh = self._next_claim = time.monotonic()
 
     def turn(self) -> None:
-        if self.stopping.wait(min(self.refresh_every, 0.5)):
+        if self.stopping.wait(min(self.refresh_every, self.claim_every)):
             return
         now = time.monotonic()
         if now >= self._next_refresh:
@@ -85,8 +97,11 @@ class Recovery(ResilientLoop):
             for entry_id in lost:
                 self.on_lost(stream, str(entry_id))
 
+    def after_failure(self) -> None:
+        self.watch.forget()
+
     def take_over(self) -> None:
-        room = self.room()
+        room = self.take_over_dead(self.room())
         for stream in self.streams:
             if room <= 0:
                 return
@@ -105,8 +120,49 @@ class Recovery(ResilientLoop):
                     # old delivery time): XAUTOCLAIM just refreshed it, and it is still running here.
                     continue
                 log.info("taking over entry %s of %s", entry_id, stream)
-                if self.admission.admit(stream, entry_id, fields):
+                if self.acceptance.accept(stream, entry_id, fields):
                     room -= 1
+
+    def take_over_dead(self, room: int) -> int:
+        """Takes over dead workers' entries, as many as ``room``, and forgets dead consumers left
+        holding none; returns the room left."""
+        held: dict[str, dict[str, int]] = {}  # consumer -> {stream: its entries pending there}
+        for stream in self.streams:
+            try:
+                consumers = self.redis.xinfo_consumers(stream, CONSUMER_GROUP)
+            except redis.ResponseError as error:
+                if not is_missing_group(error) and "no such key" not in str(error):
+                    raise
+                ensure_groups(self.redis, self.streams)
+                return room
+            for consumer in consumers:
+                if consumer["name"] != self.worker_name:
+                    held.setdefault(str(consumer["name"]), {})[stream] = int(consumer["pending"])
+        if not held:
+            return room
+        beats = dict(self.redis.zrange(self.keys.workers(), 0, -1, withscores=True))
+        dead = self.watch.look(time.monotonic(), held, beats)
+        for stream in self.streams:  # most urgent first
+            for name in dead:
+                pending = held[name].get(stream)
+                if pending is None or (pending and room <= 0):
+                    continue
+                room -= self._take_from(stream, name, min(room, pending))
+        return room
+
+    def _take_from(self, stream: str, dead: str, count: int) -> int:
+        """Up to ``count`` of ``dead``'s entries of ``stream`` to the engine; how many went."""
+        claimed = self._claim_from_dead(keys=[stream], args=[CONSUMER_GROUP, dead, self.worker_name, count])
+        admitted = 0
+        for entry in claimed:
+            if not entry:  # deleted while pending (an older Redis answers nil for it)
+                continue
+            entry_id, flat = entry
+            log.info("taking over entry %s of %s from %s (its heartbeat stopped)", entry_id, stream, dead)
+            fields = dict(zip(flat[::2], flat[1::2], strict=True)) if flat else None
+            if self.acceptance.accept(stream, str(entry_id), fields):
+                admitted += 1
+        return admitted
 
     def hand_back(self, stream: str, entry_id: str, request_id: str, *, failed: bool) -> None:
         """Leaves the entry pending but idle enough for any worker's next XAUTOCLAIM. A graceful

@@ -23,6 +23,12 @@ ROOT = Path(__file__).resolve().parents[2]
 # Short recovery times keep takeover tests quick; live workers refresh every third of this.
 # Not shorter: on two shared cores a loaded worker's refresh thread can stall for a second.
 RECLAIM_AFTER_S = 3.0
+# The recovery settings an operator gets by default, for the tests that measure them (worker_env
+# shortens both for the others).
+DEFAULT_RECOVERY = {
+    "INFLIGHTQ_RECLAIM_AFTER_S": str(Settings().reclaim_after_s),
+    "INFLIGHTQ_HEARTBEAT_TTL_S": str(Settings().heartbeat_ttl_s),
+}
 
 
 @dataclass
