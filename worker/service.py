@@ -335,8 +335,6 @@ class WorkerService:
     def _shut_down(self) -> None:
         self.loop_progress_at = float("inf")  # the loop has ended on purpose: nothing for the watchdog to catch
         self.draining.set()
-        self.intake.join(timeout=5)
-        self._take_inbox(block=False)  # starts that were on their way are handed back
         left = list(self._active.values())
         for active in left:
             self.engine.abort(active.id)
@@ -346,6 +344,10 @@ class WorkerService:
             log.warning("some writes did not reach Redis before exit")
         for active in left:
             self._hand_back(active)
+        # Only then wait for the intake (up to one idle block on the notify list): the requests that
+        # ran here are already on their way to another worker.
+        self.intake.join(timeout=5)
+        self._take_inbox(block=False)  # starts that were on their way are handed back
         self.stopping.set()
         for thread in (self.recovery, self.cancel_listener, self.heartbeat_thread):
             thread.join(timeout=5)

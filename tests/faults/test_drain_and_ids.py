@@ -15,11 +15,12 @@ from shared.event_delivery import parse_log_entry
 from shared.request_lifecycle import RequestStatus
 from shared.schemas import TokenEvent
 from tests.worker import paced_worker
-from tests.worker.conftest import greedy
+from tests.worker.conftest import DEFAULT_RECOVERY, greedy
 from tests.worker.test_worker import PROMPT, prompt, tokens_sent, wait_for
 
 PACED_TOKENS = 30  # per request, before the drain
 TRICKLE_S = 0.01  # one more token per request this often while the leaving worker drains
+HAND_OVER_WITHIN_S = 5.0  # the longest pause between tokens a drain may cause
 
 
 def logged_indices(client, request_id: str) -> tuple[list[int], list[int]]:  # type: ignore[no-untyped-def]
@@ -33,19 +34,21 @@ def logged_indices(client, request_id: str) -> tuple[list[int], list[int]]:  # t
     return indices, times
 
 
-def test_a_drain_hands_over_from_the_replay_log_not_from_token_0(spawn_worker, client, reference) -> None:
+@pytest.mark.parametrize("recovery", ["defaults", "tuned"])
+def test_a_drain_hands_over_from_the_replay_log_not_from_token_0(spawn_worker, client, reference, recovery) -> None:
     n = 1000
     model, prefix = client.settings.model, client.settings.key_prefix
     # The leaving worker is paced (tests/worker/paced_worker.py): it generates PACED_TOKENS per request
     # and waits while the heir starts, then one token per TRICKLE_S while it drains, so the drain finds
     # both requests running however fast the machine runs the model.
-    env = {"INFLIGHTQ_DRAIN_TIMEOUT_S": "0.3"}
+    recovery_env = DEFAULT_RECOVERY if recovery == "defaults" else {}  # tuned: worker_env's short times
+    env = {"INFLIGHTQ_DRAIN_TIMEOUT_S": "0.3", **recovery_env}
     leaving = spawn_worker("leaving", env=env, script=paced_worker.SCRIPT)
     request_ids = [client.submit(model, prompt(i), greedy(n)) for i in range(2)]
     for rid in request_ids:
         paced_worker.allow_steps(client.redis, prefix, rid, PACED_TOKENS)
     wait_for(lambda: all(tokens_sent(client, rid) > 20 for rid in request_ids), timeout=60)
-    spawn_worker("staying")
+    spawn_worker("staying", env=recovery_env)
     assert all(tokens_sent(client, rid) <= PACED_TOKENS for rid in request_ids), "paced: it waits for permits"
     # One more token per request every TRICKLE_S while it drains.
     with paced_worker.trickle(client.redis, prefix, request_ids, TRICKLE_S):
@@ -63,7 +66,11 @@ def test_a_drain_hands_over_from_the_replay_log_not_from_token_0(spawn_worker, c
         assert sorted(indices) == list(range(n))
         # From the drain on (before it, the paced worker waited for the heir's start on purpose).
         pause_s = max(b - a for a, b in pairwise([drain_ms, *(t for t in times if t >= drain_ms)])) / 1000
-        print(f"FAULTS drain: request {i}: {n} tokens, 0 repeated, longest pause after the drain {pause_s:.2f} s")
+        print(
+            f"FAULTS drain ({recovery}): request {i}: {n} tokens, 0 repeated, longest pause after the drain "
+            f"{pause_s:.2f} s"
+        )
+        assert pause_s < HAND_OVER_WITHIN_S
 
 
 def test_a_reused_request_id_is_refused_and_the_original_is_untouched(spawn_worker, client, reference) -> None:
