@@ -1,5 +1,5 @@
-"""The mutation check: cosmic-ray on the worker's intake, capacity, admission and publisher and the
-API's streaming code, each module against a focused, fast test subset (no model runs in them).
+"""The mutation check: cosmic-ray on the scheduling policy, the worker's intake, acceptance and
+publisher and the API's streaming code, each module against a focused, fast test subset (no model runs in them).
 
     python -m bench.mutation [--sample 0.5] [--seed 0] [--out bench/results] [--only worker/intake.py]
 
@@ -26,12 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PYTEST = f"{sys.executable} -m pytest -x -q -p no:cacheprovider -o addopts= --timeout 120"
 WORKER_TESTS = (
     "tests/worker/test_capacity.py tests/worker/test_capacity_edges.py tests/worker/test_publisher.py "
-    "tests/worker/test_intake_in_process.py"
+    "tests/worker/test_intake_in_process.py tests/engine/test_policy.py"
 )
 TARGETS = {
-    "worker/capacity.py": WORKER_TESTS,
+    "worker/engine/core/policy.py": WORKER_TESTS,
     "worker/intake.py": WORKER_TESTS,
-    "worker/admission.py": WORKER_TESTS,
+    "worker/acceptance.py": WORKER_TESTS,
     "worker/publisher.py": WORKER_TESTS,
     "producer_api/streaming.py": "tests/api/test_sse_and_streaming.py",
     "producer_api/sse.py": "tests/api/test_sse_and_streaming.py",

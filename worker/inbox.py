@@ -2,8 +2,8 @@
 
 ``Inbox``: starts, cancels and "lost" notices, drained by the loop between steps. A start
 counts as in transit from hand-over until the loop has added it, so the intake never promises
-the same free slot twice; its priority is kept so that an urgent start on its way claims a
-victim, and background starts on their way do not hold up the next urgent entry.
+the same free slot twice; its priority is kept for the capacity claim (``policy.Capacity``), where
+an urgent start on its way claims a victim and a background one does not.
 
 ``OwnedEntries``: the stream entries this worker is running, by request, read by the refresher
 that keeps them from being taken over."""

@@ -1,18 +1,18 @@
-"""Pulling work: a model's priority streams, read in strict priority order, only what ``capacity`` allows.
+"""Pulling work: a model's priority streams, read in strict priority order, as much as the policy allows.
 
 For each priority from 0 (most urgent) down, the intake peeks at the entries no worker has taken
-yet and reads with XREADGROUP exactly as many as ``Capacity.how_many_to_take`` allows; a less
-urgent stream is only read once every more urgent one is drained, and what is not taken stays in
-Redis for any other worker. (A blocking read over several streams would not give strict priority,
-hence the peeks.) With room but nothing to read, it blocks on the model's notify list, never
-busy-polling.
+yet and reads with XREADGROUP exactly as many as ``Capacity.how_many_to_take`` (``policy``) allows;
+a less urgent stream is only read once every more urgent one is drained, and what is not taken
+stays in Redis for any other worker. (A blocking read over several streams would not give strict
+priority, hence the peeks.) With room but nothing to read, it blocks on the model's notify list,
+never busy-polling.
 
-A full worker keeps looking, every ``urgent_poll_s``, at the streams more urgent than the least
-urgent sequence it runs, and takes what would preempt it. A free slot elsewhere in the pool wins
-first: while another live worker of the model advertises one, an urgent entry is left for it for
-``urgent_handoff_s`` after this worker first saw it (an idle worker is woken by the enqueue and
-takes it within milliseconds). XREADGROUP hands an entry to one consumer only, so of several full
-workers exactly one takes it.
+A full worker keeps reading, every ``urgent_poll_s``, the streams whose entries would displace
+work it runs (``Capacity.displacing_levels``), and takes those. A free slot elsewhere in the pool
+wins first: while another live worker of the model advertises one, an urgent entry is left for it
+until ``how_many_to_steal`` lets this worker take it, ``urgent_handoff_s`` after it first saw it
+(an idle worker is woken by the enqueue and takes it within milliseconds). XREADGROUP hands an
+entry to one consumer only, so of several full workers exactly one takes it.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import redis
 from shared.client_core import filter_heartbeats
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.settings import Settings
-from worker.admission import Admission
-from worker.capacity import Capacity
+from worker.acceptance import Acceptance
 from worker.engine.core.outputs import EngineLoad
+from worker.engine.core.policy import Capacity, how_many_to_steal
 from worker.reconnect import ResilientLoop
 from worker.run_state import RunState
 from worker.streams import ensure_groups, is_missing_group, priority_streams
@@ -60,7 +60,7 @@ class Intake(ResilientLoop):
         self,
         settings: Settings,
         connection: redis.Redis,
-        admission: Admission,
+        acceptance: Acceptance,
         capacity: Capacity,
         load: WorkerLoad,
         state: RunState,
@@ -72,7 +72,7 @@ class Intake(ResilientLoop):
         self.settings = settings
         self.keys = Keys.for_prefix(settings.key_prefix)
         self.redis = connection
-        self.admission = admission
+        self.acceptance = acceptance
         self.capacity = capacity
         self.load = load
         self.state = state
@@ -99,14 +99,14 @@ class Intake(ResilientLoop):
             self.redis.blpop([self.keys.notify(self.model)], timeout=IDLE_BLOCK_S)
         elif outcome != "took":
             # Full or blocked: a freed slot wakes us at once; urgent work is looked for again soon.
-            urgent_possible = self._urgent_below(self.load.engine_load()) > 0
+            urgent_possible = self.capacity.displacing_levels(self.load.engine_load(), len(self.streams)) > 0
             self.state.capacity_changed.wait(self.settings.urgent_poll_s if urgent_possible else IDLE_BLOCK_S)
 
     def read_once(self) -> Outcome:
         """One pass over the priorities, most urgent first."""
         load, in_transit = self.load.engine_load(), self.load.in_transit()
         room = self.capacity.room(load, in_transit)
-        streams = self.streams if room > 0 else self.streams[: self._urgent_below(load)]
+        streams = self.streams if room > 0 else self.streams[: self.capacity.displacing_levels(load, len(self.streams))]
         if not streams:
             return "blocked"
         took = False
@@ -115,7 +115,7 @@ class Intake(ResilientLoop):
             waiting = self.redis.xrange(stream, min=start, max="+", count=peek)
             if not waiting:
                 continue
-            lengths = [self.admission.prompt_length(fields) for _, fields in waiting]
+            lengths = [self.acceptance.prompt_length(fields) for _, fields in waiting]
             # Fresh: what a more urgent stream just handed over claims its victims.
             in_transit = self.load.in_transit()
             take = self.capacity.how_many_to_take(load, in_transit, priority, lengths, idle=self.load.is_idle())
@@ -124,22 +124,17 @@ class Intake(ResilientLoop):
                 replies = self.redis.xreadgroup(CONSUMER_GROUP, self.consumer, {stream: ">"}, count=count)
                 for _, entries in replies or []:
                     for entry_id, fields in entries:
-                        took = self.admission.admit(stream, entry_id, fields) or took
+                        took = self.acceptance.accept(stream, entry_id, fields) or took
                 if take.displace:
-                    log.info("took %d urgent entries of %s to preempt less urgent work", count - take.fit, stream)
+                    log.info("took %d urgent entries of %s to displace less urgent work", count - take.fit, stream)
             room -= count
             if count < len(waiting) or room <= 0:
                 # Strict priority: less urgent streams wait while this one still has work.
                 return "took" if count else "blocked"
         return "took" if took else "empty"
 
-    def _urgent_below(self, load: EngineLoad) -> int:
-        """How many streams, most urgent first, hold entries that could preempt running work."""
-        least_urgent = self.capacity.least_urgent_running(load)
-        return sum(1 for priority in range(len(self.streams)) if priority < least_urgent)
-
     def _urgent_share(self, urgent: list[tuple[str, dict[str, str]]]) -> int:
-        """How many of the entries that would preempt work here to take now: all of them, unless
+        """How many of the entries that would displace work here to take now: all of them, unless
         another worker has a free slot and has not had ``urgent_handoff_s`` to take them."""
         if not urgent:
             return 0
@@ -147,13 +142,8 @@ class Intake(ResilientLoop):
         self._first_seen = {e: t for e, t in self._first_seen.items() if now - t < 60}
         if not self._free_slot_elsewhere(now):
             return len(urgent)
-        count = 0
-        for entry_id, _ in urgent:
-            seen = self._first_seen.setdefault(entry_id, now)
-            if now - seen < self.settings.urgent_handoff_s:
-                break
-            count += 1
-        return count
+        first_seen = (self._first_seen.setdefault(entry_id, now) for entry_id, _ in urgent)
+        return how_many_to_steal(first_seen, now, self.settings.urgent_handoff_s)
 
     def _free_slot_elsewhere(self, now: float) -> bool:
         asked, free = self._pool_free

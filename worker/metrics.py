@@ -39,7 +39,7 @@ class WorkerCollector:
         stats = engine.stats
         gauges = {
             "running_requests": ("Sequences running in the engine.", stats.num_running),
-            "waiting_requests": ("Sequences admitted but waiting inside the engine.", stats.num_waiting),
+            "waiting_requests": ("Sequences in the engine but not yet admitted to the batch.", stats.num_waiting),
             "engine_batch_tokens": ("Tokens in the last engine step's forward.", stats.batch_tokens),
             "engine_batch_sequences": ("Sequences in the last engine step's forward.", stats.batch_seqs),
             "free_kv_blocks": ("Free KV cache blocks.", engine.num_free_blocks),

@@ -153,7 +153,7 @@ class Recovery(ResilientLoop):
     def _take_from(self, stream: str, dead: str, count: int) -> int:
         """Up to ``count`` of ``dead``'s entries of ``stream`` to the engine; how many went."""
         claimed = self._claim_from_dead(keys=[stream], args=[CONSUMER_GROUP, dead, self.worker_name, count])
-        admitted = 0
+        accepted = 0
         for entry in claimed:
             if not entry:  # deleted while pending (an older Redis answers nil for it)
                 continue
@@ -161,8 +161,8 @@ class Recovery(ResilientLoop):
             log.info("taking over entry %s of %s from %s (its heartbeat stopped)", entry_id, stream, dead)
             fields = dict(zip(flat[::2], flat[1::2], strict=True)) if flat else None
             if self.acceptance.accept(stream, str(entry_id), fields):
-                admitted += 1
-        return admitted
+                accepted += 1
+        return accepted
 
     def hand_back(self, stream: str, entry_id: str, request_id: str, *, failed: bool) -> None:
         """Leaves the entry pending but idle enough for any worker's next XAUTOCLAIM. A graceful

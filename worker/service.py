@@ -2,7 +2,8 @@
 
 The engine loop runs on the main thread and never waits on Redis. Beside it:
 
-- ``Intake`` pulls what ``Capacity`` allows, in strict priority order (``intake.py``, ``capacity.py``),
+- ``Intake`` pulls what the policy's ``Capacity`` allows, in strict priority order (``intake.py``,
+  ``engine/core/policy.py``), and ``Acceptance`` turns each entry into work or a final status,
 - ``Recovery`` keeps this worker's entries fresh and takes over dead workers' (``recovery.py``),
 - ``Publisher`` writes each step's tokens in one round trip, and every final status (``publisher.py``),
 - ``CancelListener`` and ``Heartbeat``.
@@ -29,10 +30,10 @@ from shared.client_core import redis_kwargs
 from shared.redis_connect import connect
 from shared.schemas import WorkerHeartbeat
 from shared.settings import Settings
+from worker.acceptance import Acceptance
 from worker.active import ActiveRequest, failure_suspects
-from worker.admission import Admission
 from worker.cancel_listener import CancelListener
-from worker.capacity import Capacity
+from worker.engine.core.policy import Capacity
 from worker.engine_port import Engine
 from worker.heartbeat import Heartbeat
 from worker.inbox import Inbox, InboxItem, OwnedEntries
@@ -75,12 +76,10 @@ class WorkerService:
         self.device = device
         self.dtype = dtype
         self.started_at = time.time()
-        # A few requests beyond the running slots (the prefetch of Celery or RabbitMQ): without them a
-        # slot that frees at the end of a step can stay empty for the whole next step, because the
-        # intake reads Redis while that step already runs. With them, a worker fed from Redis takes
-        # as many steps as the offline engine for the same requests (645 and 645 for 300).
-        prefetch = settings.prefetch_seqs if settings.prefetch_seqs is not None else engine.max_num_seqs // 16
-        self.capacity = Capacity(prefetch)
+        # A few requests beyond the running slots (the prefetch of Celery or RabbitMQ), so a slot that
+        # frees at the end of a step is refilled by the next step although the intake reads Redis
+        # while that step runs.
+        self.capacity = Capacity.for_engine(engine.max_num_seqs, settings.prefetch_seqs)
         self.state = RunState()
         self.stopping = self.state.stopping
         self.draining = self.state.draining
@@ -96,21 +95,21 @@ class WorkerService:
         self._early_cancels: dict[str, float] = {}
 
         # A RedisCluster on a Cluster: every thread below takes either. surrogateescape: bytes that are not
-        # UTF-8 in a stream entry reach admission as lone surrogates (and are dead-lettered) instead of
+        # UTF-8 in a stream entry reach acceptance as lone surrogates (and are dead-lettered) instead of
         # raising in the intake's read, which stopped every worker.
         self.redis = connect(settings, **redis_kwargs(settings, encoding_errors="surrogateescape"))
         self.publisher = Publisher(settings, self.redis, self.name)
-        self.admission = Admission(
+        self.acceptance = Acceptance(
             settings, self.redis, self.publisher, self.name, self.model, self._hand_over, self.counters
         )
         load = WorkerLoad(
             engine_load=lambda: self.engine.load, in_transit=lambda: self.inbox.in_transit, is_idle=self.is_idle
         )
         self.intake = Intake(
-            settings, self.redis, self.admission, self.capacity, load, self.state, name=self.name, model=self.model
+            settings, self.redis, self.acceptance, self.capacity, load, self.state, name=self.name, model=self.model
         )
         self.recovery = Recovery(
-            settings, self.redis, self.admission, self.owned, self.state,
+            settings, self.redis, self.acceptance, self.owned, self.state,
             name=self.name, model=self.model, room=self.room, on_lost=self.lost,
         )  # fmt: skip
         self.heartbeat_thread = Heartbeat(settings, self.redis, self.name, self.heartbeat, self.stopping)
@@ -245,7 +244,7 @@ class WorkerService:
             )
         except Exception as error:  # the engine refuses this request (too long, bad token ids, ...)
             self._drop(active.id)
-            self.admission.dead_letter(request, active.stream, active.entry_id, f"engine rejected it: {error}")
+            self.acceptance.dead_letter(request, active.stream, active.entry_id, f"engine rejected it: {error}")
             return
         self._active[active.id] = active
         if not active.prior_token_ids and active.attempt == 0:

@@ -1,4 +1,4 @@
-"""The streaming core: priorities, preemption, aging, deadlines, abort, resume, admission info."""
+"""The streaming core: priorities, preemption, aging, deadlines, abort, resume, the load report."""
 
 from __future__ import annotations
 
@@ -205,10 +205,10 @@ def test_the_load_report_counts_sequences_and_the_blocks_waiting_ones_will_claim
     engine.add_request("a", prompt(40, 20), GREEDY, priority=3)
     assert engine.load.num_seqs == 1
     assert engine.load.spare_blocks == 5  # a's 20 prompt tokens claim 5 of the 10 blocks before it runs
-    assert engine.load.waiting == (3.0,) and engine.load.running == ()
+    assert [u.effective_priority for u in engine.load.waiting] == [3.0] and engine.load.running == ()
     engine.step()
     (running,) = engine.load.running
-    assert running.num_blocks == 5 and running.effective_priority < 3  # aging credit: one step
+    assert running.num_blocks == 5 and running.urgency.effective_priority < 3  # aging credit: one step
     assert engine.load.waiting == () and engine.load.spare_blocks == 5
     run_to_end(engine)
     assert engine.load.num_seqs == 0 and engine.load.spare_blocks == 10

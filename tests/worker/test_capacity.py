@@ -1,9 +1,9 @@
-"""What a worker takes from Redis next (``worker/capacity.py``), from the engine's load report alone."""
+"""What a worker takes from Redis next (``policy.Capacity``), from the engine's load report alone."""
 
 from __future__ import annotations
 
-from worker.capacity import Capacity, Take
 from worker.engine.core.outputs import EngineLoad, RunningLoad
+from worker.engine.core.policy import Capacity, Take, Urgency
 
 
 def load(
@@ -14,8 +14,8 @@ def load(
         block_size=4,
         num_seqs=seqs,
         spare_blocks=spare,
-        running=tuple(RunningLoad(p, b) for p, b in running),
-        waiting=waiting,
+        running=tuple(RunningLoad(Urgency(p, arrival), b) for arrival, (p, b) in enumerate(running)),
+        waiting=tuple(Urgency(p, len(running) + arrival) for arrival, p in enumerate(waiting)),
     )
 
 
@@ -77,5 +77,6 @@ def test_urgent_starts_on_their_way_claim_victims_and_background_ones_do_not() -
 
 def test_only_streams_more_urgent_than_the_least_urgent_running_sequence_are_worth_a_look() -> None:
     capacity = Capacity(prefetch=0)
-    assert capacity.least_urgent_running(load(running=((0.0, 1), (2.5, 1)))) == 2.5
-    assert capacity.least_urgent_running(load()) == float("-inf")
+    # Of 5 priorities, 0, 1 and 2 rank above 2.5 (the least urgent running); with nothing running, none.
+    assert capacity.displacing_levels(load(running=((0.0, 1), (2.5, 1))), levels=5) == 3
+    assert capacity.displacing_levels(load(), levels=5) == 0

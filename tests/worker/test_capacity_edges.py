@@ -1,11 +1,11 @@
-"""worker/capacity.py at its edges: exact block boundaries, room below zero, several urgent entries
-and several victims. Each case here killed a mutant that the broader tests let survive
+"""The capacity claim (``policy.Capacity``) at its edges: exact block boundaries, room below zero,
+several urgent entries and several victims. Each case here killed a mutant that the broader tests let survive
 (bench/results/mutation-2026-12-01.md)."""
 
 from __future__ import annotations
 
 from tests.worker.test_capacity import load
-from worker.capacity import Capacity, Take
+from worker.engine.core.policy import Capacity, Take
 
 NONE = Capacity(prefetch=0)
 

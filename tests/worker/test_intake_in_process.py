@@ -1,5 +1,5 @@
-"""The worker's Redis side in-process, fast: the intake (worker/intake.py), admission
-(worker/admission.py) and publisher (worker/publisher.py) against a real Redis, with the engine
+"""The worker's Redis side in-process, fast: the intake (worker/intake.py), acceptance
+(worker/acceptance.py) and publisher (worker/publisher.py) against a real Redis, with the engine
 replaced by the load report it would give. What the intake hands to the engine is recorded; no
 model runs, so each case takes milliseconds (these are the mutation check's subset)."""
 
@@ -23,11 +23,11 @@ from shared.settings import Settings
 from shared.work_queue import STREAM_FIELD
 from worker import intake as intake_module
 from worker import publisher as publisher_module
+from worker.acceptance import Acceptance
 from worker.active import ActiveRequest
-from worker.admission import Admission
-from worker.capacity import Capacity
 from worker.engine import EngineEvent
 from worker.engine.core.outputs import EngineLoad, RunningLoad
+from worker.engine.core.policy import Capacity, Urgency
 from worker.intake import Intake, WorkerLoad
 from worker.publisher import Publisher
 from worker.run_state import RunState
@@ -42,7 +42,7 @@ class Harness:
     redis: redis.Redis
     client: QueueClient
     publisher: Publisher
-    admission: Admission
+    acceptance: Acceptance
     intake: Intake
     handed: list[ActiveRequest] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
@@ -68,10 +68,10 @@ def make_harness(redis_url: str, key_prefix: str, **overrides: Any) -> Harness:
     publisher.start()
     counters = {"expired": 0, "taken_over": 0, "cancelled": 0, "dead_lettered": 0}
     handed: list[ActiveRequest] = []
-    admission = Admission(settings, connection, publisher, "w", MODEL, handed.append, counters)
-    h = Harness(settings, connection, QueueClient(settings), publisher, admission, None, handed, counters)  # type: ignore[arg-type]
+    acceptance = Acceptance(settings, connection, publisher, "w", MODEL, handed.append, counters)
+    h = Harness(settings, connection, QueueClient(settings), publisher, acceptance, None, handed, counters)  # type: ignore[arg-type]
     load = WorkerLoad(engine_load=lambda: h.load, in_transit=lambda: (), is_idle=lambda: h.idle)
-    h.intake = Intake(settings, connection, admission, Capacity(prefetch=0), load, RunState(), name="w", model=MODEL)
+    h.intake = Intake(settings, connection, acceptance, Capacity(prefetch=0), load, RunState(), name="w", model=MODEL)
     h.client.ensure_groups(MODEL)
     return h
 
@@ -128,7 +128,12 @@ def test_work_that_does_not_fit_the_kv_blocks_stays_in_redis(h: Harness) -> None
 
 def full_with(priority: float) -> EngineLoad:
     return EngineLoad(
-        max_num_seqs=1, block_size=4, num_seqs=1, spare_blocks=0, running=(RunningLoad(priority, 10),), waiting=()
+        max_num_seqs=1,
+        block_size=4,
+        num_seqs=1,
+        spare_blocks=0,
+        running=(RunningLoad(Urgency(priority, 0), 10),),
+        waiting=(),
     )
 
 
@@ -188,7 +193,7 @@ def test_a_missing_consumer_group_is_recreated(h: Harness) -> None:
     assert request_id in h.taken()
 
 
-# Admission: what happens to each entry --------------------------------------------------------
+# Acceptance: what happens to each entry --------------------------------------------------------
 
 
 def stream_entry(h: Harness, priority: int, fields: dict[str, str]) -> str:
@@ -245,8 +250,8 @@ def test_a_request_already_final_is_only_acknowledged(h: Harness) -> None:
 
 
 def test_a_deleted_pending_entry_is_acknowledged(h: Harness) -> None:
-    assert h.admission.admit(h.intake.streams[1], "1-1", None) is False
-    assert h.admission.admit(h.intake.streams[1], "1-2", {}) is False
+    assert h.acceptance.accept(h.intake.streams[1], "1-1", None) is False
+    assert h.acceptance.accept(h.intake.streams[1], "1-2", {}) is False
     assert h.handed == []
 
 
@@ -261,7 +266,7 @@ def test_a_redelivered_request_resumes_from_its_replay_log(h: Harness) -> None:
         h.redis.xadd(log, {LOG_FIELD: event.to_json()})
     stream, entry_id = first.stream, first.entry_id
     fields = {STREAM_FIELD: h.redis.xrange(stream, entry_id, entry_id)[0][1][STREAM_FIELD]}
-    assert h.admission.admit(stream, entry_id, fields) is True  # a takeover re-reads the same entry
+    assert h.acceptance.accept(stream, entry_id, fields) is True  # a takeover re-reads the same entry
     resumed = h.handed[-1]
     assert resumed.prior_token_ids == [11, 12] and resumed.prior_text == "<11><12>"
     assert resumed.attempt == 1 and h.counters["taken_over"] == 1
@@ -274,7 +279,7 @@ def test_a_request_delivered_too_often_is_dead_lettered(redis_url: str, key_pref
         h.intake.read_once()
         active = h.handed[0]
         fields = {STREAM_FIELD: h.redis.xrange(active.stream, active.entry_id, active.entry_id)[0][1][STREAM_FIELD]}
-        assert h.admission.admit(active.stream, active.entry_id, fields) is False
+        assert h.acceptance.accept(active.stream, active.entry_id, fields) is False
         flushed(h)
         (letter,) = [DeadLetter.model_validate_json(f["letter"]) for f in h.client.dead_letters(MODEL)]
         assert letter.request_id == request_id and "delivered 1 times" in letter.reason
@@ -286,9 +291,9 @@ def test_a_request_delivered_too_often_is_dead_lettered(redis_url: str, key_pref
 
 
 def test_prompt_length_of_an_unreadable_entry_is_zero() -> None:
-    assert Admission.prompt_length({STREAM_FIELD: json.dumps({"prompt_token_ids": [1, 2, 3]})}) == 3
+    assert Acceptance.prompt_length({STREAM_FIELD: json.dumps({"prompt_token_ids": [1, 2, 3]})}) == 3
     for fields in (None, {}, {STREAM_FIELD: "{"}, {STREAM_FIELD: "[]"}, {STREAM_FIELD: json.dumps({"x": 1})}):
-        assert Admission.prompt_length(fields) == 0
+        assert Acceptance.prompt_length(fields) == 0
 
 
 # The publisher --------------------------------------------------------------------------------
@@ -413,7 +418,12 @@ def test_a_full_worker_never_takes_wakeups_meant_for_idle_ones(
     # Full (room 0) or over-full (room < 0): it waits for a freed slot, looking for urgent work every
     # urgent_poll_s while something it runs could be preempted (else every IDLE_BLOCK_S).
     waits = Waits(h, monkeypatch)
-    h.load = EngineLoad(max_num_seqs=2, block_size=4, num_seqs=seqs, running=(RunningLoad(running, 4),) * seqs)
+    h.load = EngineLoad(
+        max_num_seqs=2,
+        block_size=4,
+        num_seqs=seqs,
+        running=tuple(RunningLoad(Urgency(running, i), 4) for i in range(seqs)),
+    )
     h.intake.turn()
     expected = h.settings.urgent_poll_s if wait == "urgent" else intake_module.IDLE_BLOCK_S
     assert waits.blpop == [] and waits.capacity == [expected]

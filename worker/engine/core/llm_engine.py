@@ -1,6 +1,6 @@
 """The streaming core: requests in, token events out, one scheduler step at a time.
 
-The worker drives it (add_request / abort / step) and reads its admission info and stats;
+The worker drives it (add_request / abort / step) and reads its load report and stats;
 ``LLM`` wraps it for offline use. Thread-safe: a lock serialises the public calls, so an
 abort from an I/O thread lands between steps.
 """
@@ -19,6 +19,7 @@ from worker.engine.core.block_manager import BlockManager
 from worker.engine.core.config import EngineConfig
 from worker.engine.core.memory import auto_num_kv_blocks
 from worker.engine.core.outputs import EngineEvent, EngineLoad, EngineStats, FinishReason, RunningLoad
+from worker.engine.core.policy import Policy
 from worker.engine.core.scheduler import Scheduler
 from worker.engine.core.sequence import Sequence, SequenceStatus
 from worker.engine.core.step_interrupt import StepInterrupt, StepInterrupted
@@ -62,7 +63,7 @@ class LLMEngine:
             self.stats,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            aging_steps=config.aging_steps,
+            policy=Policy(aging_steps=config.aging_steps),
             max_prefill_tokens_beside_decodes=config.max_prefill_tokens_beside_decodes,
             clock=clock,
         )
@@ -123,8 +124,8 @@ class LLMEngine:
             block_size=bm.block_size,
             num_seqs=len(self._seqs),
             spare_blocks=bm.num_free_blocks - claimed,
-            running=tuple(RunningLoad(scheduler.urgency(s)[0], len(s.block_table)) for s in scheduler.running),
-            waiting=tuple(scheduler.urgency(s)[0] for s in scheduler.waiting),
+            running=tuple(RunningLoad(scheduler.urgency(s), len(s.block_table)) for s in scheduler.running),
+            waiting=tuple(scheduler.urgency(s) for s in scheduler.waiting),
         )
 
     def has_unfinished(self) -> bool:
@@ -175,8 +176,9 @@ class LLMEngine:
 
     def interrupt_for(self, priority: int) -> bool:
         """A request of ``priority`` is on its way (from any thread, without the lock): stops the
-        step in progress at its next layer if that step computes work at least a whole level less
-        urgent (``step_interrupt``). True if it asked the step to stop."""
+        step in progress at its next layer if the arrival runs first of some of that step's work
+        (``policy.runs_first``; when a step may stop is ``step_interrupt``'s). True if it asked the
+        step to stop."""
         return self._interrupt.arrival(priority)
 
     def abort(self, request_id: str) -> bool:

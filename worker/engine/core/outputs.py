@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from worker.engine.core.policy import Urgency
+
 # "error": this request failed alone (its grammar matcher broke); ``EngineEvent.error`` says why.
 FinishReason = Literal["length", "eos_token", "stop_sequence", "expired", "error"]
 
@@ -71,7 +73,7 @@ class EngineStats:
 
 @dataclass(frozen=True)
 class RunningLoad:
-    effective_priority: float  # priority less aging credit: what the scheduler compares
+    urgency: Urgency  # as the scheduler ranks it (``policy``)
     num_blocks: int  # KV blocks a preemption would free
 
 
@@ -85,7 +87,7 @@ class EngineLoad:
     num_seqs: int = 0  # unfinished sequences: running and waiting inside the engine
     spare_blocks: int = 0  # free KV blocks less what the waiting sequences will claim
     running: tuple[RunningLoad, ...] = ()
-    waiting: tuple[float, ...] = ()  # effective priorities of the waiting sequences
+    waiting: tuple[Urgency, ...] = ()  # of the waiting sequences
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -1,22 +1,17 @@
-"""Who runs this step, and how many tokens each: the step's admission logic in one place.
+"""Who runs this step, and how many tokens each. The rules it applies are ``policy``'s.
 
 Order of business each step: expire requests past their deadline; give every running decode its
-next token, preempting the least urgent sequence when blocks run short; then prefill work in
-urgency order, chunked to the token budget: an ongoing prefill runs only after the waiting
-requests more urgent than it were admitted (otherwise background prefills in progress take every
-step's budget and an urgent request waits for all of them). Urgency is (priority - steps since
-arrival / aging_steps, arrival): lower runs sooner. Aging moves an old request ahead of newer,
-nominally more urgent ones, so nobody starves; between two given requests the order never flips,
-so preemption cannot ping-pong.
+next token, preempting a victim when blocks run short; then prefill work in urgency order, chunked
+to the token budget: an ongoing prefill runs only after the waiting requests that run before it
+were admitted, so background prefills in progress cannot take every step's budget from an urgent
+request.
 
-Urgent prefill first: when the most urgent waiting request is at least a whole priority level
-more urgent than the least urgent running one, the step prefills the waiting requests of that
-urgency, and only the running sequences about as urgent (less than a level behind) decode beside
-them; the less urgent rest sits that one step out (as TGI's router pauses decoding for a
-prefill). On a CPU a step of a full batch costs several times a lone prefill, so this is what
-keeps an urgent request's first token close to its idle latency while background work saturates.
-The test is against the least urgent running sequence, not all of them: with urgent requests
-already decoding (a steady urgent share), a new one would otherwise wait a full step.
+Urgent prefill first: when the most urgent waiting request runs first of the least urgent running
+one (a whole level more urgent), the step prefills the waiting requests as urgent as it, and only
+the running sequences it does not outrank decode beside them; the rest sits that one step out (as
+TGI's router pauses decoding for a prefill), which keeps an urgent request's first token close to
+its idle latency while background work saturates the batch. The test is against the least urgent
+running sequence, so a new urgent request does not wait a step behind urgent ones already decoding.
 """
 
 from __future__ import annotations
@@ -28,12 +23,17 @@ from dataclasses import dataclass, field
 
 from worker.engine.core.block_manager import BlockManager
 from worker.engine.core.outputs import EngineStats
+from worker.engine.core.policy import (
+    Policy,
+    Urgency,
+    arriving,
+    displaces,
+    joins_urgent_prefill,
+    runs_before,
+    runs_first,
+    victim,
+)
 from worker.engine.core.sequence import Sequence, SequenceStatus
-
-
-def _outranks(urgency: float, other: float) -> bool:
-    """The urgent-first rule's test: at least a whole priority level more urgent (lower)."""
-    return urgency <= other - 1
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        aging_steps: int | None = 256,
+        policy: Policy,
         max_prefill_tokens_beside_decodes: int | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -77,7 +77,7 @@ class Scheduler:
         self.stats = stats
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.aging_steps = aging_steps
+        self.policy = policy
         self.max_prefill_tokens_beside_decodes = max_prefill_tokens_beside_decodes
         self.clock = clock
         self.waiting: list[Sequence] = []
@@ -85,9 +85,8 @@ class Scheduler:
         self.step_count = 0
         self._admission_stopped = False  # this step: a waiting request could not start
 
-    def urgency(self, seq: Sequence) -> tuple[float, int]:
-        age = (self.step_count - seq.arrival_step) / self.aging_steps if self.aging_steps else 0.0
-        return (seq.priority - age, seq.arrival)
+    def urgency(self, seq: Sequence) -> Urgency:
+        return self.policy.urgency(seq, self.step_count)
 
     def add(self, seq: Sequence) -> None:
         seq.arrival_step = self.step_count
@@ -109,13 +108,14 @@ class Scheduler:
         self.waiting.sort(key=self.urgency)
         self._admission_stopped = False
         if self._urgent_waiting():
-            threshold = self.urgency(self.waiting[0])[0]
-            self._admit(batch, while_head=lambda head: self.urgency(head)[0] <= threshold)
+            top = self.urgency(self.waiting[0])
+            self._admit(batch, while_head=lambda head: joins_urgent_prefill(self.urgency(head), top))
             if batch.seqs:
-                # Its peers keep decoding: urgent streams stay live; only background work pauses.
-                # Running is sorted by urgency, so the peers are its head (a snapshot: _continue
-                # may preempt); those just admitted are in the batch already.
-                for seq in list(itertools.takewhile(lambda s: self._is_peer(s, threshold), self.running)):
+                # Those it does not outrank keep decoding: urgent streams stay live; only background
+                # work pauses. Running is sorted by urgency, so they are its head (a snapshot:
+                # _continue may preempt); those just admitted are in the batch already.
+                peers = itertools.takewhile(lambda s: not runs_first(top, self.urgency(s)), self.running)
+                for seq in list(peers):
                     if seq.num_tokens - seq.num_computed_tokens == 1 and seq not in batch.seqs:
                         self._continue(seq, batch)
                 return self._done(batch)
@@ -124,7 +124,7 @@ class Scheduler:
         for seq in [s for s in self.running if remaining[s] == 1]:
             self._continue(seq, batch)
         for seq in [s for s in self.running if remaining[s] > 1]:
-            self._admit(batch, while_head=lambda head, seq=seq: self.urgency(head) < self.urgency(seq))
+            self._admit(batch, while_head=lambda head, seq=seq: runs_before(self.urgency(head), self.urgency(seq)))
             self._continue(seq, batch)
         self._admit(batch)
         return self._done(batch)
@@ -134,16 +134,13 @@ class Scheduler:
             return False
         # Both queues are sorted by urgency (schedule() sorts them first): the waiting head is the
         # most urgent request waiting, the running tail the least urgent one running.
-        return _outranks(self.urgency(self.waiting[0])[0], self.urgency(self.running[-1])[0])
+        return runs_first(self.urgency(self.waiting[0]), self.urgency(self.running[-1]))
 
-    def _is_peer(self, seq: Sequence, threshold: float) -> bool:
-        """Running, and less than a whole level less urgent than the urgent requests being admitted."""
-        return not _outranks(threshold, self.urgency(seq)[0])
-
-    def pauses_any(self, priority: float, seqs: list[Sequence]) -> bool:
-        """Whether a new arrival of ``priority`` would run first and pause some of ``seqs`` (the
-        urgent-first rule; asked from another thread, for a step's batch, when a request arrives)."""
-        return any(_outranks(priority, self.urgency(s)[0]) for s in seqs)
+    def pauses_any(self, priority: int, seqs: list[Sequence]) -> bool:
+        """Whether a new arrival of ``priority`` runs first of some of ``seqs`` (asked from another
+        thread, for a step's batch, when a request arrives)."""
+        arrival = arriving(priority)
+        return any(runs_first(arrival, self.urgency(s)) for s in seqs)
 
     def _budget(self, batch: ScheduledBatch) -> int:
         return self.max_num_batched_tokens - batch.num_tokens
@@ -166,9 +163,9 @@ class Scheduler:
             return  # preempted earlier this step, or no budget left: it sits this step out
         n = min(remaining, budget)
         while not self.blocks.allocate(seq, n):
-            victim = max((s for s in self.running if s not in batch.seqs), key=self.urgency)
-            self._preempt(victim, batch, "kv_blocks")
-            if victim is seq:
+            taken = victim((s for s in self.running if s not in batch.seqs), self.urgency)
+            self._preempt(taken, batch, "kv_blocks")
+            if taken is seq:
                 return
         batch.add(seq, n, decode=remaining == 1)
 
@@ -210,13 +207,13 @@ class Scheduler:
         return expired
 
     def _preempt_less_urgent(self, seq: Sequence, batch: ScheduledBatch) -> bool:
-        """An urgent waiting request displaces the least urgent running one, if that one is less urgent."""
+        """A waiting request takes the victim's place among the running, if it displaces it."""
         if not self.running:
             return False
-        victim = max(self.running, key=self.urgency)
-        if self.urgency(victim) <= self.urgency(seq):
+        taken = victim(self.running, self.urgency)
+        if not displaces(self.urgency(seq), self.urgency(taken)):
             return False
-        self._preempt(victim, batch, "urgency")
+        self._preempt(taken, batch, "urgency")
         return True
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch, reason: str) -> None:

@@ -41,7 +41,7 @@ class Sequence:
         self.request_id = request_id
         self.params = params
         self.priority = priority
-        self.arrival = arrival  # monotonically increasing admission order; ties in priority go by it
+        self.arrival = arrival  # the engine's arrival order, increasing; ties in priority go by it
         self.deadline = deadline
         self.tenant = tenant
         self.num_prompt_tokens = len(prompt_token_ids)

@@ -2,18 +2,19 @@
 
 A step cannot take a request once its forward runs, so an urgent request that arrives while a
 loaded worker computes a long step (a prefill chunk beside a full decode batch, or a whole-budget
-prefill) waits for all of it before its own prefill even starts, which can add about its whole
-idle latency again to its time to first token (see docs/benchmarks.md). Instead, the engine stops
-that step between two layers and runs the arrival first: the layers it computed are thrown away and
-computed again next time, unchanged, since nothing the step decided was kept (no token counted, sampled or
-cached; the KV it wrote sits in slots only their own sequence reads, after it recomputes them).
+prefill) would wait for all of it before its own prefill starts (see docs/benchmarks.md).
+Instead, the engine stops that step between two layers and runs the arrival first. The layers it
+computed are thrown away and computed again next time, unchanged, since nothing the step decided
+was kept (no token counted, sampled or cached; the KV it wrote sits in slots only their own
+sequence reads, after it recomputes them).
 
-Only a step in its first half of layers stops: past it, finishing costs the arrival less than
-the step's work thrown away would cost everyone else. Each cost is then at most half a step.
+Only a step in its first half of layers stops: past it, finishing costs the arrival less than the
+step's work thrown away would cost everyone else. Each cost is then at most half a step.
 
-Whether an arrival is urgent enough is the scheduler's urgent-first rule (``Scheduler.pauses_any``,
-judged only when a request arrives); when a step may stop is ``StepInterrupt``'s; the layers call
-``stop_if_requested`` (through the step's ``AttentionMetadata``) where they start their attention.
+Whether an arrival is urgent enough is the policy's (``policy.runs_first``, through
+``Scheduler.pauses_any``, judged only when a request arrives); when a step may stop is
+``StepInterrupt``'s; the layers call ``stop_if_requested`` (through the step's
+``AttentionMetadata``) where they start their attention.
 """
 
 from __future__ import annotations
@@ -21,11 +22,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-# Stopped steps' thrown-away forward time may be at most this share of the engine's step time: where
-# arrivals more urgent than running work come several times a second, each would otherwise throw
-# away up to half a step (on top of the step the scheduler's urgent-first rule pauses the less urgent
-# work for), and a steady share of priority-1 traffic beside priority-3 batch work could cost a
-# large part of the throughput.
+# Stopped steps' thrown-away forward time may be at most this share of the engine's step time, so a
+# steady stream of urgent arrivals beside background work cannot throw away much of the throughput.
 MAX_THROWN_AWAY_SHARE = 0.05
 
 
@@ -36,11 +34,10 @@ class StepInterrupted(Exception):
 class StepInterrupt:
     """Set from another thread, read between layers by the step in progress.
 
-    A step may be stopped only for an arrival that the scheduler's urgent-first rule would run before
-    some of the sequences it computes (at least a whole priority level more urgent: it pauses them
-    for a step anyway), never twice in a row, so every sequence makes progress whatever
-    arrives (the step after a stopped one always runs to its end), and only while the stopped steps
-    have thrown away at most ``MAX_THROWN_AWAY_SHARE`` of the step time."""
+    A step may be stopped only for an arrival that runs first of some of the sequences it computes
+    (it pauses them for a step anyway), never twice in a row, so every sequence makes progress
+    whatever arrives (the step after a stopped one always runs to its end), and only while the
+    stopped steps have thrown away at most ``MAX_THROWN_AWAY_SHARE`` of the step time."""
 
     def __init__(self) -> None:
         self._requested = threading.Event()

@@ -1,4 +1,4 @@
-"""What a worker does with a stream entry it was handed (a fresh read or a takeover).
+"""How a worker accepts a stream entry it was handed (a fresh read or a takeover).
 
 Either it becomes an ``ActiveRequest`` for the engine, or it ends here: malformed (dead
 letter), past its deadline (expired), cancelled while queued, already final (just XACK), or
@@ -57,7 +57,7 @@ def raw_json(fields: dict[str, str]) -> str:
     return json.dumps(fields, ensure_ascii=True)
 
 
-class Admission:
+class Acceptance:
     def __init__(
         self,
         settings: Settings,
@@ -82,13 +82,13 @@ class Admission:
 
     @staticmethod
     def prompt_length(fields: dict[str, str] | None) -> int:
-        """Prompt size of an entry not yet read, for admission; 0 for anything unparsable."""
+        """Prompt size of an entry not yet read, for the capacity claim; 0 for anything unparsable."""
         try:
             return len(json.loads((fields or {}).get(STREAM_FIELD, ""))["prompt_token_ids"])
-        except Exception:  # anything hostile (deep nesting, surrogates, wrong types) is judged by admit
+        except Exception:  # anything hostile (deep nesting, surrogates, wrong types) is judged by accept
             return 0
 
-    def admit(self, stream: str, entry_id: str, fields: dict[str, str] | None) -> bool:
+    def accept(self, stream: str, entry_id: str, fields: dict[str, str] | None) -> bool:
         """True when the entry went to the engine. Never raises for what the entry holds: an
         entry that cannot be judged would stay pending and come back forever."""
         if not fields:  # deleted while pending (Redis 6.2 still lists it): nothing to run
@@ -100,12 +100,12 @@ class Admission:
             self._malformed(stream, entry_id, fields, str(rejection))
             return False
         try:
-            return self._admit(request, stream, entry_id, fields)
+            return self._accept(request, stream, entry_id, fields)
         except TRANSIENT:
             raise  # Redis is away: the entry stays pending and comes back
         except Exception as error:
-            log.exception("entry %s of %s could not be admitted", entry_id, stream)
-            self._malformed(stream, entry_id, fields, f"could not be admitted: {error!r}")
+            log.exception("entry %s of %s could not be accepted", entry_id, stream)
+            self._malformed(stream, entry_id, fields, f"could not be accepted: {error!r}")
             return False
 
     def parse(self, stream: str, fields: dict[str, str]) -> QueuedRequest:
@@ -127,7 +127,7 @@ class Admission:
             raise Rejected(f"priority {request.priority} out of range (0..{self.settings.priority_levels - 1})")
         return request
 
-    def _admit(self, request: QueuedRequest, stream: str, entry_id: str, fields: dict[str, str]) -> bool:
+    def _accept(self, request: QueuedRequest, stream: str, entry_id: str, fields: dict[str, str]) -> bool:
         if request.expired():
             self.counters["expired"] += 1
             if self._owns(request.id, entry_id, repr(request.submitted_at)):

@@ -1,0 +1,89 @@
+"""The rules of who runs next (``worker/engine/core/policy.py``), each on its own: aging, runs before,
+displaces, runs first, the victim and stealing. The scheduler and the intake tests show them at work."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+from worker.engine.core.policy import (
+    Policy,
+    Urgency,
+    arriving,
+    displaces,
+    how_many_to_steal,
+    joins_urgent_prefill,
+    preemption_order,
+    runs_before,
+    runs_first,
+    victim,
+)
+from worker.engine.core.sequence import Sequence
+from worker.engine.sampling.sampling_params import SamplingParams
+
+
+def seq(priority: int, arrival: int, arrival_step: int) -> Sequence:
+    s = Sequence(f"r{arrival}", [1, 2, 3], SamplingParams(), arrival=arrival, priority=priority)
+    s.arrival_step = arrival_step
+    return s
+
+
+def test_aging_moves_an_old_request_ahead_of_newer_more_urgent_ones_and_the_order_never_flips() -> None:
+    policy = Policy(aging_steps=4)
+    old, early, late = seq(3, 0, arrival_step=0), seq(2, 1, arrival_step=2), seq(2, 2, arrival_step=8)
+    assert policy.urgency(old, step=8) == Urgency(1.0, 0)  # two levels of credit for 8 steps
+    for step in (8, 12, 400):
+        assert runs_before(policy.urgency(old, step), policy.urgency(late, step))
+        assert runs_before(policy.urgency(early, step), policy.urgency(old, step))  # a level ahead, 6 steps behind
+
+
+def test_without_aging_priority_then_arrival_decide() -> None:
+    policy = Policy(aging_steps=None)
+    first, second = seq(1, arrival=0, arrival_step=0), seq(1, arrival=1, arrival_step=0)
+    assert policy.urgency(first, step=10_000) == Urgency(1, 0)
+    assert runs_before(policy.urgency(first, step=5), policy.urgency(second, step=5))
+
+
+def test_an_arrival_ranks_behind_everything_of_its_priority_already_there() -> None:
+    assert arriving(2) == Urgency(2, math.inf)
+    assert runs_before(Urgency(2.0, 7), arriving(2)) and runs_before(arriving(2, order=0), arriving(2))
+    assert runs_before(arriving(1), Urgency(1.5, 0))
+
+
+def test_displacing_takes_strictly_more_urgent_and_running_first_a_whole_level() -> None:
+    aged_background = Urgency(2.5, 0)
+    assert displaces(arriving(2), aged_background) and not runs_first(arriving(2), aged_background)
+    assert displaces(arriving(1), aged_background) and runs_first(arriving(1), aged_background)
+    assert not displaces(arriving(2), Urgency(2.0, 0)), "as urgent is not enough to displace"
+    assert not runs_first(Urgency(1.0, 0), Urgency(1.75, 5))
+
+
+def test_the_urgent_prefill_admits_the_requests_as_urgent_as_its_head() -> None:
+    head = Urgency(0.0, 4)
+    assert joins_urgent_prefill(Urgency(0.0, 9), head)
+    assert not joins_urgent_prefill(Urgency(0.25, 1), head)
+
+
+def test_the_victim_is_the_least_urgent_and_the_newest_among_equals() -> None:
+    running = [Urgency(3.0, 1), Urgency(0.0, 9), Urgency(3.0, 4), Urgency(2.5, 0)]
+    assert victim(running, lambda u: u) == Urgency(3.0, 4)
+    assert preemption_order(running, lambda u: u) == [
+        Urgency(3.0, 4),
+        Urgency(3.0, 1),
+        Urgency(2.5, 0),
+        Urgency(0.0, 9),
+    ]
+
+
+def test_an_entry_left_for_a_better_placed_worker_is_stolen_after_the_wait() -> None:
+    assert how_many_to_steal([0.0, 0.4, 0.9], now=1.0, wait_s=0.5) == 2
+    assert how_many_to_steal([0.9, 0.0], now=1.0, wait_s=0.5) == 0, "in order: the first not due stops it"
+    read: list[float] = []
+
+    def seen() -> Iterator[float]:
+        for t in (0.0, 0.8, 0.1):
+            read.append(t)
+            yield t
+
+    how_many_to_steal(seen(), now=1.0, wait_s=0.5)
+    assert read == [0.0, 0.8], "entries after the first still left are not looked at (their clock has not started)"
