@@ -14,7 +14,7 @@ Where things are:
 - ``errors.py``: the one mapping of failures to HTTP responses (TGI's and OpenAI's error bodies).
 - ``models_common.py``: what every request body accepts; ``validation.py`` and ``tokenization.py``:
   the checks the dialects share (priority, deadlines, stops, TGI's token limits).
-- ``dispatch.py``: admission (live worker), submit, follow events, cancel what a client left;
+- ``dispatch.py``: dispatch (to a live worker), follow events, cancel what a client left;
   ``streaming.py``: merging n choices, watching for a client leaving.
 - ``routes_ops.py``: /health and /metrics; ``sse.py``: SSE framing and the stream response;
   ``timing.py``: TGI's timing headers; ``metrics.py``, ``queue_metrics.py``: Prometheus metrics

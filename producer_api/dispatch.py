@@ -1,5 +1,5 @@
-"""The API's use of the queue client: admit (a live worker, queue depth), submit, follow events,
-and cancel whatever a client walked away from.
+"""The API's use of the queue client: dispatch (to a live worker, within the queue's depth),
+follow events, and cancel whatever a client walked away from.
 
 Routes stay thin: they translate bodies into ``Submission``s and events into their wire shapes."""
 

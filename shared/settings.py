@@ -85,7 +85,7 @@ class Settings(BaseSettings):
     heartbeat_stale_s: float = Field(
         3.0,
         gt=0,
-        description="/health, `inflightq status` and the API's admission count a worker live while its last "
+        description="/health, `inflightq status` and the API's dispatch count a worker live while its last "
         "heartbeat is at most this old (workers beat every second, or every heartbeat_ttl_s / 3 if shorter); "
         "a killed worker stops counting within it, and another worker takes its requests over once its "
         "heartbeat has not moved for this long (and at least 3 beats).",

@@ -1,5 +1,5 @@
 """API test fixtures: an API server on a free port (uvicorn in a thread, so tests can give it any
-Settings), a fake worker heartbeat for admission without consumption, and a real worker process."""
+Settings), a fake worker heartbeat for dispatch without consumption, and a real worker process."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def start_api(tiny_tokenizer: Any) -> Iterator[Callable[[Settings], ApiServer]]:
 
 
 def fake_heartbeat(redis_url: str, settings: Settings, name: str = "fake-worker", *, fresh_for_s: float = 600) -> None:
-    """A live worker that never consumes: admission passes, the queue only grows (429 tests).
+    """A live worker that never consumes: dispatch finds it, the queue only grows (429 tests).
     It looks alive for about ``fresh_for_s`` beyond heartbeat_ttl_s, then as dead as a crashed worker."""
     keys = Keys.for_prefix(settings.key_prefix)
     now = time.time()

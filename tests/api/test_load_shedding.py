@@ -87,7 +87,7 @@ def test_a_request_whose_workers_all_die_gets_503_not_a_hang(
     make_settings: Callable[..., Settings], start_api: Callable[[Settings], ApiServer], redis_url: str
 ) -> None:
     settings = make_settings(heartbeat_ttl_s=1, no_worker_wait_s=0.5)
-    fake_heartbeat(redis_url, settings, fresh_for_s=0)  # alive at admission, dead a second later
+    fake_heartbeat(redis_url, settings, fresh_for_s=0)  # alive at dispatch, dead a second later
     api = start_api(settings)
     with api.client() as http:  # a hang would be the client's timeout
         response = http.post("/generate", json={"inputs": "hi"})
