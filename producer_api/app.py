@@ -148,13 +148,10 @@ def create_app(
             {"name": "Operations", "description": "Health and Prometheus metrics."},
         ],
     )
-    errors.install(app)
-    app.include_router(tgi.router)
-    app.include_router(openai.router)
-    app.include_router(jobs.router)
-    app.include_router(responses.router)
-    app.include_router(batches.router)
-    app.include_router(routes_ops.router)
+    routers = [tgi.router, openai.router, jobs.router, responses.router, batches.router, routes_ops.router]
+    errors.install(app, routers)
+    for router in routers:
+        app.include_router(router)
     install_offline_docs(app)
     # Added last = outermost: metrics see every request, including 413s.
     app.add_middleware(

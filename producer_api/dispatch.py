@@ -185,11 +185,13 @@ class Dispatcher:
             if not finished:
                 raise UnavailableError("the token stream ended before the request finished")
         finally:
-            with contextlib.suppress(Exception):
-                await stream.aclose()
-            if not finished and cancel_if_unfinished:
-                metrics.CANCELLED_ON_DISCONNECT.inc()
-                await self.cancel_quietly(request_id)
+            # Shielded: this runs while the consumer is being cancelled (its client left).
+            with anyio.CancelScope(shield=True):
+                with anyio.move_on_after(_CANCEL_TIMEOUT_S), contextlib.suppress(Exception):
+                    await stream.aclose()
+                if not finished and cancel_if_unfinished:
+                    metrics.CANCELLED_ON_DISCONNECT.inc()
+                    await self.cancel_quietly(request_id)
 
     async def _watched(self, stream: AsyncIterator[AnyEvent], model: str) -> AsyncIterator[AnyEvent]:
         """``stream``'s events, unless every worker of the model is gone for no_worker_wait_s: then
@@ -290,20 +292,6 @@ class WorkerWatch:
                 self.gone.set_result(None)
                 self.gone = asyncio.get_running_loop().create_future()
                 workerless_since = None
-
-
-@contextlib.asynccontextmanager
-async def cancel_unfinished(dispatcher: Dispatcher, request_ids: list[str]) -> AsyncIterator[set[str]]:
-    """For stream bodies: whatever has not reached its terminal event when the body ends (client
-    gone, error mid-way) is cancelled. The caller adds finished request ids to the yielded set."""
-    finished: set[str] = set()
-    try:
-        yield finished
-    finally:
-        for request_id in request_ids:
-            if request_id not in finished:
-                metrics.CANCELLED_ON_DISCONNECT.inc()
-                await dispatcher.cancel_quietly(request_id)
 
 
 def as_error(event: ErrorEvent) -> Exception:

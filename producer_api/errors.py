@@ -1,23 +1,30 @@
-"""The ONE mapping from failures to HTTP responses.
+"""The ONE mapping from failures to HTTP responses, in the dialect of the route that failed.
 
-TGI's routes and the jobs API answer TGI's ``{"error", "error_type"}`` (huggingface_hub turns
-``error_type`` into its exception classes); ``/v1/*`` OpenAI routes answer OpenAI's
-``{"error": {"message", "type", "param", "code"}}`` (the openai package reads ``message``) with OpenAI's
-status codes where they differ from TGI's: an unknown model is a 404 ``model_not_found`` and a body that
-is not JSON a 400 there, where TGI's routes answer 422 for both.
-Anything unexpected becomes a generic 500 without a traceback in the body."""
+A router declares its routes' dialect by its route class: ``TgiRoute`` answers TGI's
+``{"error", "error_type"}`` (huggingface_hub turns ``error_type`` into its exception classes),
+``OpenAIRoute`` OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with OpenAI's status
+codes where they differ from TGI's: a request it cannot take is a 400 (the openai package raises
+``BadRequestError``), an unknown model a 404 ``model_not_found``, where TGI answers 422 for both.
+A request no route matches (an unknown path) is answered in TGI's shape.
+
+Anything unexpected becomes a 500 without a traceback in the body. A route answers it itself, so
+the server never sees the exception and the client's keep-alive connection stays open."""
 
 from __future__ import annotations
 
-import json
 import logging
-from typing import Any
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import redis.exceptions
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
+from starlette.types import Scope
 
 from shared.errors import (
     InflightqError,
@@ -51,10 +58,6 @@ class ServerError(InflightqError):
     http_status = 500
 
 
-def is_openai_path(path: str) -> bool:
-    return path.startswith("/v1/") and not path.startswith("/v1/jobs")
-
-
 def normalize(exc: BaseException) -> InflightqError:
     """Any exception -> the one client-visible error it stands for."""
     if isinstance(exc, InflightqError):
@@ -75,7 +78,7 @@ def normalize(exc: BaseException) -> InflightqError:
             # FastAPI's "error parsing the body" (e.g. JSON nested too deep): a malformed request.
             return MalformedBodyError(f"malformed body: {exc.detail}", field="body")
         error = ValidationError(str(exc.detail))
-        error.http_status = exc.status_code
+        error.http_status = error.openai_status = exc.status_code
         return error
     return ServerError("internal server error")
 
@@ -104,55 +107,85 @@ def _from_validation_errors(errors: Any) -> ValidationError:
     return error_class("; ".join(parts) or "invalid request", field=first_field)
 
 
-def tgi_body(error: InflightqError) -> dict[str, Any]:
-    return error.to_dict()
-
-
 def openai_body(error: InflightqError) -> dict[str, Any]:
     return {
         "error": {
             "message": error.message,
             "type": _OPENAI_TYPES.get(error.error_type, "server_error"),
             "param": error.field,
-            "code": getattr(error, "openai_code", error.error_type),
+            "code": error.code,
         }
     }
 
 
-def openai_status(error: InflightqError) -> int:
-    """OpenAI's status for ``error`` (404 for an unknown model, 400 for a body that is not JSON)."""
-    return int(getattr(error, "openai_status", error.http_status))
+@dataclass(frozen=True)
+class Dialect:
+    """How one API family spells a failure: its error body and its status code."""
+
+    name: str
+    body: Callable[[InflightqError], dict[str, Any]]
+    status: Callable[[InflightqError], int]
 
 
-def body_for(path: str, error: InflightqError) -> dict[str, Any]:
-    return openai_body(error) if is_openai_path(path) else tgi_body(error)
+TGI = Dialect("tgi", lambda error: error.to_dict(), lambda error: error.http_status)
+OPENAI = Dialect("openai", openai_body, lambda error: error.openai_status or error.http_status)
 
 
-def status_for(path: str, error: InflightqError) -> int:
-    return openai_status(error) if is_openai_path(path) else error.http_status
-
-
-def error_response(path: str, exc: BaseException, state: dict[str, Any] | None = None) -> JSONResponse:
+def error_response(dialect: Dialect, exc: BaseException, scope: Scope) -> JSONResponse:
     error = normalize(exc)
     if isinstance(error, ServerError) and exc is not error:
         # Logged with the traceback for operators; the client sees only "internal server error".
-        log.error("unhandled error on %s", path, exc_info=exc)
-    if state is not None:
-        state["error_type"] = error.error_type  # read by the metrics middleware
+        log.error("unhandled error on %s", scope.get("path"), exc_info=exc)
+    scope.setdefault("state", {})["error_type"] = error.code  # the metrics' label: its most specific name
     headers = {"retry-after": _RETRY_AFTER[error.error_type]} if error.error_type in _RETRY_AFTER else None
     if error.error_type == "rate_limited":
         headers = {"retry-after": str(getattr(error, "retry_after", 60))}
-    return JSONResponse(body_for(path, error), status_code=status_for(path, error), headers=headers)
+    return JSONResponse(dialect.body(error), status_code=dialect.status(error), headers=headers)
 
 
-def sse_error_payload(path: str, exc: BaseException) -> str:
-    """An error that happens after a stream started can only travel as an SSE event."""
-    return json.dumps(body_for(path, normalize(exc)))
+class DialectRoute(APIRoute):
+    """A route that answers every failure of its own, expected or not, in its dialect."""
+
+    dialect: ClassVar[Dialect] = TGI
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        dialect = self.dialect
+
+        async def answer(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except Exception as exc:
+                return error_response(dialect, exc, request.scope)
+
+        return answer
 
 
-def install(app: FastAPI) -> None:
+class TgiRoute(DialectRoute):
+    dialect = TGI
+
+
+class OpenAIRoute(DialectRoute):
+    dialect = OPENAI
+
+
+def dialect_of(scope: Scope) -> Dialect:
+    """The dialect of the route a request is for: the one routing chose, or (before routing: the
+    body-size limit) the one that matches it; TGI's for a request no route matches."""
+    route = scope.get("route")
+    if route is None:
+        routes: list[BaseRoute] = getattr(getattr(scope.get("app"), "state", None), "dialect_routes", [])
+        route = next((r for r in routes if r.matches(scope)[0] != Match.NONE), None)
+    return getattr(route, "dialect", TGI)
+
+
+def install(app: FastAPI, routers: list[APIRouter]) -> None:
+    """Handlers for what fails outside a route's own handler: routing (404, 405) and middleware;
+    ``routers``: the app's routers, whose routes say which dialect a request not yet routed gets."""
+    app.state.dialect_routes = [route for router in routers for route in router.routes]
+
     async def handle(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(request.url.path, exc, request.scope.setdefault("state", {}))
+        return error_response(dialect_of(request.scope), exc, request.scope)
 
     for exc_type in (
         InflightqError,

@@ -9,7 +9,7 @@ import time
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from producer_api import metrics
-from producer_api.errors import error_response
+from producer_api.errors import dialect_of, error_response
 from shared.errors import HeadersTooLargeError, PayloadTooLargeError
 
 # Request headers beyond these get 431 (nginx's default buffers hold 4 x 8 KB; 200 KB of headers or
@@ -114,7 +114,7 @@ class BodyLimitMiddleware:
 
     @staticmethod
     async def _send_error(scope: Scope, send: Send, error: Exception) -> None:
-        response = error_response(scope["path"], error, scope.setdefault("state", {}))
+        response = error_response(dialect_of(scope), error, scope)
         response.headers["connection"] = "close"  # the unread rest of the body must not be parsed as a request
         await response(scope, _no_body, send)
 

@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
+import anyio
 from fastapi import Request
 
 from producer_api.dispatch import ClientDisconnected
@@ -42,8 +43,9 @@ async def merge(streams: list[AsyncIterator[T]], max_buffered: int = 4096) -> As
     the next event; other clients never notice. (A single stream needs no buffer: it is read only
     as fast as its client takes events.)"""
     if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
+        async with contextlib.aclosing(streams[0]) as stream:  # type: ignore[type-var]
+            async for item in stream:
+                yield 0, item
         return
     # Holds at most max_buffered events, plus one end marker (and maybe an error) per stream.
     queue: asyncio.Queue[tuple[int, T] | tuple[int, BaseException] | None] = asyncio.Queue()
@@ -81,6 +83,9 @@ async def merge(streams: list[AsyncIterator[T]], max_buffered: int = 4096) -> As
     finally:
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        # Shielded: this runs while the reader is being cancelled (its client left), and each
+        # choice's own cleanup (cancelling its request) must finish.
+        with anyio.CancelScope(shield=True):
+            for task in tasks:
+                with contextlib.suppress(BaseException):
+                    await task

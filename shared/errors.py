@@ -5,13 +5,19 @@ from __future__ import annotations
 
 
 class InflightqError(Exception):
-    error_type: str = "generation"
-    http_status: int = 500
+    error_type: str = "generation"  # TGI's name for the failure, in TGI's bodies
+    http_status: int = 500  # TGI's status for it
+    openai_status: int | None = None  # OpenAI's status, where it differs from TGI's
+    subtype: str | None = None  # a name more specific than error_type (OpenAI's error code)
 
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
+
+    @property
+    def code(self) -> str:
+        return self.subtype or self.error_type
 
     def to_dict(self) -> dict[str, str]:
         body = {"error": self.message, "error_type": self.error_type}
@@ -21,22 +27,24 @@ class InflightqError(Exception):
 
 
 class ValidationError(InflightqError):
+    """A request that cannot be taken as it is: TGI's 422, OpenAI's 400 (its SDK's BadRequestError)."""
+
     error_type = "validation"
     http_status = 422
+    openai_status = 400
 
 
 class ModelNotFoundError(ValidationError):
     """A model this deployment does not serve: a 422 on TGI's routes, OpenAI's 404 ``model_not_found`` on its own."""
 
     openai_status = 404
-    openai_code = "model_not_found"
+    subtype = "model_not_found"
 
 
 class MalformedBodyError(ValidationError):
-    """A body that is not JSON (or none at all): a 422 on TGI's routes, OpenAI's 400 on its own."""
+    """A body that is not JSON (or none at all)."""
 
-    openai_status = 400
-    openai_code = "invalid_json"
+    subtype = "invalid_json"
 
 
 class UnsupportedParameterError(ValidationError):
@@ -45,8 +53,7 @@ class UnsupportedParameterError(ValidationError):
     would change what the client asked for; a 422 would read as a malformed value."""
 
     http_status = 400
-    openai_status = 400
-    openai_code = "unsupported_parameter"
+    subtype = "unsupported_parameter"
 
 
 class PayloadTooLargeError(InflightqError):

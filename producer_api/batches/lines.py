@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from producer_api.errors import openai_body, openai_status
+from producer_api.errors import OPENAI
 from shared.errors import InflightqError
 
 
@@ -92,7 +92,7 @@ def failed_response_line(custom_id: str | None, request_id: str | None, err: Inf
     return {
         "id": _line_id(),
         "custom_id": custom_id,
-        "response": {"status_code": openai_status(err), "request_id": request_id, "body": openai_body(err)},
+        "response": {"status_code": OPENAI.status(err), "request_id": request_id, "body": OPENAI.body(err)},
         "error": None,
     }
 

@@ -19,11 +19,12 @@ from producer_api.batches.files import FileObject, FilePage
 from producer_api.batches.models import BatchCreate, FileDeleted
 from producer_api.batches.queue import cancel_batch, create_batch
 from producer_api.batches.store import BatchObject, BatchPage, BatchStore
+from producer_api.errors import OpenAIRoute
 from producer_api.state import state_of
 from shared.errors import ValidationError
 from shared.redis_connect import connect
 
-router = APIRouter(tags=["Batch"], dependencies=[Depends(authenticate)])
+router = APIRouter(tags=["Batch"], dependencies=[Depends(authenticate)], route_class=OpenAIRoute)
 
 
 def batch_store(request: Request) -> BatchStore:

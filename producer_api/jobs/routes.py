@@ -15,10 +15,12 @@ from producer_api import sse
 from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
 from producer_api.dispatch import Submission
+from producer_api.errors import TgiRoute
 from producer_api.jobs.models import Job, JobCancelled, JobCreated, JobError, JobRequest, JobResult, JobUsage
 from producer_api.models_common import TGI_ERRORS, ErrorBody, inline_schema
+from producer_api.relay import stream_response
 from producer_api.state import AppState, arrival, state_of
-from producer_api.tgi.formatting import stream_events
+from producer_api.tgi.formatting import TgiStream
 from producer_api.tgi.models import StreamResponse
 from producer_api.tokenization import enforce_limits
 from producer_api.validation import check_stops, resolve_deadline, resolve_model, resolve_priority, sampling_spec
@@ -26,7 +28,7 @@ from shared.errors import NotFoundError, ValidationError
 from shared.request_lifecycle import RequestStatus
 from shared.schemas import RequestInfo
 
-router = APIRouter(prefix="/v1/jobs", tags=["Jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["Jobs"], route_class=TgiRoute)
 
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": ErrorBody, "description": "no such job"}}
 JobId = Path(description="The id POST /v1/jobs returned.")
@@ -183,8 +185,13 @@ async def stream_job(
         cancel_if_unfinished=False,
     )
     special = st.tokenizers.special_ids(info.model) if info.model in st.settings.served_models else frozenset()
-    body = stream_events(events, path=request.url.path, seed=None, special_ids=special, with_ids=True)
-    return sse.response(body, "/v1/jobs/{job_id}/stream", headers={"x-request-id": job_id})
+    return stream_response(
+        [events],
+        TgiStream(seed=None, special_ids=special, with_ids=True),
+        route="/v1/jobs/{job_id}/stream",
+        max_buffered=st.settings.stream_buffer_events,
+        headers={"x-request-id": job_id},
+    )
 
 
 @router.delete("/{job_id}", response_model=JobCancelled, responses={**TGI_ERRORS, **_NOT_FOUND}, summary="Cancel a job")

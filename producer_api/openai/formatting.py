@@ -3,18 +3,16 @@ of /v1/completions and /v1/chat/completions (n choices interleaved as their toke
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.metadata
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from producer_api import sse
-from producer_api.dispatch import Dispatcher, as_error, cancel_unfinished
-from producer_api.errors import sse_error_payload
+from producer_api.dispatch import as_error
+from producer_api.errors import OPENAI
 from producer_api.openai.structured import ToolCallStream
-from producer_api.streaming import merge
+from shared.errors import InflightqError
 from shared.schemas import ErrorEvent, FinalResult, TokenEvent
 
 
@@ -85,121 +83,99 @@ def chat_logprobs(tokens: list[TokenEvent]) -> dict[str, Any]:
     }
 
 
-async def relay(
-    reply: Reply,
-    dispatcher: Dispatcher,
-    request_ids: list[str],
-    follow: dict[str, Any],
-    path: str,
-    *,
-    prelude: list[str],
-    on_token: Callable[[int, TokenEvent], str],
-    on_finish: Callable[[int, FinalResult], str],
-) -> AsyncIterator[str]:
-    """The SSE body: prelude, a chunk per token and per finished choice, the usage chunk, [DONE].
-    An error mid-way ends the stream with an error event; choices left unfinished are cancelled."""
-    results: list[FinalResult] = []
-    try:
-        async with cancel_unfinished(dispatcher, request_ids) as finished:
-            for chunk in prelude:
-                yield chunk
-            streams = [dispatcher.events(request_id, **follow) for request_id in request_ids]
-            limit = dispatcher.settings.stream_buffer_events
-            async with contextlib.aclosing(merge(streams, limit)) as merged:
-                async for index, event in merged:
-                    if isinstance(event, TokenEvent):
-                        yield on_token(index, event)
-                        continue
-                    finished.add(event.request_id)
-                    if isinstance(event, ErrorEvent):
-                        yield sse.event(sse_error_payload(path, as_error(event)))
-                        return
-                    results.append(event.result)
-                    yield on_finish(index, event.result)
-    except Exception as exc:
-        yield sse.event(sse_error_payload(path, exc))
-        return
-    if reply.include_usage:
-        yield reply.chunk([], usage(reply.prompts, results), last=True)
-    yield sse.DONE
+class ChoiceStream:
+    """OpenAI's chunk streams (``relay.Formatter``): the opening chunks, a chunk per token and per
+    finished choice, the usage chunk when asked for, ``[DONE]``. A choice that fails ends the stream
+    with an error event and no ``[DONE]``."""
+
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
+        self.results: list[FinalResult] = []
+        self.failed_choice = False
+
+    def opening(self) -> list[str]:
+        return []
+
+    def token(self, choice: int, event: TokenEvent) -> list[str]:
+        raise NotImplementedError
+
+    def finish(self, choice: int, result: FinalResult) -> list[str]:
+        raise NotImplementedError
+
+    def done(self, choice: int, result: FinalResult) -> list[str]:
+        self.results.append(result)
+        return self.finish(choice, result)
+
+    def failed(self, choice: int, event: ErrorEvent) -> list[str]:
+        self.failed_choice = True
+        return self.error(as_error(event))
+
+    async def closing(self) -> list[str]:
+        if self.failed_choice:
+            return []
+        if not self.reply.include_usage:
+            return [sse.DONE]
+        return [self.reply.chunk([], usage(self.reply.prompts, self.results), last=True), sse.DONE]
+
+    def error(self, error: InflightqError) -> list[str]:
+        return [sse.event(OPENAI.body(error))]
 
 
-def completion_stream(
-    reply: Reply,
-    dispatcher: Dispatcher,
-    request_ids: list[str],
-    follow: dict[str, Any],
-    path: str,
-    *,
-    echoes: list[str],
-    logprobs: int | None,
-) -> AsyncIterator[str]:
-    offsets = [len(echoes[i // reply.n]) for i in range(len(request_ids))]
+class CompletionStream(ChoiceStream):
+    """/v1/completions: text chunks; the echoed prompt first; logprobs with text offsets."""
 
-    def choice(index: int, text: str, logprobs_: Any = None, finish: str | None = None) -> str:
-        return reply.chunk([{"index": index, "text": text, "logprobs": logprobs_, "finish_reason": finish}])
+    def __init__(self, reply: Reply, *, choices: int, echoes: list[str], logprobs: int | None) -> None:
+        super().__init__(reply)
+        self.choices = choices
+        self.echoes = echoes
+        self.logprobs = logprobs
+        self.offsets = [len(echoes[i // reply.n]) for i in range(choices)]
 
-    def on_token(index: int, event: TokenEvent) -> str:
-        shown = None if logprobs is None else completion_logprobs([event], offsets[index], logprobs)
-        offsets[index] += len(event.text)
-        return choice(index, event.text, shown)
+    def _choice(self, index: int, text: str, logprobs: Any = None, finish: str | None = None) -> str:
+        return self.reply.chunk([{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}])
 
-    prelude = [choice(i, echoes[i // reply.n]) for i in range(len(request_ids)) if echoes[i // reply.n]]
-    return relay(
-        reply,
-        dispatcher,
-        request_ids,
-        follow,
-        path,
-        prelude=prelude,
-        on_token=on_token,
-        on_finish=lambda index, result: choice(index, "", None, finish_reason(result)),
-    )
+    def opening(self) -> list[str]:
+        n = self.reply.n
+        return [self._choice(i, self.echoes[i // n]) for i in range(self.choices) if self.echoes[i // n]]
+
+    def token(self, choice: int, event: TokenEvent) -> list[str]:
+        shown = None if self.logprobs is None else completion_logprobs([event], self.offsets[choice], self.logprobs)
+        self.offsets[choice] += len(event.text)
+        return [self._choice(choice, event.text, shown)]
+
+    def finish(self, choice: int, result: FinalResult) -> list[str]:
+        return [self._choice(choice, "", None, finish_reason(result))]
 
 
-def chat_stream(
-    reply: Reply,
-    dispatcher: Dispatcher,
-    request_ids: list[str],
-    follow: dict[str, Any],
-    path: str,
-    *,
-    logprobs: bool,
-    tools: bool = False,
-) -> AsyncIterator[str]:
-    def choice(index: int, delta: dict[str, Any], logprobs_: Any = None, finish: str | None = None) -> str:
+class ChatStream(ChoiceStream):
+    """/v1/chat/completions: delta chunks, the role first; with tools, text that may be a tool call
+    is held back until it is a whole call (or plainly text)."""
+
+    def __init__(self, reply: Reply, request_ids: list[str], *, logprobs: bool, tools: bool = False) -> None:
+        super().__init__(reply)
+        self.choices = len(request_ids)
+        self.logprobs = logprobs
+        self.splitters = [ToolCallStream(request_id) for request_id in request_ids] if tools else None
+
+    def _choice(self, index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> str:
         # As TGI: every delta names its role and carries tool_calls (null without calls); TGI's own
         # client requires both, OpenAI's accepts them.
         delta = {"role": "assistant", **delta, "tool_calls": delta.get("tool_calls")}
-        return reply.chunk([{"index": index, "delta": delta, "logprobs": logprobs_, "finish_reason": finish}])
+        return self.reply.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
 
-    if not tools:
-        on_token: Callable[[int, TokenEvent], str] = lambda index, event: choice(  # noqa: E731
-            index, {"content": event.text}, chat_logprobs([event]) if logprobs else None
-        )
-        on_finish: Callable[[int, FinalResult], str] = lambda index, result: choice(  # noqa: E731
-            index, {}, None, finish_reason(result)
-        )
-    else:  # text that may be a tool call is held back until it is a whole call (or plainly text)
-        splitters = [ToolCallStream(request_id) for request_id in request_ids]
-
-        def on_token(index: int, event: TokenEvent) -> str:
-            return "".join(choice(index, delta) for delta in splitters[index].feed(event.text))
-
-        def on_finish(index: int, result: FinalResult) -> str:
-            splitter = splitters[index]
-            tail = "".join(choice(index, delta) for delta in splitter.finish())
-            called = splitter.made_calls and result.finish_reason != "length"
-            return tail + choice(index, {}, None, "tool_calls" if called else finish_reason(result))
-
-    return relay(
-        reply,
-        dispatcher,
-        request_ids,
-        follow,
-        path,
+    def opening(self) -> list[str]:
         # OpenAI's first chunk of each choice names the role.
-        prelude=[choice(i, {"role": "assistant", "content": ""}) for i in range(len(request_ids))],
-        on_token=on_token,
-        on_finish=on_finish,
-    )
+        return [self._choice(i, {"role": "assistant", "content": ""}) for i in range(self.choices)]
+
+    def token(self, choice: int, event: TokenEvent) -> list[str]:
+        if self.splitters is None:
+            return [self._choice(choice, {"content": event.text}, chat_logprobs([event]) if self.logprobs else None)]
+        return [self._choice(choice, delta) for delta in self.splitters[choice].feed(event.text)]
+
+    def finish(self, choice: int, result: FinalResult) -> list[str]:
+        if self.splitters is None:
+            return [self._choice(choice, {}, None, finish_reason(result))]
+        splitter = self.splitters[choice]
+        tail = [self._choice(choice, delta) for delta in splitter.finish()]
+        called = splitter.made_calls and result.finish_reason != "length"
+        return [*tail, self._choice(choice, {}, None, "tool_calls" if called else finish_reason(result))]

@@ -12,17 +12,17 @@ import anyio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from producer_api import sse
 from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
 from producer_api.dispatch import Submission
+from producer_api.errors import OpenAIRoute
 from producer_api.models_common import OPENAI_ERRORS
 from producer_api.openai.formatting import (
+    ChatStream,
+    CompletionStream,
     Reply,
     chat_logprobs,
-    chat_stream,
     completion_logprobs,
-    completion_stream,
     finish_reason,
     system_fingerprint,
     usage,
@@ -42,6 +42,7 @@ from producer_api.openai.structured import (
     template_messages,
     tool_plan,
 )
+from producer_api.relay import Formatter, stream_response
 from producer_api.state import AppState, arrival, state_of
 from producer_api.streaming import unless_disconnected
 from producer_api.tokenization import enforce_limits
@@ -56,7 +57,7 @@ from producer_api.validation import (
 from shared.errors import ModelNotFoundError, UnsupportedParameterError, ValidationError
 from shared.schemas import Constraint
 
-router = APIRouter(prefix="/v1", tags=["OpenAI"])
+router = APIRouter(prefix="/v1", tags=["OpenAI"], route_class=OpenAIRoute)
 
 
 def _stream_doc(chunk_name: str) -> dict[int | str, dict[str, Any]]:
@@ -187,10 +188,8 @@ async def completions(
     reply = reply_for(body, plan, "text_completion", f"cmpl-{ids[0]}")
     follow = follow_kwargs(request, plan, "/v1/completions")
     if body.stream:
-        stream = completion_stream(
-            reply, st.dispatcher, ids, follow, request.url.path, echoes=echoes, logprobs=body.logprobs
-        )
-        return sse.response(stream, "/v1/completions", headers={"x-request-id": ids[0]})
+        formatter = CompletionStream(reply, choices=len(ids), echoes=echoes, logprobs=body.logprobs)
+        return relay_choices(st, ids, follow, formatter)
     gens = await unless_disconnected(request, st.dispatcher.collect_all(ids, **follow))
     choices = []
     for i, gen in enumerate(gens):
@@ -220,6 +219,17 @@ def reply_for(body: SamplingFields, plan: Plan, kind: str, response_id: str) -> 
 def follow_kwargs(request: Request, plan: Plan, route: str) -> dict[str, Any]:
     deadline = plan.submissions[0].deadline
     return {"route": route, "model": plan.model, "started": arrival(request), "deadline": deadline}
+
+
+def relay_choices(st: AppState, request_ids: list[str], follow: dict[str, Any], formatter: Formatter) -> Response:
+    """The SSE response of n choices; choices left unfinished (client gone, error mid-way) are cancelled."""
+    return stream_response(
+        [st.dispatcher.events(request_id, **follow) for request_id in request_ids],
+        formatter,
+        route=follow["route"],
+        max_buffered=st.settings.stream_buffer_events,
+        headers={"x-request-id": request_ids[0]},
+    )
 
 
 # Chat -------------------------------------------------------------------------------------------
@@ -264,8 +274,7 @@ async def chat_completions(
     reply = reply_for(body, plan, "chat.completion.chunk", f"chatcmpl-{ids[0]}")
     follow = follow_kwargs(request, plan, "/v1/chat/completions")
     if body.stream:
-        stream = chat_stream(reply, st.dispatcher, ids, follow, request.url.path, logprobs=body.logprobs, tools=calling)
-        return sse.response(stream, "/v1/chat/completions", headers={"x-request-id": ids[0]})
+        return relay_choices(st, ids, follow, ChatStream(reply, ids, logprobs=body.logprobs, tools=calling))
     gens = await unless_disconnected(request, st.dispatcher.collect_all(ids, **follow))
     choices = []
     for i, gen in enumerate(gens):

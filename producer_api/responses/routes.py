@@ -9,26 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from producer_api import sse
 from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
 from producer_api.dispatch import Submission
-from producer_api.errors import normalize
+from producer_api.errors import OpenAIRoute
 from producer_api.models_common import OPENAI_ERRORS
 from producer_api.openai.structured import template_messages
+from producer_api.relay import stream_response
 from producer_api.responses import objects
+from producer_api.responses.formatting import ResponseStream
 from producer_api.responses.models import (
-    BadRequest,
     ResponsesRequest,
     input_messages,
     items_to_messages,
@@ -43,11 +41,11 @@ from producer_api.state import AppState, arrival, state_of
 from producer_api.streaming import unless_disconnected
 from producer_api.tokenization import enforce_limits
 from producer_api.validation import check_stops, resolve_model, resolve_priority, sampling_spec
-from shared.errors import NotFoundError
+from shared.errors import NotFoundError, ValidationError
 from shared.event_delivery import parse_log_entry
-from shared.schemas import DoneEvent, ErrorEvent, TokenEvent
+from shared.schemas import ErrorEvent, TokenEvent
 
-router = APIRouter(prefix="/v1/responses", tags=["Responses"])
+router = APIRouter(prefix="/v1/responses", tags=["Responses"], route_class=OpenAIRoute)
 _CANCEL_WAIT_S = 5.0
 
 
@@ -117,7 +115,7 @@ async def conversation(st: AppState, body: ResponsesRequest) -> list[dict[str, A
     prev = await load(st, body.previous_response_id, field="previous_response_id")
     final = await current(st, prev)
     if final["status"] not in ("completed", "incomplete"):
-        raise BadRequest(
+        raise ValidationError(
             f"previous response {prev['id']!r} is {final['status']}, not completed", field="previous_response_id"
         )
     # Its output items (text, function calls) are shaped as input items are.
@@ -179,7 +177,7 @@ async def create_response(request: Request, key: ApiKey | None = Depends(authent
     try:
         raw = await request.json()
     except ValueError:
-        raise BadRequest("the body is not valid JSON", field="body") from None
+        raise ValidationError("the body is not valid JSON", field="body") from None
     body = parse(raw)
     model = resolve_model(settings, body.model or settings.model)
     st.tokenizers.get(model)
@@ -257,8 +255,9 @@ async def create_response(request: Request, key: ApiKey | None = Depends(authent
     headers = {"x-request-id": response_id}
     if body.stream:
         first = "queued" if body.background else "in_progress"
-        events = event_stream(st, request, record, -1, first, cancel_if_unfinished=not body.background)
-        return sse.response(events, "/v1/responses", headers=headers)
+        return event_stream(
+            st, request, record, -1, first, route="/v1/responses", cancel_if_unfinished=not body.background
+        )
     if body.background:
         return JSONResponse(objects.response_object(record, "queued"), headers=headers)
 
@@ -274,62 +273,33 @@ async def create_response(request: Request, key: ApiKey | None = Depends(authent
     return JSONResponse(await current(st, record), headers=headers)
 
 
-async def event_stream(
+def event_stream(
     st: AppState,
     request: Request,
     record: dict[str, Any],
     after: int,
     first_status: str,
     *,
+    route: str,
     cancel_if_unfinished: bool,
-) -> AsyncIterator[str]:
-    """The response's numbered events after sequence number ``after``."""
-
-    def frame(event: dict[str, Any]) -> str:
-        payload = json.dumps(event, separators=(",", ":"))
-        return f"id: {event['sequence_number']}\nevent: {event['type']}\ndata: {payload}\n\n"
-
-    log = objects.EventLog(record)
-    for event in log.opening(first_status):
-        if event["sequence_number"] > after:
-            yield frame(event)
-    last = max(after, log.seq - 1)
-    try:
-        events = st.dispatcher.events(
-            record["id"],
-            route="/v1/responses",
-            model=record["model"],
-            started=arrival(request),
-            from_index=log.resume_index(after),
-            cancel_if_unfinished=cancel_if_unfinished,
-        )
-        n_tokens: int | None = None
-        async for event in events:
-            if isinstance(event, TokenEvent):
-                for numbered in log.token(event.index, event.text):
-                    if numbered["sequence_number"] > after:
-                        last = numbered["sequence_number"]
-                        yield frame(numbered)
-                continue
-            if isinstance(event, DoneEvent):
-                n_tokens = len(event.result.token_ids)
-            break
-        final = await current(st, record)
-        if n_tokens is None:  # cancelled or failed: as many deltas as the replay log holds tokens
-            n_tokens = (final.get("usage") or {}).get("output_tokens", 0)
-        for closing in log.closing(n_tokens, final):
-            if closing["sequence_number"] > after:
-                yield frame(closing)
-    except Exception as exc:
-        err = normalize(exc)
-        error = {
-            "type": "error",
-            "sequence_number": last + 1,
-            "code": err.error_type,
-            "message": err.message,
-            "param": err.field,
-        }
-        yield f"event: error\ndata: {json.dumps(error)}\n\n"
+) -> Response:
+    """The SSE response of the response's numbered events after sequence number ``after``."""
+    formatter = ResponseStream(record, after, first_status, lambda: current(st, record))
+    events = st.dispatcher.events(
+        record["id"],
+        route="/v1/responses",
+        model=record["model"],
+        started=arrival(request),
+        from_index=formatter.resume_index,
+        cancel_if_unfinished=cancel_if_unfinished,
+    )
+    return stream_response(
+        [events],
+        formatter,
+        route=route,
+        max_buffered=st.settings.stream_buffer_events,
+        headers={"x-request-id": record["id"]},
+    )
 
 
 @router.get("/{response_id}", responses=OPENAI_ERRORS, summary="Retrieve a response, or stream its events again")
@@ -347,8 +317,7 @@ async def retrieve_response(
         return JSONResponse(await current(st, record))
     first = "queued" if record["params"]["background"] else "in_progress"
     after = -1 if starting_after is None else starting_after
-    events = event_stream(st, request, record, after, first, cancel_if_unfinished=False)
-    return sse.response(events, "/v1/responses/{id}", headers={"x-request-id": response_id})
+    return event_stream(st, request, record, after, first, route="/v1/responses/{id}", cancel_if_unfinished=False)
 
 
 @router.post("/{response_id}/cancel", responses=OPENAI_ERRORS, summary="Cancel a background response")
@@ -356,7 +325,7 @@ async def cancel_response(request: Request, response_id: str, key: ApiKey | None
     st = state_of(request)
     record = await load(st, response_id)
     if not record["params"]["background"]:
-        raise BadRequest("only background responses can be cancelled", field="response_id")
+        raise ValidationError("only background responses can be cancelled", field="response_id")
     try:
         await st.dispatcher.client.cancel(response_id)
     except NotFoundError:

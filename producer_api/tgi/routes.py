@@ -11,11 +11,12 @@ import anyio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from producer_api import sse
 from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
 from producer_api.dispatch import Dispatcher, Submission
+from producer_api.errors import TgiRoute
 from producer_api.models_common import TGI_ERRORS, inline_schema
+from producer_api.relay import stream_response
 from producer_api.state import arrival, state_of
 from producer_api.streaming import unless_disconnected
 from producer_api.strict_schema import strict_schema
@@ -34,7 +35,7 @@ from producer_api.validation import (
 from shared.errors import UnsupportedParameterError, ValidationError
 from shared.schemas import Constraint
 
-router = APIRouter(tags=["TGI"])
+router = APIRouter(tags=["TGI"], route_class=TgiRoute)
 
 _STREAM_DOC: dict[int | str, dict[str, Any]] = {
     200: {
@@ -185,14 +186,18 @@ async def generate_stream(request: Request, body: GenerateRequest, key: ApiKey |
     events = st.dispatcher.events(
         request_id, route=route, model=sub.model, started=arrival(request), deadline=sub.deadline
     )
-    body_stream = formatting.stream_events(
-        events,
-        path=request.url.path,
+    formatter = formatting.TgiStream(
         seed=sub.sampling.seed,
         special_ids=st.tokenizers.special_ids(sub.model),
         prefix=body.inputs if body.parameters.return_full_text else "",
     )
-    return sse.response(body_stream, route, headers={"x-request-id": request_id})
+    return stream_response(
+        [events],
+        formatter,
+        route=route,
+        max_buffered=st.settings.stream_buffer_events,
+        headers={"x-request-id": request_id},
+    )
 
 
 @router.post(

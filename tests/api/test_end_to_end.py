@@ -160,7 +160,7 @@ def test_openai_models_lists_the_live_model(oai: openai.OpenAI, api: ApiServer) 
 
 
 def test_openai_errors_reach_the_sdk_as_its_exceptions(oai: openai.OpenAI, api: ApiServer) -> None:
-    with pytest.raises(openai.UnprocessableEntityError) as info:
+    with pytest.raises(openai.BadRequestError) as info:  # a 400, as OpenAI and vLLM answer
         oai.completions.create(model=api.settings.model, prompt="x", max_tokens=10**6)
     assert "max_tokens" in str(info.value)
     with pytest.raises(openai.NotFoundError) as not_found:
@@ -325,6 +325,30 @@ def test_leaving_a_chat_stream_cancels_every_choice(oai: openai.OpenAI, api: Api
         request_id = stream.response.headers["x-request-id"]
         next(iter(stream))
     assert wait_for_status(http, request_id, {"cancelled"})["status"] == "cancelled"
+
+
+CANCELLED_ON_DISCONNECT = ("inflightq_api_cancelled_on_disconnect_total", frozenset())
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_stream_left_by_its_client_counts_one_cancellation_per_choice(
+    oai: openai.OpenAI, api: ApiServer, http: httpx.Client, n: int
+) -> None:
+    before = metric_samples(http)[CANCELLED_ON_DISCONNECT]
+    stream = oai.chat.completions.create(
+        model=api.settings.model,
+        messages=[{"role": "user", "content": "Go"}],
+        n=n,
+        stream=True,
+        max_tokens=LONG["max_new_tokens"],
+        extra_body={"ignore_eos": True},
+    )
+    with stream:
+        request_id = stream.response.headers["x-request-id"]
+        next(iter(stream))
+    assert wait_for_status(http, request_id, {"cancelled"})["status"] == "cancelled"
+    time.sleep(0.5)  # any second count would come with the first
+    assert metric_samples(http)[CANCELLED_ON_DISCONNECT] == before + n
 
 
 def test_a_non_stream_client_that_leaves_cancels_its_request(api: ApiServer, http: httpx.Client) -> None:

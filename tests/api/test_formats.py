@@ -1,4 +1,5 @@
-"""Wire shapes without a server: queue events -> TGI's SSE events, and SSE framing."""
+"""Wire shapes without a server: queue events -> TGI's SSE events (the relay with TGI's formatter),
+and SSE framing."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import json
 from collections.abc import AsyncIterator
 
 from producer_api import sse
-from producer_api.tgi.formatting import stream_events
+from producer_api.openai.formatting import ChatStream, Reply
+from producer_api.relay import relay as relay_frames
+from producer_api.tgi.formatting import TgiStream
 from shared.errors import ExpiredError
 from shared.schemas import AnyEvent, DoneEvent, ErrorEvent, FinalResult, Timings, TokenEvent, TopLogprob, Usage
 
@@ -28,6 +31,11 @@ def result(text: str, token_ids: list[int]) -> FinalResult:
     )
 
 
+def tgi_stream(source: AsyncIterator[AnyEvent], **kwargs: object) -> AsyncIterator[str]:
+    options = {"seed": 7, "special_ids": frozenset({2})} | kwargs
+    return relay_frames([source], TgiStream(**options), max_buffered=16)  # type: ignore[arg-type]
+
+
 def relay(events: list[AnyEvent] | AsyncIterator[AnyEvent], **kwargs: object) -> list[tuple[str | None, dict]]:
     async def source() -> AsyncIterator[AnyEvent]:
         if isinstance(events, list):
@@ -38,8 +46,7 @@ def relay(events: list[AnyEvent] | AsyncIterator[AnyEvent], **kwargs: object) ->
                 yield event
 
     async def run() -> list[str]:
-        options = {"path": "/generate_stream", "seed": 7, "special_ids": frozenset({2})} | kwargs
-        return [frame async for frame in stream_events(source(), **options)]  # type: ignore[arg-type]
+        return [frame async for frame in tgi_stream(source(), **kwargs)]
 
     parsed = []
     for frame in asyncio.run(run()):
@@ -110,7 +117,7 @@ def test_a_token_goes_out_before_the_next_one_exists() -> None:
             yield token(1, 11, "lo", finish_reason="length")
             yield DoneEvent(request_id="r", result=result("Hello", [10, 11]))
 
-        stream = stream_events(source(), path="/generate_stream", seed=None, special_ids=frozenset())
+        stream = tgi_stream(source(), seed=None, special_ids=frozenset())
         first = await anext(stream)
         assert not second_requested.is_set()
         return [first] + [frame async for frame in stream]
@@ -146,3 +153,55 @@ def test_sse_framing() -> None:
     assert sse.parse_last_event_id(" 12 ") == 12
     assert sse.parse_last_event_id("abc") is None
     assert sse.parse_last_event_id(None) is None
+
+
+# The same relay with OpenAI's chat formatter: n choices, usage, [DONE], a failed choice ----------
+
+
+def chat_frames(streams: list[list[AnyEvent]]) -> list[str]:
+    reply = Reply("chatcmpl-r", "chat.completion.chunk", 1, "m", [[1, 2, 3]], n=len(streams), include_usage=True)
+    closed: list[int] = []
+
+    async def source(i: int, events: list[AnyEvent]) -> AsyncIterator[AnyEvent]:
+        try:
+            for event in events:
+                yield event
+                await asyncio.sleep(0)
+            if not events or isinstance(events[-1], TokenEvent):
+                await asyncio.Event().wait()  # a choice that has not finished yet
+        finally:
+            closed.append(i)
+
+    async def run() -> list[str]:
+        formatter = ChatStream(reply, [f"r{i}" for i in range(len(streams))], logprobs=False)
+        sources = [source(i, events) for i, events in enumerate(streams)]
+        return [frame async for frame in relay_frames(sources, formatter, max_buffered=16)]  # type: ignore[arg-type]
+
+    frames = asyncio.run(run())
+    assert sorted(closed) == list(range(len(streams)))  # every choice's stream is closed at the end
+    return frames
+
+
+def test_an_openai_stream_ends_with_usage_and_done_once_every_choice_finished() -> None:
+    frames = chat_frames(
+        [
+            [token(0, 10, "a", finish_reason="length"), DoneEvent(request_id="r", result=result("a", [10]))],
+            [token(0, 11, "b", finish_reason="length"), DoneEvent(request_id="r", result=result("b", [11]))],
+        ]
+    )
+    assert frames[-1] == sse.DONE
+    usage = json.loads(frames[-2][6:])
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    finishes = [
+        json.loads(f[6:])["choices"][0] for f in frames[:-2] if json.loads(f[6:])["choices"][0]["finish_reason"]
+    ]
+    assert sorted(c["index"] for c in finishes) == [0, 1]
+
+
+def test_a_failed_choice_ends_an_openai_stream_with_an_error_and_no_done() -> None:
+    failure = ErrorEvent(request_id="r", error_type="generation", message="engine broke")
+    frames = chat_frames([[token(0, 10, "a")], [token(0, 11, "b"), failure]])
+    assert json.loads(frames[-1][6:]) == {
+        "error": {"message": "engine broke", "type": "server_error", "param": None, "code": "generation"}
+    }
+    assert sse.DONE not in frames

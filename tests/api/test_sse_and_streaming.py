@@ -59,10 +59,12 @@ def gauge(route: str) -> float:
     return metrics.STREAMS_IN_FLIGHT.labels(route)._value.get()  # type: ignore[attr-defined]
 
 
-async def serve(body: Body, route: str, *, leave_after: int | None = None) -> tuple[list[dict[str, Any]], list[float]]:
+async def serve(
+    body: Body, route: str, *, leave_after: int | None = None, keepalive_s: float = sse.KEEPALIVE_S
+) -> tuple[list[dict[str, Any]], list[float]]:
     """Runs the streaming response as an ASGI app would; the client leaves after ``leave_after``
     body messages. Returns what was sent and the in-flight gauge seen at each body message."""
-    response = sse.response(body(), route, headers={"x-request-id": "r1"})
+    response = sse.response(body(), route, headers={"x-request-id": "r1"}, keepalive_s=keepalive_s)
     sent: list[dict[str, Any]] = []
     seen: list[float] = []
     left = asyncio.Event()
@@ -109,6 +111,39 @@ def test_a_client_leaving_an_idle_stream_closes_it_and_runs_its_cleanup() -> Non
     _, seen = asyncio.run(serve(body, route, leave_after=1))
     assert body.sent == 1 and body.closed, "the body's cleanup (cancelling its request) must run"
     assert seen == [before + 1] and gauge(route) == before
+
+
+def test_a_silent_stream_sends_keep_alive_comments_until_its_client_leaves() -> None:
+    body = Body(frames=None)  # one frame, then silence: a request waiting in the queue
+    sent, _ = asyncio.run(serve(body, "/test-keep-alive", leave_after=3, keepalive_s=0.05))
+    frames = [m["body"] for m in sent if m["type"] == "http.response.body" and m.get("body")]
+    assert frames == [sse.event({"n": 1}).encode(), sse.KEEPALIVE, sse.KEEPALIVE]
+    assert sse.KEEPALIVE.startswith(b":")  # an SSE comment: every client skips it
+    assert body.closed
+
+
+def test_a_stream_whose_frames_keep_coming_sends_no_keep_alive() -> None:
+    async def run() -> list[dict[str, Any]]:
+        async def body() -> AsyncIterator[str]:
+            for n in range(20):  # 0.2 s in all, a frame every 0.01 s
+                await asyncio.sleep(0.01)
+                yield sse.event({"n": n})
+
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.Event().wait()
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "method": "GET", "path": "/"}
+        await sse.response(body(), "/test-busy", keepalive_s=0.05)(scope, receive, send)  # type: ignore[arg-type]
+        return sent
+
+    bodies = [m.get("body") for m in asyncio.run(run()) if m["type"] == "http.response.body"]
+    assert len([b for b in bodies if b]) == 20 and sse.KEEPALIVE not in bodies
 
 
 # Merging n choices --------------------------------------------------------------------------------
