@@ -18,13 +18,6 @@ from producer_api.openai.structured import ToolPlan, response_format_constraint,
 from shared.errors import ValidationError
 from shared.schemas import Constraint
 
-
-class BadRequest(ValidationError):
-    """OpenAI answers 400 (never 422) for a request it cannot take; the param names the field."""
-
-    openai_status = 400
-
-
 # service_tier -> where it lands among the priority levels (0 = most urgent).
 SERVICE_TIERS = ("auto", "default", "flex", "priority")
 
@@ -71,22 +64,22 @@ class ResponsesRequest(BaseModel):
 
 def parse(raw: Any) -> ResponsesRequest:
     if not isinstance(raw, dict):
-        raise BadRequest("the body must be a JSON object", field="body")
+        raise ValidationError("the body must be a JSON object", field="body")
     try:
         body = ResponsesRequest.model_validate(raw)
     except pydantic.ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "body"
         if err["type"] == "extra_forbidden":
-            raise BadRequest(f"unsupported parameter: {field}", field=field) from None
-        raise BadRequest(f"{field}: {err['msg']}", field=field) from None
+            raise ValidationError(f"unsupported parameter: {field}", field=field) from None
+        raise ValidationError(f"{field}: {err['msg']}", field=field) from None
     refuse_unsupported(body)
     return body
 
 
 def refuse_unsupported(body: ResponsesRequest) -> None:
     def no(field: str, why: str = "is not supported by this server") -> None:
-        raise BadRequest(f"unsupported parameter: {field} {why}", field=field)
+        raise ValidationError(f"unsupported parameter: {field} {why}", field=field)
 
     for name in ("reasoning", "prompt", "conversation", "max_tool_calls", "include", "stream_options"):
         if getattr(body, name):
@@ -102,7 +95,7 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
     if body.text and set(body.text) - {"format", "verbosity"}:
         no("text." + sorted(set(body.text) - {"format", "verbosity"})[0])
     if body.background and not body.store:
-        raise BadRequest("background requires store=true", field="store")
+        raise ValidationError("background requires store=true", field="store")
 
 
 def text_format(body: ResponsesRequest) -> tuple[dict[str, Any], Constraint | None]:
@@ -112,23 +105,23 @@ def text_format(body: ResponsesRequest) -> tuple[dict[str, Any], Constraint | No
     if fmt is None:
         return {"type": "text"}, None
     if not isinstance(fmt, dict):
-        raise BadRequest("text.format must be an object with a type", field="text.format")
+        raise ValidationError("text.format must be an object with a type", field="text.format")
     kind = fmt.get("type")
     if kind == "text":
         return {"type": "text"}, None
     if kind == "json_object":
-        return {"type": "json_object"}, _as_bad_request(response_format_constraint, {"type": "json_object"})
+        return {"type": "json_object"}, _in_responses_terms(response_format_constraint, {"type": "json_object"})
     if kind != "json_schema":
-        raise BadRequest("text.format.type must be text, json_object or json_schema", field="text.format.type")
+        raise ValidationError("text.format.type must be text, json_object or json_schema", field="text.format.type")
     name, schema = fmt.get("name"), fmt.get("schema")
     if not isinstance(name, str) or not name:
-        raise BadRequest("text.format.name is required for json_schema", field="text.format.name")
+        raise ValidationError("text.format.name is required for json_schema", field="text.format.name")
     if not isinstance(schema, dict):
-        raise BadRequest("text.format.schema must be a JSON schema object", field="text.format.schema")
+        raise ValidationError("text.format.schema must be a JSON schema object", field="text.format.schema")
     unknown = set(fmt) - {"type", "name", "schema", "strict", "description"}
     if unknown:
-        raise BadRequest(f"unsupported parameter: text.format.{sorted(unknown)[0]}", field="text.format")
-    constraint = _as_bad_request(
+        raise ValidationError(f"unsupported parameter: text.format.{sorted(unknown)[0]}", field="text.format")
+    constraint = _in_responses_terms(
         response_format_constraint, {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
     )
     echo = {"type": "json_schema", "name": name, "schema": schema, "strict": fmt.get("strict")}
@@ -145,7 +138,7 @@ def tools_of(body: ResponsesRequest, answer: Constraint | None) -> ToolPlan | No
     for i, tool in enumerate(body.tools or []):
         unknown = set(tool) - {"type", "name", "description", "parameters", "strict"}
         if unknown:
-            raise BadRequest(f"unsupported parameter: tools[{i}].{sorted(unknown)[0]}", field=f"tools[{i}]")
+            raise ValidationError(f"unsupported parameter: tools[{i}].{sorted(unknown)[0]}", field=f"tools[{i}]")
         chat_tools.append(
             {
                 "type": "function",
@@ -155,18 +148,16 @@ def tools_of(body: ResponsesRequest, answer: Constraint | None) -> ToolPlan | No
     choice: Any = body.tool_choice
     if isinstance(choice, dict):
         choice = {"type": "function", "function": {"name": choice.get("name")}}
-    return _as_bad_request(tool_plan, chat_tools or None, choice, body.parallel_tool_calls, answer)
+    return _in_responses_terms(tool_plan, chat_tools or None, choice, body.parallel_tool_calls, answer)
 
 
-def _as_bad_request(build: Any, *args: Any) -> Any:
-    """The chat route's 422 for a bad constraint or tool, as OpenAI's 400 here (same message and field)."""
+def _in_responses_terms(build: Any, *args: Any) -> Any:
+    """The chat route's error for a bad constraint or tool, naming the Responses API's field (text.format)."""
     try:
         return build(*args)
     except ValidationError as exc:
-        if isinstance(exc, BadRequest):
-            raise
         field = {"response_format": "text.format"}.get(exc.field or "", exc.field)
-        raise BadRequest(exc.message.replace("response_format", "text.format"), field=field) from None
+        raise ValidationError(exc.message.replace("response_format", "text.format"), field=field) from None
 
 
 _ROLES = ("user", "system", "developer", "assistant")
@@ -177,7 +168,7 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
     if not body.input:
-        raise BadRequest("input must not be empty", field="input")
+        raise ValidationError("input must not be empty", field="input")
     return items_to_messages(body.input, "input")
 
 
@@ -188,7 +179,7 @@ def items_to_messages(items: list[Any], field: str) -> list[dict[str, Any]]:
     for i, item in enumerate(items):
         where = f"{field}[{i}]"
         if not isinstance(item, dict):
-            raise BadRequest(f"{where} must be an object", field=where)
+            raise ValidationError(f"{where} must be an object", field=where)
         kind = item.get("type", "message")
         if kind == "function_call":
             call = function_call_of(item, where)
@@ -203,10 +194,10 @@ def items_to_messages(items: list[Any], field: str) -> list[dict[str, Any]]:
             )
             continue
         if kind != "message":
-            raise BadRequest(f"unsupported input item type {kind!r}", field=f"{where}.type")
+            raise ValidationError(f"unsupported input item type {kind!r}", field=f"{where}.type")
         role = item.get("role")
         if role not in _ROLES:
-            raise BadRequest(f"{where}.role must be one of {', '.join(_ROLES)}", field=f"{where}.role")
+            raise ValidationError(f"{where}.role must be one of {', '.join(_ROLES)}", field=f"{where}.role")
         content = item.get("content")
         if isinstance(content, str):
             text = content
@@ -215,16 +206,18 @@ def items_to_messages(items: list[Any], field: str) -> list[dict[str, Any]]:
             for j, part in enumerate(content):
                 ptype = part.get("type") if isinstance(part, dict) else None
                 if ptype not in ("input_text", "output_text", "text"):
-                    raise BadRequest(
+                    raise ValidationError(
                         f"unsupported content part type {ptype!r} (text only: no images, files or audio)",
                         field=f"{where}.content[{j}].type",
                     )
                 if not isinstance(part.get("text"), str):
-                    raise BadRequest("a text part needs a string text", field=f"{where}.content[{j}].text")
+                    raise ValidationError("a text part needs a string text", field=f"{where}.content[{j}].text")
                 parts.append(part["text"])
             text = "".join(parts)
         else:
-            raise BadRequest(f"{where}.content must be a string or a non-empty list of parts", field=f"{where}.content")
+            raise ValidationError(
+                f"{where}.content must be a string or a non-empty list of parts", field=f"{where}.content"
+            )
         out.append({"role": "system" if role == "developer" else role, "content": text})
     return out
 
@@ -238,7 +231,7 @@ def function_call_of(item: dict[str, Any], where: str) -> dict[str, Any]:
     except ValueError:
         parsed = None
     if not isinstance(parsed, dict):
-        raise BadRequest(f"{where}.arguments must be a JSON object (as text)", field=f"{where}.arguments")
+        raise ValidationError(f"{where}.arguments must be a JSON object (as text)", field=f"{where}.arguments")
     return {
         "id": _string(item, "call_id", where),
         "type": "function",
@@ -249,7 +242,7 @@ def function_call_of(item: dict[str, Any], where: str) -> dict[str, Any]:
 def _string(item: dict[str, Any], key: str, where: str) -> str:
     value = item.get(key)
     if not isinstance(value, str) or (not value and key != "arguments"):
-        raise BadRequest(f"{where}.{key} must be a non-empty string", field=f"{where}.{key}")
+        raise ValidationError(f"{where}.{key} must be a non-empty string", field=f"{where}.{key}")
     return value
 
 
@@ -261,7 +254,7 @@ def _call_output(item: dict[str, Any], where: str) -> str:
         isinstance(p, dict) and p.get("type") == "input_text" and isinstance(p.get("text"), str) for p in output
     ):
         return "".join(p["text"] for p in output)
-    raise BadRequest(f"{where}.output must be a string or input_text parts", field=f"{where}.output")
+    raise ValidationError(f"{where}.output must be a string or input_text parts", field=f"{where}.output")
 
 
 def tier_priority(tier: str | None, levels: int, default: int) -> int:

@@ -134,12 +134,12 @@ def test_streamed_json_schema_concatenates_to_valid_json(oai: openai.OpenAI) -> 
         ({"tool_choice": "required"}, "tool_choice", "tools"),
     ],
 )  # fmt: skip
-def test_an_invalid_constraint_is_a_422_naming_the_problem(
+def test_an_invalid_constraint_is_a_400_naming_the_problem(
     api: ApiServer, body: dict[str, Any], field: str, words: str
 ) -> None:
     payload = {"model": "tgi", "messages": ASK, "max_tokens": 5, **body}
     response = httpx.post(f"{api.url}/v1/chat/completions", json=payload)
-    assert response.status_code == 422, response.text
+    assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == field and words in error["message"]
 

@@ -1,5 +1,6 @@
-"""Everything wrong with a request is a 422 (or 413/404) JSON naming the problem, before anything
-is queued; nothing hostile gets a 5xx. No worker is needed."""
+"""Everything wrong with a request is a JSON error naming the problem, before anything is queued: a
+422 on TGI's routes and the jobs API, a 400 on OpenAI's (as OpenAI answers; 413/404 on both); nothing
+hostile gets a 5xx. No worker is needed."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def tgi_error(response: httpx.Response, status: int = 422) -> dict:
     return body
 
 
-def openai_error(response: httpx.Response, status: int = 422) -> dict:
+def openai_error(response: httpx.Response, status: int = 400) -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}, error
@@ -171,6 +172,32 @@ def test_openai_malformed_json_is_400(http: httpx.Client) -> None:
         assert error["type"] == "invalid_request_error" and error["code"] == "invalid_json"
         assert "JSON" in error["message"]
         openai_error(http.post(path), status=400)  # no body at all
+
+
+def test_openai_validation_errors_are_400_invalid_request_error_naming_the_param(
+    http: httpx.Client, api: ApiServer
+) -> None:
+    model = api.settings.model
+    for path, body, param in [
+        ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+        ("/v1/completions", {"model": model, "prompt": "hi", "top_p": 7}, "top_p"),
+        ("/v1/responses", {"model": model, "input": "hi", "temperature": 9}, "temperature"),
+    ]:
+        error = openai_error(http.post(path, json=body), status=400)
+        assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+def test_error_metrics_name_each_failure_by_its_own_type(http: httpx.Client) -> None:
+    http.post("/v1/chat/completions", json={"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]})
+    http.post("/v1/completions", content=b"{", headers=JSON)
+    http.post("/v1/completions", json={"model": "m", "prompt": "hi", "n": 0})
+    text = http.get("/metrics").text
+    for series in (
+        '{error_type="model_not_found",route="/v1/chat/completions",status="404"}',
+        '{error_type="invalid_json",route="/v1/completions",status="400"}',
+        '{error_type="validation",route="/v1/completions",status="400"}',
+    ):
+        assert f"inflightq_api_requests_total{series}" in text, series
 
 
 def test_tgi_routes_keep_tgis_codes_for_the_same_mistakes(http: httpx.Client) -> None:

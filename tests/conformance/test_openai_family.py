@@ -142,6 +142,32 @@ def test_unsupported_parameters_are_400s_naming_them(client: OpenAI, model: str,
     assert refused.value.param == param and param in refused.value.message
 
 
+@pytest.mark.parametrize(
+    ("call", "kwargs", "param"),
+    [
+        ("chat", {"temperature": 5}, "temperature"),
+        ("chat", {"messages": []}, "messages"),
+        ("chat", {"max_completion_tokens": 0}, "max_completion_tokens"),
+        ("completions", {"n": 0}, "n"),
+        ("completions", {"top_p": 2}, "top_p"),
+        ("responses", {"temperature": 5}, "temperature"),
+    ],
+)
+def test_invalid_values_are_400s_the_sdk_raises_as_bad_request(
+    client: OpenAI, model: str, call: str, kwargs: dict[str, object], param: str
+) -> None:
+    """As OpenAI and vLLM answer: a 400 invalid_request_error naming the parameter, never a 422."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        if call == "chat":
+            client.chat.completions.create(**{"model": model, "messages": MESSAGES, "max_tokens": 2, **kwargs})
+        elif call == "completions":
+            client.completions.create(**{"model": model, "prompt": "Hi", "max_tokens": 2, **kwargs})
+        else:
+            client.responses.create(**{"model": model, "input": "Hi", "max_output_tokens": 2, **kwargs})
+    assert refused.value.status_code == 400 and refused.value.param == param
+    assert refused.value.type == "invalid_request_error"
+
+
 def test_litellm(live_api, model: str) -> None:
     litellm = pytest.importorskip("litellm")
     kwargs = {"model": f"hosted_vllm/{model}", "api_base": f"{live_api.url}/v1", "api_key": "unused"}
