@@ -17,13 +17,14 @@ import redis
 
 from shared.keys import Keys
 from shared.settings import Settings
+from tests.api.api_process import ApiProcess, SpawnApi, spawn_api  # noqa: F401 - the fixture
 from tests.api.conftest import ApiServer, WorkerProcess, wait_for_workers
 from tests.worker import paced_worker
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def sdk(api: ApiServer) -> openai.OpenAI:
+def sdk(api: ApiServer | ApiProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=api.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -234,16 +235,20 @@ def test_errors_name_the_parameter(live_api: ApiServer) -> None:
 
 
 def test_cancel_queued_and_api_restart(
-    redis_url: str, run_prefix: str, tiny_model_dir: Path, start_api: Callable[[Settings], ApiServer]
+    redis_url: str,
+    run_prefix: str,
+    tiny_model_dir: Path,
+    spawn_api: SpawnApi,  # noqa: F811
 ) -> None:
-    """No worker at all: a background response waits queued; another API process (a restart) sees it,
-    cancels it, deletes it."""
+    """No worker at all: a background response waits queued; its API process is killed and another
+    (a restart: started beside it, used only after the kill) sees it, cancels it, deletes it."""
     settings = Settings(
         redis_url=redis_url, key_prefix=f"{run_prefix}-rq{uuid.uuid4().hex[:6]}", model=str(tiny_model_dir)
     )
-    first, second = start_api(settings), start_api(settings)
+    first, second = spawn_api(settings), spawn_api(settings, ready=False)
     created = sdk(first).responses.create(input="Wait.", background=True, metadata={"k": "v"})
-    first.stop()
+    first.kill()
+    second.wait_ready()
     client = sdk(second)
     assert client.responses.retrieve(created.id).status == "queued"
     cancelled = client.responses.cancel(created.id)

@@ -16,6 +16,7 @@ import pytest
 from producer_api.batches.store import BatchStore
 from shared.client import QueueClient
 from shared.settings import Settings
+from tests.api.api_process import SpawnApi, spawn_api  # noqa: F401 - the fixture
 from tests.batch.conftest import ROOT, Proc, chat_line, jsonl, wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -161,6 +162,33 @@ def test_cancel_stops_the_batch_and_its_queued_requests(
             seen += [row["custom_id"] for row in jsonl(oai.files.content(file_id).content)]
     assert len(seen) == len(set(seen))
     assert any(row == "batch_cancelled" for row in _error_codes(oai, done.error_file_id))
+
+
+def test_a_batch_outlives_the_api_process_that_created_it(
+    stack_settings: Settings,
+    queue_worker: Proc,
+    batch_worker: Proc,
+    spawn_api: SpawnApi,  # noqa: F811
+) -> None:
+    """The API process that took the file and the batch is SIGKILLed at once; another (started beside
+    it, as in a rolling restart, used only after the kill) serves the file, the batch and its output."""
+    first, second = spawn_api(stack_settings), spawn_api(stack_settings, ready=False)
+    model = stack_settings.model
+    lines = [chat_line(f"r-{i}", model, f"Say {i}", max_tokens=6, ignore_eos=True) for i in range(4)]
+    content = "\n".join(lines).encode()
+    before = openai.OpenAI(base_url=first.url + "/v1", api_key="unused", max_retries=0)
+    uploaded = before.files.create(file=("restart.jsonl", content), purpose="batch")
+    batch = before.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    first.kill()
+
+    after = openai.OpenAI(base_url=second.wait_ready().url + "/v1", api_key="unused", max_retries=0)
+    assert after.files.content(uploaded.id).content == content
+    done = _until(after, batch.id, {"completed"})
+    assert done.request_counts is not None and done.request_counts.completed == 4
+    assert done.output_file_id is not None
+    rows = jsonl(after.files.content(done.output_file_id).content)
+    assert sorted(row["custom_id"] for row in rows) == [f"r-{i}" for i in range(4)]
+    assert all(row["response"]["body"]["usage"]["completion_tokens"] == 6 for row in rows)
 
 
 def _error_codes(oai: openai.OpenAI, file_id: str | None) -> list[str]:
