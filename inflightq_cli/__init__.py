@@ -26,13 +26,17 @@ class _Cli(typer.Typer):
         except (redis.ConnectionError, redis.TimeoutError) as err:
             from shared.settings import get_settings
 
-            url = _redacted(get_settings().redis_url)
+            url = _redacted(_followed_redis_url or get_settings().redis_url)
             print(f"inflightq: Redis at {url} does not answer ({err}); is it running?", file=sys.stderr)
             sys.exit(1)
         except pydantic.ValidationError as err:
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in err.errors())
             print(f"inflightq: bad setting: {problems}", file=sys.stderr)
             sys.exit(2)
+
+
+# The Redis of the running `inflightq up`, once a command chose to follow it (_deployment_settings).
+_followed_redis_url: str | None = None
 
 
 def _redacted(url: str) -> str:
@@ -78,16 +82,50 @@ def up(
         help="Worker i serves Prometheus metrics on this port + i (default INFLIGHTQ_METRICS_PORT, else 9100); "
         "a taken port is replaced by a free one, printed; 0 = free ports.",
     ),
+    private_redis: bool = typer.Option(
+        False, "--private-redis", help="Start a private Redis even when one answers at INFLIGHTQ_REDIS_URL."
+    ),
+    started_at: float | None = typer.Option(
+        None, help="Unix time the ready line counts from (the quick start passes its own, so its install counts)."
+    ),
 ) -> None:
-    """Run everything on this machine: Redis (a private one if none answers), the API, the workers
-    and a batch worker; says "ready" once the API answers with a live worker."""
+    """Run everything on this machine: Redis (a private one if none answers, or with --private-redis),
+    the API, the workers and a batch worker; says "ready" once the API answers with a live worker.
+    While it runs, the CLI in any other shell finds this deployment (inflightq_cli/deployment_file.py)."""
     from inflightq_cli.supervisor import run_stack
     from shared.settings import get_settings
 
     code = run_stack(
-        get_settings(), workers=workers, batch_workers=batch_workers, host=host, port=port, metrics_port=metrics_port
+        get_settings(),
+        workers=workers,
+        batch_workers=batch_workers,
+        host=host,
+        port=port,
+        metrics_port=metrics_port,
+        private_redis=private_redis,
+        started_at=started_at,
     )
     raise typer.Exit(code)
+
+
+def _deployment_settings() -> Settings:
+    """The settings of the deployment the CLI acts on: the environment's, pointed at the running
+    ``inflightq up``'s Redis and key prefix when the environment names neither (said on stderr)."""
+    from inflightq_cli.deployment_file import deployment_path, followed
+    from shared.keys import Keys
+    from shared.settings import get_settings
+
+    global _followed_redis_url
+    settings, deployment = followed(get_settings())
+    if deployment is not None:
+        _followed_redis_url = settings.redis_url
+        where = Keys.for_prefix(settings.key_prefix).described()
+        typer.echo(
+            f"inflightq: following `inflightq up` (pid {deployment.pid}, {deployment_path()}): Redis at "
+            f"{_redacted(settings.redis_url)}, keys under {where}; set INFLIGHTQ_REDIS_URL to choose another",
+            err=True,
+        )
+    return settings
 
 
 # Batches (OpenAI Batch API over RQ) ------------------------------------------------------
@@ -98,6 +136,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from producer_api.batches.store import BatchObject, BatchStore
+    from shared.settings import Settings
 
 
 @contextmanager
@@ -115,9 +154,8 @@ def _batch_errors() -> Iterator[None]:
 def _batch_store() -> BatchStore:
     from producer_api.batches.store import BatchStore
     from shared.redis_connect import connect
-    from shared.settings import get_settings
 
-    settings = get_settings()
+    settings = _deployment_settings()
     return BatchStore(settings, connect(settings, decode_responses=False))  # type: ignore[arg-type]
 
 
@@ -279,11 +317,11 @@ def worker(
 
 @app.command("status")
 def status(model: list[str] | None = typer.Option(None, help="Only these models (default: every model seen).")) -> None:
-    """Print live workers and queue depth per model and priority."""
+    """Print live workers and queue depth per model and priority (of the running `inflightq up`'s
+    deployment unless INFLIGHTQ_REDIS_URL names one)."""
     from shared.client import QueueClient
-    from shared.settings import get_settings
 
-    with QueueClient(get_settings()) as client:
+    with QueueClient(_deployment_settings()) as client:
         if not client.ping():
             typer.echo(f"inflightq: Redis at {_redacted(client.settings.redis_url)} does not answer", err=True)
             raise typer.Exit(1)
@@ -312,9 +350,8 @@ def purge(
     """Delete every key of this deployment (everything under INFLIGHTQ_KEY_PREFIX, RQ's keys included) and
     nothing else: queued work, results, files and batches are gone. Stop the deployment first."""
     from shared.client import QueueClient
-    from shared.settings import get_settings
 
-    with QueueClient(get_settings()) as client:
+    with QueueClient(_deployment_settings()) as client:
         if not client.ping():
             typer.echo(f"inflightq: Redis at {_redacted(client.settings.redis_url)} does not answer", err=True)
             raise typer.Exit(1)

@@ -125,9 +125,10 @@ class PrivateRedis:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def ensure_redis(url: str) -> tuple[str, PrivateRedis | None]:
-    """The URL to use: ``url`` when a server answers there, else a fresh private server's."""
-    if redis_answers(url):
+def ensure_redis(url: str, *, private: bool = False) -> tuple[str, PrivateRedis | None]:
+    """The URL to use: ``url`` when a server answers there (whoever runs it), else, or when asked
+    for ``private``, a fresh private server's."""
+    if not private and redis_answers(url):
         return url, None
     server = PrivateRedis().start()
     return server.url, server

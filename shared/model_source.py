@@ -19,12 +19,17 @@ ALIASES: dict[str, tuple[str, str]] = {
 }
 
 
-def cache_dir() -> Path:
-    """Converted models (GGUF -> safetensors) live here so later loads take a second, not 20."""
+def cache_root() -> Path:
+    """inflightq's files on this machine: INFLIGHTQ_CACHE_DIR, else $XDG_CACHE_HOME/inflightq (~/.cache)."""
     root = os.environ.get("INFLIGHTQ_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "inflightq"
     )
-    return Path(root) / "models"
+    return Path(root)
+
+
+def cache_dir() -> Path:
+    """Converted models (GGUF -> safetensors) live here so later loads take a second, not 20."""
+    return cache_root() / "models"
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from inflightq_cli.redis_cluster import PrivateRedisCluster
-from inflightq_cli.redis_server import ensure_redis
+from inflightq_cli.redis_server import ensure_redis, redis_answers
 from shared.keys import Keys
 from shared.redis_connect import connect
 from shared.settings import Settings
@@ -38,9 +38,31 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         paged_decode_available(settings.kernel_cache)
 
 
+# The Redis the tests use when it answers, whoever runs it (the run's header says so).
+TESTS_REDIS_URL = os.environ.get("INFLIGHTQ_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--private-redis",
+        action="store_true",
+        help=f"Start a private Redis for the run even when one answers at INFLIGHTQ_REDIS_URL ({TESTS_REDIS_URL}).",
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if config.getoption("private_redis") or not redis_answers(TESTS_REDIS_URL):
+        return "redis: a private server this run starts and stops"
+    return (
+        f"redis: the server answering at {TESTS_REDIS_URL}, whoever runs it: this run writes only keys under "
+        f"{Keys.for_prefix(RUN_PREFIX).described()} (its own prefix) and deletes them; --private-redis starts "
+        "a private one instead"
+    )
+
+
 @pytest.fixture(scope="session")
-def redis_url() -> Iterator[str]:
-    url, server = ensure_redis(os.environ.get("INFLIGHTQ_REDIS_URL", "redis://127.0.0.1:6379/0"))
+def redis_url(pytestconfig: pytest.Config) -> Iterator[str]:
+    url, server = ensure_redis(TESTS_REDIS_URL, private=pytestconfig.getoption("private_redis"))
     yield url
     if server is not None:
         server.stop()

@@ -137,3 +137,57 @@ def test_the_product_never_imports_bench() -> None:
     product = [p for part in ("inflightq_cli", "shared", "producer_api", "worker") for p in (REPO / part).rglob("*.py")]
     assert len(product) > 20
     assert [str(p) for p in product if imports_bench.search(p.read_text())] == []
+
+
+# Finding the running `inflightq up` from another shell ----------------------------------------------
+
+
+def running_up_file(redis_url: str, key_prefix: str, pid: int) -> None:
+    """The file a running ``inflightq up`` leaves in its cache directory (INFLIGHTQ_CACHE_DIR)."""
+    from inflightq_cli.deployment_file import Deployment, write_deployment
+
+    write_deployment(Deployment(redis_url, False, key_prefix, "http://127.0.0.1:8000", pid))
+
+
+def test_status_in_another_shell_follows_the_running_up_unless_told_otherwise(
+    env: dict[str, str], redis_url: str, key_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_heartbeat(redis_url, Settings(redis_url=redis_url, key_prefix=key_prefix, model="m"), "w1")
+    monkeypatch.setenv("INFLIGHTQ_CACHE_DIR", str(tmp_path))
+    running_up_file(redis_url, key_prefix, os.getpid())  # this process stands for the running `up`
+    other_shell = {k: v for k, v in env.items() if k not in ("INFLIGHTQ_REDIS_URL", "INFLIGHTQ_KEY_PREFIX")}
+    other_shell["INFLIGHTQ_CACHE_DIR"] = str(tmp_path)
+
+    done = cli("status", env=other_shell)
+    assert done.returncode == 0 and "1 live worker(s)" in done.stdout and "w1" in done.stdout, done
+    assert f"following `inflightq up` (pid {os.getpid()}" in done.stderr and redis_url in done.stderr, done.stderr
+
+    # A Redis or a prefix named in the environment names a deployment: nothing is followed.
+    elsewhere = other_shell | {"INFLIGHTQ_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    one_line_error(cli("status", env=elsewhere), "does not answer")
+    own_prefix = cli("status", env=other_shell | {"INFLIGHTQ_KEY_PREFIX": key_prefix})
+    assert "following" not in own_prefix.stderr, own_prefix.stderr
+
+
+def test_a_stopped_ups_file_is_ignored_and_only_its_own_up_removes_it(
+    redis_url: str, key_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from inflightq_cli.deployment_file import deployment_path, followed, read_deployment, remove_deployment
+
+    gone = subprocess.Popen(["true"])  # a process that has exited: `up` stopped without removing its file
+    gone.wait()
+    monkeypatch.setenv("INFLIGHTQ_CACHE_DIR", str(tmp_path))
+    running_up_file(redis_url, key_prefix, gone.pid)
+    monkeypatch.delenv("INFLIGHTQ_REDIS_URL", raising=False)
+    monkeypatch.delenv("INFLIGHTQ_KEY_PREFIX", raising=False)
+    assert read_deployment() is None
+    assert followed(Settings()) == (Settings(), None)
+
+    running_up_file(redis_url, key_prefix, os.getpid())
+    settings, deployment = followed(Settings())
+    assert deployment is not None and (settings.redis_url, settings.key_prefix) == (redis_url, key_prefix)
+    assert deployment_path().stat().st_mode & 0o077 == 0, "a Redis URL may carry a password: owner only"
+    remove_deployment(gone.pid)  # another `up`, stopping after this one started: not its file
+    assert deployment_path().exists()
+    remove_deployment(os.getpid())
+    assert not deployment_path().exists()
