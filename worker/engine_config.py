@@ -25,6 +25,8 @@ def engine_config(settings: Settings, **overrides: Any) -> EngineConfig:
         "max_prefill_tokens_beside_decodes": settings.max_prefill_tokens_beside_decodes or None,
         "block_size": settings.block_size,
         "num_kv_blocks": settings.num_kv_blocks,
+        # The API admits no longer sequence; the KV cache is sized for max_num_seqs of them.
+        "max_model_len": settings.max_total_tokens,
         # Workers sharing a host each take their share, so the caches together fit the budget.
         "kv_memory_fraction": settings.kv_cache_memory_fraction / settings.workers_per_host,
         "cpu_kernels": settings.cpu_kernels,

@@ -16,13 +16,11 @@ def log_kv_cache(settings: Settings, engine: object) -> None:
     config = engine.config  # type: ignore[attr-defined]
     param = next(engine.model.parameters())  # type: ignore[attr-defined]
     per_block = ModelRunner.kv_bytes_per_block(engine.model, config.block_size, param.dtype)  # type: ignore[attr-defined]
-    how = (
-        "set by num_kv_blocks"
-        if settings.num_kv_blocks
-        else f"{settings.kv_cache_memory_fraction:g} of free memory / {settings.workers_per_host} worker(s) per host"
-    )
+    sized = engine.kv_cache_size  # type: ignore[attr-defined]
+    budget = f"{settings.kv_cache_memory_fraction:g} of free memory / {settings.workers_per_host} worker(s) per host"
+    how = "set by num_kv_blocks" if sized is None else sized.described(budget)
     logging.getLogger("inflightq.worker").info(
-        "KV cache: %d blocks of %d tokens, %.1f MiB (%s)",
+        "KV cache: %d blocks of %d tokens, %.1f MiB: %s",
         config.num_kv_blocks,
         config.block_size,
         config.num_kv_blocks * per_block / 2**20,

@@ -1,10 +1,13 @@
-"""KV sizing reads the memory cgroup: a worker in a container with a memory limit sizes its cache
-from what the limit leaves, not from the host's MemAvailable (which a container reads too). And the
-weights' memory asks the kernel for 2 MB pages."""
+"""KV sizing: the cache holds what the batch can use (max_num_seqs sequences of max_model_len
+tokens), capped by the memory budget; the budget reads the memory cgroup: a worker in a container
+with a memory limit sizes its cache from what the limit leaves, not from the host's MemAvailable
+(which a container reads too). And the weights' memory asks the kernel for 2 MB pages."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,10 +15,11 @@ import torch
 from worker.engine.core.memory import (
     HUGE_PAGE_BYTES,
     anonymous_memory,
-    auto_num_kv_blocks,
     available_memory_bytes,
     cgroup_memory_headroom,
+    kv_cache_size,
 )
+from worker.engine.model.model_runner import ModelRunner
 
 GiB = 1 << 30
 
@@ -67,9 +71,36 @@ def test_a_limited_cgroup_sizes_the_cache(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setattr(memory, "cgroup_memory_headroom", lambda: 64 << 20)
     # 25% of the 64 MiB the limit leaves, in 1 MiB blocks; the host's free memory is far larger.
-    assert auto_num_kv_blocks(1 << 20, torch.device("cpu"), max_blocks=10_000) == 16
+    big_batch = {"max_num_seqs": 10, "max_model_len": 16_000, "block_size": 16}  # 10,000 blocks
+    assert kv_cache_size(1 << 20, torch.device("cpu"), **big_batch).num_blocks == 16
     monkeypatch.setattr(memory, "cgroup_memory_headroom", lambda: 400 << 20)
-    assert auto_num_kv_blocks(1 << 20, torch.device("cpu"), max_blocks=10_000) == 100
+    assert kv_cache_size(1 << 20, torch.device("cpu"), **big_batch).num_blocks == 100
+
+
+# SmolLM2-135M's KV in bfloat16: 30 layers x (K, V) x 3 heads x 64 dims x 2 bytes a token, 16 tokens a block.
+SMOLLM2_BLOCK = 30 * 2 * 3 * 64 * 2 * 16
+
+
+def test_the_cache_holds_what_the_batch_can_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    import worker.engine.core.memory as memory
+
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 16 * GiB)
+    size = kv_cache_size(SMOLLM2_BLOCK, torch.device("cpu"), max_num_seqs=8, max_model_len=2048, block_size=16)
+    assert size.num_blocks == 8 * 128 and size.set_by_batch  # 360 MiB, not a quarter of the 16 GiB
+    assert "8 sequences x 2048 tokens can use" in size.described()
+    # 64 x 8192 tokens would take 11.25 GiB: the budget (a quarter of 16 GiB) holds less, and caps it.
+    size = kv_cache_size(SMOLLM2_BLOCK, torch.device("cpu"), max_num_seqs=64, max_model_len=8192, block_size=16)
+    assert size.num_blocks == 4 * GiB // SMOLLM2_BLOCK and not size.set_by_batch
+    assert "4.0 GiB" in size.described() and "less than the 11.2 GiB 64 sequences x 8192 tokens" in size.described()
+
+
+def test_an_engine_told_no_block_count_sizes_for_its_batch(make_engine: Callable[..., Any]) -> None:
+    engine = make_engine(num_kv_blocks=None, max_num_seqs=4, max_model_len=128, block_size=16)
+    assert engine.config.num_kv_blocks == 4 * 128 // 16 == engine.num_total_blocks
+    assert engine.kv_cache_size is not None and engine.kv_cache_size.set_by_batch
+    per_block = ModelRunner.kv_bytes_per_block(engine.model, 16, next(engine.model.parameters()).dtype)
+    assert engine.kv_cache_size.bytes_per_block == per_block
+    assert make_engine(num_kv_blocks=64).kv_cache_size is None  # the caller's count stands
 
 
 def test_available_memory_is_at_most_the_host_s() -> None:

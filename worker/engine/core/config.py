@@ -21,7 +21,8 @@ class EngineConfig:
     # for the step in progress) under load; a step without decodes still prefills at full budget.
     max_prefill_tokens_beside_decodes: int | None = None
     block_size: int = 16  # tokens per KV cache block
-    num_kv_blocks: int | None = None  # None: sized from free memory (kv_memory_fraction of it)
+    # None: what max_num_seqs sequences of max_model_len tokens fill, at most kv_memory_fraction of free memory.
+    num_kv_blocks: int | None = None
     kv_memory_fraction: float = 0.25  # of the memory free at start; processes sharing it each take a share
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings (and what the KV cache holds)

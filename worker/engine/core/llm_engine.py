@@ -17,7 +17,7 @@ from typing import Any
 
 from worker.engine.core.block_manager import BlockManager
 from worker.engine.core.config import EngineConfig
-from worker.engine.core.memory import auto_num_kv_blocks
+from worker.engine.core.memory import KvCacheSize, kv_cache_size
 from worker.engine.core.outputs import EngineEvent, EngineLoad, EngineStats, FinishReason, RunningLoad
 from worker.engine.core.policy import Policy
 from worker.engine.core.scheduler import Scheduler
@@ -46,13 +46,17 @@ class LLMEngine:
         )
         param = next(model.parameters())
         num_kv_blocks = config.num_kv_blocks
+        self.kv_cache_size: KvCacheSize | None = None  # how it was sized, when the caller did not say
         if num_kv_blocks is None:
-            num_kv_blocks = auto_num_kv_blocks(
+            self.kv_cache_size = kv_cache_size(
                 ModelRunner.kv_bytes_per_block(model, config.block_size, param.dtype),
                 param.device,
-                max_blocks=config.max_num_seqs * -(-max_model_len // config.block_size),
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=max_model_len,
+                block_size=config.block_size,
                 fraction=config.kv_memory_fraction,
             )
+            num_kv_blocks = self.kv_cache_size.num_blocks
         max_model_len = min(max_model_len, num_kv_blocks * config.block_size)
         self.config = config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len)
         self.max_model_len = max_model_len

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -83,11 +84,53 @@ def _headroom(directory: Path, limit_file: str, usage_file: str, inactive_key: s
     return max(0, int(raw) - max(0, usage - reclaimable))
 
 
-def auto_num_kv_blocks(
-    bytes_per_block: int, device: torch.device, *, max_blocks: int, fraction: float = KV_MEMORY_FRACTION
-) -> int:
+MIN_KV_BLOCKS = 16
+
+
+@dataclass(frozen=True)
+class KvCacheSize:
+    """The KV cache the engine takes when the caller does not say: what its batch can use at most
+    (``max_num_seqs`` sequences of ``max_model_len`` tokens, in blocks), unless the memory budget (a
+    fraction of the memory free at start) holds less."""
+
+    num_blocks: int
+    bytes_per_block: int
+    max_num_seqs: int
+    max_model_len: int
+    batch_blocks: int  # what the batch can use at most
+    budget_bytes: int  # what the memory fraction allows
+
+    @property
+    def set_by_batch(self) -> bool:
+        return self.num_blocks >= self.batch_blocks
+
+    def described(self, budget: str = "kv_memory_fraction of free memory") -> str:
+        """Its size's reason, for the worker's start; ``budget``: how the memory budget was set."""
+        gib = 1 << 30
+        batch = f"{self.max_num_seqs} sequences x {self.max_model_len} tokens"
+        allowed = f"{self.budget_bytes / gib:.1f} GiB ({budget})"
+        if self.set_by_batch:
+            return f"what {batch} can use (max_num_seqs x max_model_len), within {allowed}"
+        need = self.batch_blocks * self.bytes_per_block / gib
+        return f"{allowed}, less than the {need:.1f} GiB {batch} could use (max_num_seqs x max_model_len)"
+
+
+def kv_cache_size(
+    bytes_per_block: int,
+    device: torch.device,
+    *,
+    max_num_seqs: int,
+    max_model_len: int,
+    block_size: int,
+    fraction: float = KV_MEMORY_FRACTION,
+) -> KvCacheSize:
+    """Sized for the batch: blocks beyond what ``max_num_seqs`` full-length sequences fill would only
+    keep more prefixes cached, so a small model does not take a quarter of the machine; the memory
+    budget caps it."""
+    batch_blocks = max_num_seqs * -(-max_model_len // block_size)
     budget = int(available_memory_bytes(device) * fraction)
-    return max(16, min(budget // bytes_per_block, max_blocks))
+    num_blocks = max(MIN_KV_BLOCKS, min(budget // bytes_per_block, batch_blocks))
+    return KvCacheSize(num_blocks, bytes_per_block, max_num_seqs, max_model_len, batch_blocks, budget)
 
 
 HUGE_PAGE_BYTES = 2 << 20  # x86-64's transparent huge page
