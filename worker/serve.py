@@ -20,7 +20,7 @@ def log_kv_cache(settings: Settings, engine: object) -> None:
     budget = f"{settings.kv_cache_memory_fraction:g} of free memory / {settings.workers_per_host} worker(s) per host"
     how = "set by num_kv_blocks" if sized is None else sized.described(budget)
     logging.getLogger("inflightq.worker").info(
-        "KV cache: %d blocks of %d tokens, %.1f MiB: %s",
+        "KV cache: %d blocks of %d tokens, %.1f MiB (%s)",
         config.num_kv_blocks,
         config.block_size,
         config.num_kv_blocks * per_block / 2**20,
