@@ -187,15 +187,17 @@ class Settings(BaseSettings):
     workers_per_host: int = Field(
         1,
         ge=1,
-        description="Workers sharing this host's memory (or GPU); their KV caches together fit "
-        "kv_cache_memory_fraction. `inflightq up --workers N` sets it to N.",
+        description="Workers sharing this host's memory (or GPU) and CPUs; their KV caches together fit "
+        "kv_cache_memory_fraction, and each runs its share of the CPUs (torch_threads 0). `inflightq up --workers N` "
+        "sets it to N.",
     )
     block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
     torch_threads: int = Field(
         0,
         ge=0,
-        description="Intra-op CPU threads per worker; 0 = torch's default (all cores). "
-        "`inflightq up --workers N` gives each worker its share of the cores.",
+        description="Intra-op CPU threads per worker; 0 = as many as the CPUs the worker may use (its affinity and "
+        "cgroup CPU quota; divided among workers_per_host, which `inflightq up --workers N` sets), fewer while "
+        "other processes take some of them (looked at every second); N = exactly N.",
     )
     cpu_kernels: bool = Field(
         True,

@@ -35,6 +35,9 @@ def engine_config(settings: Settings, **overrides: Any) -> EngineConfig:
         "compile_cache_dir": settings.compile_cache,
         "compile_dynamic": settings.compile_dynamic,
         "cuda_graphs": {"on": True, "off": False}.get(settings.cuda_graphs, settings.cuda_graphs),
+        # Workers sharing a host share its CPUs as they share its memory.
+        "cpu_threads": settings.torch_threads,
+        "cpu_share": 1 / settings.workers_per_host,
     }
     return EngineConfig(**(fields | overrides))
 

@@ -36,10 +36,6 @@ def run_worker(settings: Settings, *, name: str | None = None) -> int:
     from worker.engine_config import engine_config, settings_dtype
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if settings.torch_threads:
-        # Several workers on one CPU each running all-core OpenMP regions stall on each other's
-        # barriers (measured: 2 workers x 2 threads on 2 cores gave 0.24x one worker's throughput).
-        torch.set_num_threads(settings.torch_threads)
     device = resolve_device(settings.device)
     dtype = settings_dtype(settings, device)
     engine = LLMEngine.from_config(engine_config(settings, device=device, dtype=dtype))

@@ -111,6 +111,18 @@ def test_a_worker_runs_the_threads_it_is_given_and_reports_them(spawn_worker, cl
     assert {w.name: w.threads for w in client.live_workers()} == {"one-thread": 1, "two-threads": 2}
 
 
+def test_a_worker_runs_its_share_of_the_cpus_it_may_use_not_torchs_count(spawn_worker, client) -> None:
+    from worker.engine.core.cpu_threads import affinity, cgroup_cpu_quota, usable_cpus
+
+    # torch alone would run 64 threads here (OMP_NUM_THREADS), whatever the CPUs.
+    many = {"OMP_NUM_THREADS": "64"}
+    spawn_worker("alone", env=many)
+    spawn_worker("one-of-two", env={**many, "INFLIGHTQ_WORKERS_PER_HOST": "2"})
+    cpus, quota = len(affinity()), cgroup_cpu_quota()
+    expected = {"alone": usable_cpus(cpus, quota), "one-of-two": usable_cpus(cpus, quota, 1 / 2)}
+    assert {w.name: w.threads for w in client.live_workers()} == expected
+
+
 def test_a_hung_engine_loop_exits_the_worker_and_its_request_is_taken_over(spawn_worker, client, reference) -> None:
     hangs = spawn_worker("hangs", env={"INFLIGHTQ_ENGINE_STALL_S": "2"}, script=faulty_worker.SCRIPT)
     stuck_prompt = [5, faulty_worker.HANG_TOKEN, 6]

@@ -45,6 +45,11 @@ class EngineConfig:
     # capture fails the start; "eager": the same padded step uncaptured.
     cuda_graphs: bool | str = "auto"
     converted_model_dir: str | None = None  # a .gguf's de-quantized copy; None: ~/.cache/inflightq/models/<name>
+    # Intra-op CPU threads (worker/engine/core/cpu_threads.py): None leaves torch's setting alone; N > 0 runs N;
+    # 0 runs as many as the CPUs this process may use (affinity, cgroup quota) times cpu_share, fewer while
+    # other processes take some of them.
+    cpu_threads: int | None = None
+    cpu_share: float = 1.0  # with cpu_threads=0: this engine's share of those CPUs (engines sharing a host)
 
     @property
     def name(self) -> str:

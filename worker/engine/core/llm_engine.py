@@ -17,6 +17,7 @@ from typing import Any
 
 from worker.engine.core.block_manager import BlockManager
 from worker.engine.core.config import EngineConfig
+from worker.engine.core.cpu_threads import thread_governor
 from worker.engine.core.memory import KvCacheSize, kv_cache_size
 from worker.engine.core.outputs import EngineEvent, EngineLoad, EngineStats, FinishReason, RunningLoad
 from worker.engine.core.policy import Policy
@@ -71,6 +72,7 @@ class LLMEngine:
             max_prefill_tokens_beside_decodes=config.max_prefill_tokens_beside_decodes,
             clock=clock,
         )
+        self.cpu_threads = thread_governor(config.cpu_threads, config.cpu_share, param.device)
         self.runner = ModelRunner(model, config)
         self.stats.warmup_s = self.runner.warmup_s
         self.sampler = Sampler(text_config.vocab_size, param.device)
@@ -198,6 +200,8 @@ class LLMEngine:
     def step(self) -> list[EngineEvent]:
         with self._lock:
             started = time.perf_counter()
+            if self.cpu_threads is not None:
+                self.cpu_threads.tick()
             events, self._pending = self._pending, []
             batch = self.scheduler.schedule()
             for seq in batch.expired:
