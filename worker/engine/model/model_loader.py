@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import entry_points
+from importlib.metadata import distributions
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +35,11 @@ class _Location:
 def installed_resolver() -> Resolve | None:
     """The resolver the installed distribution declares in the ``inflightq.model_names`` entry point
     group; None where none does (a spec is then opened as given)."""
-    for entry in entry_points(group=RESOLVER_GROUP):
-        return entry.load()
+    # Every distribution on the path, not entry_points(): that keeps only the first of each name,
+    # and a stale inflightq.egg-info in a checkout's root would hide the installed one.
+    for dist in distributions():
+        for entry in dist.entry_points.select(group=RESOLVER_GROUP):
+            return entry.load()
     return None
 
 
