@@ -9,7 +9,9 @@ follows it. Without the pacing, a broken subscription or a publisher that holds 
 passes every other test: the safety net delivers everything, a second late, in bursts.
 
 Verified by mutation (the commit says how): subscribing to a wrong channel in the client or a
-publisher writing to a wrong channel makes every test here fail."""
+publisher writing to a wrong channel makes every test here fail. A subscription that drops what it
+receives still delivers on time (each message wakes its follower, which then reads the log), so the
+followers' tests also require that nothing came from the log's idle check."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,7 @@ import redis
 
 from shared.async_client import AsyncQueueClient
 from shared.client import QueueClient
-from shared.client_core import IdleBackoff, remaining
+from shared.client_core import IdleBackoff, QueueCore, remaining
 from shared.keys import Keys
 from shared.schemas import DoneEvent, SamplingSpec
 from shared.settings import Settings
@@ -72,11 +75,34 @@ def paced(
         worker.stop()
 
 
+@dataclass
+class LogReads:
+    """What the followers in this process took from the replay log after a wait on pub/sub (the
+    safety net's idle check). Empty while pub/sub delivers: a subscription that drops or cannot
+    parse its messages still gets every token on time that way, woken by each message it dropped."""
+
+    events: list[Any] = field(default_factory=list)
+
+    def assert_none(self) -> None:
+        assert not self.events, f"delivered by the replay log's idle check, not by pub/sub: {self.events}"
+
+
 @pytest.fixture
-def pubsub_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def pubsub_only(monkeypatch: pytest.MonkeyPatch) -> LogReads:
     """Followers (the queue clients and the API, which runs in this process) never fall back to the
-    replay log after a silent wait: with the fallback, a broken subscription still delivers."""
+    replay log after a silent wait: with the fallback, a broken subscription still delivers. What
+    they read from the log after any wake-up is recorded: the tests require none."""
     monkeypatch.setattr(IdleBackoff, "timeout", lambda self, deadline: remaining(deadline, 3600.0))
+    reads = LogReads()
+    idle_check = QueueCore.idle_check
+
+    def recorded(self: QueueCore, request_id: str, sequencer: Any) -> Any:
+        out, queued = yield from idle_check(self, request_id, sequencer)
+        reads.events += out
+        return out, queued
+
+    monkeypatch.setattr(QueueCore, "idle_check", recorded)
+    return reads
 
 
 @pytest.fixture
@@ -157,7 +183,7 @@ def release_on_failure(r: redis.Redis, prefix: str, request_id: str) -> None:
 # The Python clients -------------------------------------------------------------------------
 
 
-def test_sync_client_receives_each_token_before_the_next_step(paced: ApiServer, pubsub_only: None, r) -> None:
+def test_sync_client_receives_each_token_before_the_next_step(paced: ApiServer, pubsub_only: LogReads, r) -> None:
     settings = paced.settings
     with QueueClient(settings) as client:
         request_id = client.submit(settings.model, PROMPT, SamplingSpec(max_new_tokens=TOKENS, ignore_eos=True))
@@ -173,9 +199,10 @@ def test_sync_client_receives_each_token_before_the_next_step(paced: ApiServer, 
     tokens, (done,) = got[:TOKENS], got[TOKENS:]
     assert [t.index for t in tokens] == list(range(TOKENS))
     assert isinstance(done, DoneEvent) and done.result.token_ids == [t.token_id for t in tokens]
+    pubsub_only.assert_none()
 
 
-def test_async_client_receives_each_token_before_the_next_step(paced: ApiServer, pubsub_only: None, r) -> None:
+def test_async_client_receives_each_token_before_the_next_step(paced: ApiServer, pubsub_only: LogReads, r) -> None:
     settings = paced.settings
     with QueueClient(settings) as client:
         request_id = client.submit(settings.model, PROMPT, SamplingSpec(max_new_tokens=TOKENS, ignore_eos=True))
@@ -195,6 +222,7 @@ def test_async_client_receives_each_token_before_the_next_step(paced: ApiServer,
     tokens, (done,) = got[:TOKENS], got[TOKENS:]
     assert [t.index for t in tokens] == list(range(TOKENS))
     assert isinstance(done, DoneEvent) and done.result.token_ids == [t.token_id for t in tokens]
+    pubsub_only.assert_none()
 
 
 # A consumer of Redis itself, by the documented contract ---------------------------------------
@@ -278,7 +306,7 @@ def stream_route(
             release_on_failure(r, prefix, request_id)
 
 
-def test_tgi_generate_stream_sends_each_token_before_the_next_step(paced: ApiServer, pubsub_only: None, r) -> None:
+def test_tgi_generate_stream_sends_each_token_before_the_next_step(paced: ApiServer, pubsub_only: LogReads, r) -> None:
     body = {"inputs": "Hello there", "parameters": {"max_new_tokens": TOKENS, "details": True, "ignore_eos": True}}
     _, frames = stream_route(paced, r, "POST", "/generate_stream", body)
     assert len(frames) == TOKENS  # TGI: one event per token, the last one carries the result
@@ -286,9 +314,10 @@ def test_tgi_generate_stream_sends_each_token_before_the_next_step(paced: ApiSer
     assert frames[-1]["generated_text"] == "".join(f["token"]["text"] for f in frames)
     assert frames[-1]["details"]["finish_reason"] == "length"
     assert frames[-1]["details"]["generated_tokens"] == TOKENS
+    pubsub_only.assert_none()
 
 
-def test_openai_chat_stream_sends_each_token_before_the_next_step(paced: ApiServer, pubsub_only: None, r) -> None:
+def test_openai_chat_stream_sends_each_token_before_the_next_step(paced: ApiServer, pubsub_only: LogReads, r) -> None:
     body = {
         "model": paced.settings.model,
         "messages": [{"role": "user", "content": "Hello"}],
@@ -307,9 +336,10 @@ def test_openai_chat_stream_sends_each_token_before_the_next_step(paced: ApiServ
     assert all(d.get("role", "assistant") == "assistant" for d in deltas), tokens
     assert [c["choices"][0]["finish_reason"] for c in rest[:-1]] == ["length"]
     assert rest[-1] == "[DONE]"
+    pubsub_only.assert_none()
 
 
-def test_job_stream_sends_each_token_before_the_next_step(paced: ApiServer, pubsub_only: None, r) -> None:
+def test_job_stream_sends_each_token_before_the_next_step(paced: ApiServer, pubsub_only: LogReads, r) -> None:
     with paced.client() as http:
         created = http.post("/v1/jobs", json={"prompt": PROMPT, "max_new_tokens": TOKENS, "ignore_eos": True})
     assert created.status_code == 202, created.text
@@ -319,3 +349,4 @@ def test_job_stream_sends_each_token_before_the_next_step(paced: ApiServer, pubs
     assert len(frames) == TOKENS
     assert frames[-1]["details"]["finish_reason"] == "length"
     assert frames[-1]["generated_text"] == "".join(f["token"]["text"] for f in frames)
+    pubsub_only.assert_none()
