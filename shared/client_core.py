@@ -301,7 +301,9 @@ class QueueCore:
         request = normalize(self.settings, request)
         yield from self.ensure_groups(request.model)
         model_streams = [self.keys.stream(request.model, p) for p in range(self.settings.priority_levels)]
-        first = hash_fields(request.id, request.model, request.priority, request.submitted_at, request.attempt)
+        first = hash_fields(
+            request.id, request.model, request.priority, request.submitted_at, request.attempt, request.tenant
+        )
         # The hash first, in the request's slot; then the entry, in the model's (another node on a
         # Cluster): a worker never reads an entry whose hash is still to come.
         # A reused id is refused here, before anything is written: the request that owns it stays untouched.

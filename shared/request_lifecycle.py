@@ -14,6 +14,7 @@ Who moves it: the API/client writes ``queued`` (``CREATE`` then ``ENQUEUE``) and
 Where it is stored: the request hash (``keys.request``), with a TTL:
 
     id, model, priority, submitted_at   written by CREATE (see ``hash_fields``)
+    tenant                              CREATE, when set: with API keys, the key that owns it
     status                              the state above; written only by the scripts below
     entry_id                            the priority-stream entry it belongs to, written by the
                                         first START (until then: the entry with its submitted_at)
@@ -101,9 +102,11 @@ DELIVERIES = "deliveries"
 ATTEMPT = "attempt"
 
 
-def hash_fields(request_id: str, model: str, priority: int, submitted_at: float, attempt: int) -> dict[str, str]:
+def hash_fields(
+    request_id: str, model: str, priority: int, submitted_at: float, attempt: int, tenant: str | None = None
+) -> dict[str, str]:
     """The request hash as CREATE first writes it (plain values: ``shared.schemas`` imports this module)."""
-    return {
+    fields = {
         "id": request_id,
         STATUS: RequestStatus.QUEUED.value,
         "model": model,
@@ -112,6 +115,9 @@ def hash_fields(request_id: str, model: str, priority: int, submitted_at: float,
         ATTEMPT: str(attempt),
         DELIVERIES: "0",
     }
+    if tenant:
+        fields["tenant"] = tenant
+    return fields
 
 
 def _lua_can_move() -> str:

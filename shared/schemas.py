@@ -245,6 +245,7 @@ class RequestInfo(BaseModel):
     worker: str | None = None
     attempt: int = 0
     deliveries: int = 0
+    tenant: str | None = None  # with API keys: the key that owns it
     result: FinalResult | None = None
     error: ErrorEvent | None = None
 
@@ -265,6 +266,7 @@ class RequestInfo(BaseModel):
             worker=fields.get("worker") or None,
             attempt=int(fields.get("attempt") or 0),
             deliveries=int(fields.get("deliveries") or 0),
+            tenant=fields.get("tenant") or None,
             result=FinalResult.model_validate_json(fields["result"]) if fields.get("result") else None,
             error=ErrorEvent.model_validate_json(fields["error"]) if fields.get("error") else None,
         )

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import redis
 from pydantic import BaseModel
 
+from producer_api.ownership import visible
 from shared.errors import NotFoundError, PayloadTooLargeError, ValidationError
 from shared.keys import Keys
 from shared.settings import Settings
@@ -138,7 +139,7 @@ class FileStore:
 
     def _visible(self, file_id: str, owner: str | None) -> dict[str, str]:
         meta = self._meta(file_id)
-        if owner is not None and meta.get("owner") != owner:
+        if not visible(meta.get("owner"), owner):
             raise NotFoundError(f"no file {file_id!r}")
         return meta
 
@@ -180,7 +181,7 @@ class FileStore:
                     start -= 1
                     continue
                 item = self._object(meta)
-                if (purpose is None or item.purpose == purpose) and (owner is None or meta.get("owner") == owner):
+                if (purpose is None or item.purpose == purpose) and visible(meta.get("owner"), owner):
                     if len(found) == limit:
                         has_more = True
                         break

@@ -13,13 +13,13 @@ from email.policy import HTTP
 from anyio import to_thread
 from fastapi import APIRouter, Depends, Query, Request, Response
 
-from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
 from producer_api.batches.files import FileObject, FilePage
 from producer_api.batches.models import BatchCreate, FileDeleted
 from producer_api.batches.queue import cancel_batch, create_batch
 from producer_api.batches.store import BatchObject, BatchPage, BatchStore
 from producer_api.errors import OpenAIRoute
+from producer_api.ownership import owner_of
 from producer_api.state import state_of
 from shared.errors import ValidationError
 from shared.redis_connect import connect
@@ -35,12 +35,6 @@ def batch_store(request: Request) -> BatchStore:
         store = BatchStore(settings, connect(settings, socket_connect_timeout=2.0))  # type: ignore[arg-type]
         request.app.state.batch_store = store
     return store
-
-
-def owner_of(key: ApiKey | None = Depends(authenticate)) -> str | None:
-    """Files and batches belong to the API key that made them; with auth off, to everyone.
-    (FastAPI runs ``authenticate`` once per request, though the router depends on it too.)"""
-    return key.key_id if key else None
 
 
 def _form_parts(content_type: str, body: bytes) -> dict[str, Message]:

@@ -26,6 +26,7 @@ import redis
 from pydantic import BaseModel, Field
 
 from producer_api.batches.files import FileStore, as_text, unix_now
+from producer_api.ownership import visible
 from shared.errors import NotFoundError, ValidationError
 from shared.keys import Keys
 from shared.settings import Settings
@@ -254,7 +255,7 @@ class BatchStore:
         raw = self.redis.hgetall(self.keys.batch(batch_id))
         f = {as_text(k): as_text(v) for k, v in raw.items()}  # type: ignore[union-attr]
         # Another key's batch does not exist, as far as this key can tell.
-        if not f or (owner is not None and f.get("owner") != owner):
+        if not f or not visible(f.get("owner"), owner):
             raise NotFoundError(f"no batch {batch_id!r}")
         return f
 
@@ -330,7 +331,7 @@ class BatchStore:
                     self.redis.zrem(self.keys.batches(), batch_id)
                     start -= 1
                     continue
-                if owner is not None and f.get("owner") != owner:
+                if not visible(f.get("owner"), owner):
                     continue
                 if len(found) == limit:
                     has_more = True

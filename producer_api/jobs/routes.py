@@ -18,6 +18,7 @@ from producer_api.dispatch import Submission
 from producer_api.errors import TgiRoute
 from producer_api.jobs.models import Job, JobCancelled, JobCreated, JobError, JobRequest, JobResult, JobUsage
 from producer_api.models_common import TGI_ERRORS, ErrorBody, inline_schema
+from producer_api.ownership import owner_of, visible
 from producer_api.relay import stream_response
 from producer_api.state import AppState, arrival, state_of
 from producer_api.tgi.formatting import TgiStream
@@ -134,9 +135,10 @@ def job_of(info: RequestInfo) -> Job:
     )
 
 
-async def find(st: AppState, job_id: str) -> RequestInfo:
+async def find(st: AppState, job_id: str, owner: str | None) -> RequestInfo:
+    """The job, when ``owner`` (``ownership.owner_of``) may see it; anyone else gets not-found."""
     info = await st.dispatcher.client.status(job_id) if len(job_id) <= _MAX_ID_LENGTH else None
-    if info is None:
+    if info is None or not visible(info.tenant, owner):
         raise NotFoundError(f"no job {job_id!r} (unknown, or its result expired)", field="id")
     return info
 
@@ -144,8 +146,8 @@ async def find(st: AppState, job_id: str) -> RequestInfo:
 @router.get(
     "/{job_id}", response_model=Job, responses={**TGI_ERRORS, **_NOT_FOUND}, summary="A job's status and result"
 )
-async def get_job(request: Request, job_id: str = JobId, key: ApiKey | None = Depends(authenticate)) -> Job:
-    return job_of(await find(state_of(request), job_id))
+async def get_job(request: Request, job_id: str = JobId, owner: str | None = Depends(owner_of)) -> Job:
+    return job_of(await find(state_of(request), job_id, owner))
 
 
 @router.get(
@@ -171,10 +173,10 @@ async def stream_job(
     last_event_id_query: str | None = Query(
         None, alias="last_event_id", description="Same, for EventSource-less clients."
     ),
-    key: ApiKey | None = Depends(authenticate),
+    owner: str | None = Depends(owner_of),
 ) -> Response:
     st = state_of(request)
-    info = await find(st, job_id)
+    info = await find(st, job_id, owner)
     resume_after = sse.parse_last_event_id(last_event_id if last_event_id is not None else last_event_id_query)
     events = st.dispatcher.events(
         job_id,
@@ -195,11 +197,10 @@ async def stream_job(
 
 
 @router.delete("/{job_id}", response_model=JobCancelled, responses={**TGI_ERRORS, **_NOT_FOUND}, summary="Cancel a job")
-async def cancel_job(request: Request, job_id: str = JobId, key: ApiKey | None = Depends(authenticate)) -> JobCancelled:
+async def cancel_job(request: Request, job_id: str = JobId, owner: str | None = Depends(owner_of)) -> JobCancelled:
     st = state_of(request)
+    await find(st, job_id, owner)
     try:
-        if len(job_id) > _MAX_ID_LENGTH:
-            raise NotFoundError(job_id)
         cancelled = await st.dispatcher.client.cancel(job_id)
     except NotFoundError:
         raise NotFoundError(f"no job {job_id!r} (unknown, or its result expired)", field="id") from None

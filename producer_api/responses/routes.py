@@ -23,6 +23,7 @@ from producer_api.dispatch import Submission
 from producer_api.errors import OpenAIRoute
 from producer_api.models_common import OPENAI_ERRORS
 from producer_api.openai.structured import template_messages
+from producer_api.ownership import owner_of, visible
 from producer_api.relay import stream_response
 from producer_api.responses import objects
 from producer_api.responses.formatting import ResponseStream
@@ -53,9 +54,10 @@ def store_of(st: AppState) -> ResponseStore:
     return ResponseStore(st.dispatcher.client.redis, st.dispatcher.client.keys, st.settings.response_ttl_s)
 
 
-async def load(st: AppState, response_id: str, field: str = "id") -> dict[str, Any]:
+async def load(st: AppState, response_id: str, owner: str | None, field: str = "id") -> dict[str, Any]:
+    """The stored record, when ``owner`` (``ownership.owner_of``) may see it; anyone else gets not-found."""
     record = await store_of(st).get(response_id)
-    if record is None:
+    if record is None or not visible(record.get("owner"), owner):
         raise NotFoundError(f"no response {response_id!r} (unknown, not stored, deleted or expired)", field=field)
     return record
 
@@ -108,11 +110,11 @@ async def partial_text(st: AppState, request_id: str) -> tuple[str, int]:
     return "".join(texts[i] for i in sorted(texts)), len(texts)
 
 
-async def conversation(st: AppState, body: ResponsesRequest) -> list[dict[str, Any]]:
+async def conversation(st: AppState, body: ResponsesRequest, owner: str | None) -> list[dict[str, Any]]:
     """The messages before this request's input: the previous response's context, input and output."""
     if body.previous_response_id is None:
         return []
-    prev = await load(st, body.previous_response_id, field="previous_response_id")
+    prev = await load(st, body.previous_response_id, owner, field="previous_response_id")
     final = await current(st, prev)
     if final["status"] not in ("completed", "incomplete"):
         raise ValidationError(
@@ -185,7 +187,8 @@ async def create_response(request: Request, key: ApiKey | None = Depends(authent
     fmt, constraint = text_format(body)
     tools = tools_of(body, constraint)
     calling = tools is not None and tools.constraint is not None
-    context = await conversation(st, body)
+    owner = owner_of(key)
+    context = await conversation(st, body, owner)
     chat = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + context + messages
     # As the chat route: templates that know tools get them, the others get them in the system message.
     template = st.tokenizers.chat_template(model)
@@ -210,6 +213,7 @@ async def create_response(request: Request, key: ApiKey | None = Depends(authent
     response_id = "resp_" + uuid.uuid4().hex
     record: dict[str, Any] = {
         "id": response_id,
+        "owner": owner,
         "created_at": int(time.time()),
         "model": model,
         "priority": priority,
@@ -309,10 +313,10 @@ async def retrieve_response(
     stream: bool = Query(False, description="Stream the response's events (from the start, or after starting_after)."),
     starting_after: int | None = Query(None, ge=-1, description="Sequence number of the last event already seen."),
     include: list[str] | None = Query(None, alias="include[]"),
-    key: ApiKey | None = Depends(authenticate),
+    owner: str | None = Depends(owner_of),
 ) -> Response:
     st = state_of(request)
-    record = await load(st, response_id)
+    record = await load(st, response_id, owner)
     if not stream:
         return JSONResponse(await current(st, record))
     first = "queued" if record["params"]["background"] else "in_progress"
@@ -321,9 +325,9 @@ async def retrieve_response(
 
 
 @router.post("/{response_id}/cancel", responses=OPENAI_ERRORS, summary="Cancel a background response")
-async def cancel_response(request: Request, response_id: str, key: ApiKey | None = Depends(authenticate)) -> Response:
+async def cancel_response(request: Request, response_id: str, owner: str | None = Depends(owner_of)) -> Response:
     st = state_of(request)
-    record = await load(st, response_id)
+    record = await load(st, response_id, owner)
     if not record["params"]["background"]:
         raise ValidationError("only background responses can be cancelled", field="response_id")
     try:
@@ -340,9 +344,9 @@ async def cancel_response(request: Request, response_id: str, key: ApiKey | None
 
 
 @router.delete("/{response_id}", responses=OPENAI_ERRORS, summary="Delete a stored response")
-async def delete_response(request: Request, response_id: str, key: ApiKey | None = Depends(authenticate)) -> Response:
+async def delete_response(request: Request, response_id: str, owner: str | None = Depends(owner_of)) -> Response:
     st = state_of(request)
-    await load(st, response_id)
+    await load(st, response_id, owner)
     info = await st.dispatcher.client.status(response_id)
     if info is not None and not info.status.is_final:
         await st.dispatcher.cancel_quietly(response_id)
@@ -358,10 +362,10 @@ async def list_input_items(
     order: str = Query("desc", pattern="^(asc|desc)$"),
     after: str | None = Query(None),
     include: list[str] | None = Query(None, alias="include[]"),
-    key: ApiKey | None = Depends(authenticate),
+    owner: str | None = Depends(owner_of),
 ) -> Response:
     st = state_of(request)
-    record = await load(st, response_id)
+    record = await load(st, response_id, owner)
     items = list(record["input_items"])
     if order == "desc":
         items.reverse()
