@@ -63,13 +63,6 @@ def find_key(keys: list[ApiKey], presented: str) -> ApiKey | None:
     return found
 
 
-def clamp_priority(priority: int, key: ApiKey | None) -> int:
-    """A key's ceiling: its requests are never more urgent (lower number) than it allows."""
-    if key is None or key.max_priority is None:
-        return priority
-    return max(priority, key.max_priority)
-
-
 # Counts a hit and keeps the window's key alive past its minute, atomically, in one call. A script
 # rather than MULTI: the key is alone in its call, so this runs the same on a Redis Cluster, where
 # redis.asyncio's Cluster transaction pipeline failed under the API's event loop ("Future attached

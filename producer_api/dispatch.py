@@ -1,7 +1,8 @@
 """The API's use of the queue client: dispatch (to a live worker, within the queue's depth),
 follow events, and cancel whatever a client walked away from.
 
-Routes stay thin: they translate bodies into ``Submission``s and events into their wire shapes."""
+Routes stay thin: they translate bodies into requests (``shared.request_builder``) and events into
+their wire shapes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import anyio
 
 from producer_api import metrics
 from shared.errors import CancelledError, ExpiredError, UnavailableError, error_from_type
-from shared.schemas import AnyEvent, DoneEvent, ErrorEvent, FinalResult, SamplingSpec, TokenEvent, WorkerHeartbeat
+from shared.schemas import AnyEvent, DoneEvent, ErrorEvent, FinalResult, QueuedRequest, TokenEvent, WorkerHeartbeat
 from shared.settings import Settings
 
 # A live worker seen this recently is trusted without asking Redis again.
@@ -29,17 +30,6 @@ _WATCH_S = 2.0
 # How long one answer to "does a worker serve this model?" is reused: concurrent askers (the
 # model's WorkerWatch, anything else asking) share one Redis query.
 _SERVED_CACHE_S = 1.0
-
-
-@dataclass
-class Submission:
-    model: str
-    prompt_token_ids: list[int]
-    sampling: SamplingSpec
-    priority: int
-    deadline: float | None = None
-    tenant: str | None = None
-    request_id: str | None = None  # chosen by the caller (a response id); a fresh one when None
 
 
 @dataclass
@@ -108,28 +98,21 @@ class Dispatcher:
                 return heartbeat.device
         return "unknown"
 
-    async def submit(self, sub: Submission, *, need_worker: bool = True) -> str:
+    async def submit(self, request: QueuedRequest, *, need_worker: bool = True) -> str:
+        """Queues a request the route built (``shared.request_builder``); its id."""
         if need_worker:
-            await self.wait_for_worker(sub.model)
-        request_id: str = await self.client.submit(
-            sub.model,
-            sub.prompt_token_ids,
-            sub.sampling,
-            priority=sub.priority,
-            deadline=sub.deadline,
-            tenant=sub.tenant,
-            request_id=sub.request_id,
-        )
-        metrics.SUBMITTED.labels(sub.model, str(sub.priority)).inc()
-        metrics.PROMPT_TOKENS.labels(sub.model).inc(len(sub.prompt_token_ids))
+            await self.wait_for_worker(request.model)
+        request_id: str = await self.client.enqueue(request)
+        metrics.SUBMITTED.labels(request.model, str(request.priority)).inc()
+        metrics.PROMPT_TOKENS.labels(request.model).inc(len(request.prompt_token_ids))
         return request_id
 
-    async def submit_all(self, subs: list[Submission]) -> list[str]:
+    async def submit_all(self, requests: list[QueuedRequest]) -> list[str]:
         """All or nothing: if one of n choices is refused (429), the accepted ones are cancelled."""
         ids: list[str] = []
         try:
-            for sub in subs:
-                ids.append(await self.submit(sub))
+            for request in requests:
+                ids.append(await self.submit(request))
         except BaseException:
             for request_id in ids:
                 await self.cancel_quietly(request_id)

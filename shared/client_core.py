@@ -12,7 +12,6 @@ waiting longer between such checks while nothing happens (``IdleBackoff``)."""
 
 from __future__ import annotations
 
-import random
 import time
 from typing import Any, TypedDict
 
@@ -26,7 +25,6 @@ from shared.errors import (
     NotFoundError,
     OverloadedError,
     UnavailableError,
-    ValidationError,
     error_from_type,
 )
 from shared.event_delivery import (
@@ -40,6 +38,7 @@ from shared.event_delivery import (
 )
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.redis_plan import Emit, Pause, Pipeline, RunScript, Steps, call, pubsub_call
+from shared.request_builder import build_request
 from shared.request_lifecycle import CANCEL, CREATE, ENQUEUE, STATUS, RequestStatus, hash_fields
 from shared.schemas import (
     DoneEvent,
@@ -141,43 +140,6 @@ class SubmitOptions(TypedDict, total=False):
     tenant: str | None
     request_id: str | None
     check_depth: bool
-
-
-def build_request(
-    settings: Settings,
-    model: str,
-    prompt_token_ids: list[int],
-    sampling: SamplingSpec | None,
-    *,
-    priority: int | None,
-    deadline: float | None,
-    tenant: str | None,
-    request_id: str | None,
-) -> QueuedRequest:
-    sampling = sampling or SamplingSpec(max_new_tokens=settings.default_max_new_tokens)
-    if sampling.seed is None and sampling.temperature > 0:
-        # A fixed seed makes a taken-over request reproduce the tokens it would have produced.
-        sampling = sampling.model_copy(update={"seed": random.getrandbits(63)})
-    fields: dict[str, object] = {
-        "model": model,
-        "prompt_token_ids": prompt_token_ids,
-        "sampling": sampling,
-        "priority": settings.default_priority if priority is None else priority,
-        "deadline": deadline,
-        "tenant": tenant,
-    }
-    if request_id is not None:
-        fields["id"] = request_id
-    request = QueuedRequest(**fields)  # type: ignore[arg-type]
-    return normalize(settings, request)
-
-
-def normalize(settings: Settings, request: QueuedRequest) -> QueuedRequest:
-    if request.priority >= settings.priority_levels:
-        raise ValidationError(
-            f"priority must be between 0 and {settings.priority_levels - 1}, got {request.priority}", field="priority"
-        )
-    return request
 
 
 def cancelled_event(request_id: str) -> ErrorEvent:
@@ -283,8 +245,9 @@ class QueueCore:
         request_id: str | None = None,
         check_depth: bool = True,
     ) -> Steps[str]:
-        """A new request; ``priority`` defaults to the settings' (0 = most urgent), ``deadline``
-        is a Unix time, ``check_depth=False`` skips the queue-depth limit (batch work)."""
+        """A new request, normalised by ``shared.request_builder``: ``priority`` defaults to the
+        settings' (0 = most urgent), ``deadline`` is a Unix time, ``check_depth=False`` skips the
+        queue-depth limit (batch work)."""
         request = build_request(
             self.settings,
             model,
@@ -298,7 +261,8 @@ class QueueCore:
         return (yield from self.enqueue(request, check_depth=check_depth))
 
     def enqueue(self, request: QueuedRequest, *, check_depth: bool = True) -> Steps[str]:
-        request = normalize(self.settings, request)
+        """Queues ``request`` as it is: one that ``shared.request_builder`` built (``submit``
+        does), so its defaults, priority range and seed are already in place."""
         yield from self.ensure_groups(request.model)
         model_streams = [self.keys.stream(request.model, p) for p in range(self.settings.priority_levels)]
         first = hash_fields(

@@ -17,6 +17,13 @@ from shared.request_lifecycle import RequestStatus
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 
+# What a request that names none gets (``shared.settings`` makes both configurable per deployment).
+DEFAULT_PRIORITY = 1  # 0 is the most urgent
+DEFAULT_MAX_NEW_TOKENS = 256
+# Seeds are 63-bit: the range every engine's generator takes.
+SEED_LIMIT = 2**63
+Seed = Annotated[int, Field(ge=0, le=SEED_LIMIT - 1)]
+
 
 class WireModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -83,7 +90,7 @@ class SamplingFields(WireModel):
     """How a token is chosen: shared by the wire's SamplingSpec and the API bodies that take
     these fields flat (``/v1/jobs``), so their names and ranges are defined once."""
 
-    max_new_tokens: int = Field(256, ge=1)
+    max_new_tokens: int = Field(DEFAULT_MAX_NEW_TOKENS, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 means greedy.")
     top_k: StrictInt = Field(0, ge=0, description="0 disables.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -92,7 +99,7 @@ class SamplingFields(WireModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: Seed | None = None
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[NonNegativeInt] = Field(default_factory=list)
     ignore_eos: bool = False
@@ -118,7 +125,7 @@ class QueuedRequest(WireModel):
     model: str
     prompt_token_ids: list[int] = Field(min_length=1)
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
-    priority: int = Field(1, ge=0)
+    priority: int = Field(DEFAULT_PRIORITY, ge=0)
     deadline: float | None = Field(None, description="Unix time after which the request is dropped.")
     tenant: str | None = Field(None, description="Keeps prefix caches of tenants apart.")
     attempt: int = Field(0, ge=0, description="Raised by a worker that takes the request over.")

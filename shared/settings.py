@@ -10,6 +10,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from shared.schemas import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PRIORITY
+
 # Lists come from the environment as comma-separated strings, not JSON.
 CommaList = Annotated[list[str], NoDecode]
 
@@ -52,12 +54,14 @@ class Settings(BaseSettings):
     max_input_tokens: int = Field(4096, ge=1, description="Longest prompt, in tokens.")
     max_total_tokens: int = Field(8192, ge=2, description="Prompt plus new tokens, at most.")
     max_new_tokens: int = Field(2048, ge=1, description="Cap on max_new_tokens a request may ask for.")
-    default_max_new_tokens: int = Field(256, ge=1, description="max_new_tokens when a request names none.")
+    default_max_new_tokens: int = Field(
+        DEFAULT_MAX_NEW_TOKENS, ge=1, description="max_new_tokens when a request names none."
+    )
     max_stop_sequences: int = Field(8, ge=0, description="Most stop strings one request may give.")
     max_queue_depth: int = Field(1024, ge=1, description="Queued requests per model before 429 overloaded.")
     max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest HTTP request body (413 past it).")
     priority_levels: int = Field(4, ge=1, le=16, description="Priority streams per model (0 = most urgent).")
-    default_priority: int = Field(1, ge=0, description="Priority of a request that names none.")
+    default_priority: int = Field(DEFAULT_PRIORITY, ge=0, description="Priority of a request that names none.")
 
     # Queue and recovery.
     reclaim_after_s: float = Field(

@@ -22,6 +22,7 @@ from producer_api.batches.store import BatchStore
 from shared.client import QueueClient
 from shared.errors import ModelNotFoundError, UnsupportedParameterError, ValidationError
 from shared.model_source import load_tokenizer
+from shared.request_builder import sampling_spec
 from shared.schemas import FinalResult
 from shared.settings import Settings, get_settings
 
@@ -85,7 +86,7 @@ class ApiLineHandler:
         from producer_api.openai.models import ChatCompletionRequest, CompletionRequest
         from producer_api.openai.structured import response_format_constraint
         from producer_api.tokenization import enforce_limits
-        from producer_api.validation import check_stops, sampling_spec
+        from producer_api.validation import check_stops
 
         if model:
             body = {**body, "model": model}

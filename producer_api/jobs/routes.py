@@ -14,7 +14,6 @@ from fastapi.responses import JSONResponse, Response
 from producer_api import sse
 from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
-from producer_api.dispatch import Submission
 from producer_api.errors import TgiRoute
 from producer_api.jobs.models import Job, JobCancelled, JobCreated, JobError, JobRequest, JobResult, JobUsage
 from producer_api.models_common import TGI_ERRORS, ErrorBody, inline_schema
@@ -24,8 +23,9 @@ from producer_api.state import AppState, arrival, state_of
 from producer_api.tgi.formatting import TgiStream
 from producer_api.tgi.models import StreamResponse
 from producer_api.tokenization import enforce_limits
-from producer_api.validation import check_stops, resolve_deadline, resolve_model, resolve_priority, sampling_spec
+from producer_api.validation import check_stops, resolve_deadline, resolve_model, resolve_priority
 from shared.errors import NotFoundError, ValidationError
+from shared.request_builder import new_request, sampling_spec
 from shared.request_lifecycle import RequestStatus
 from shared.schemas import RequestInfo
 
@@ -93,7 +93,8 @@ async def create_job(request: Request, body: JobRequest, key: ApiKey | None = De
         ),
     )
     tenant = key.key_id if key else body.tenant
-    request_id = await st.dispatcher.submit(Submission(model, ids, spec, priority, deadline, tenant), need_worker=False)
+    queued = new_request(model, ids, spec, priority=priority, deadline=deadline, tenant=tenant)
+    request_id = await st.dispatcher.submit(queued, need_worker=False)
     created = JobCreated(
         id=request_id,
         status=RequestStatus.QUEUED,

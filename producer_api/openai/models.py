@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from producer_api.models_common import RequestOptions
+from shared.schemas import Seed
 
 MAX_N = 16  # choices per request; each is a queued request of its own
 
@@ -30,7 +31,7 @@ class SamplingFields(RequestOptions):
     repetition_penalty: float | None = Field(None, gt=0.0, description="Extension (vLLM).")
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False

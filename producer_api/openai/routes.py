@@ -14,7 +14,6 @@ from fastapi.responses import JSONResponse, Response
 
 from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
-from producer_api.dispatch import Submission
 from producer_api.errors import OpenAIRoute
 from producer_api.models_common import OPENAI_ERRORS
 from producer_api.openai.formatting import (
@@ -46,16 +45,10 @@ from producer_api.relay import Formatter, stream_response
 from producer_api.state import AppState, arrival, state_of
 from producer_api.streaming import unless_disconnected
 from producer_api.tokenization import enforce_limits
-from producer_api.validation import (
-    check_stops,
-    derived,
-    resolve_deadline,
-    resolve_model,
-    resolve_priority,
-    sampling_spec,
-)
+from producer_api.validation import check_stops, resolve_deadline, resolve_model, resolve_priority
 from shared.errors import ModelNotFoundError, UnsupportedParameterError, ValidationError
-from shared.schemas import Constraint
+from shared.request_builder import derived, new_request, sampling_spec
+from shared.schemas import Constraint, QueuedRequest
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"], route_class=OpenAIRoute)
 
@@ -74,7 +67,7 @@ def _stream_doc(chunk_name: str) -> dict[int | str, dict[str, Any]]:
 class Plan:
     model: str
     prompts: list[list[int]]  # one per prompt; each becomes n submissions
-    submissions: list[Submission]  # prompt-major: choice index = prompt * n + j
+    submissions: list[QueuedRequest]  # prompt-major: choice index = prompt * n + j
     n: int
 
 
@@ -118,7 +111,7 @@ def build_plan(
     )
     tenant = key.key_id if key else None
     subs = [
-        Submission(body.model, ids, derived(spec, j), priority, deadline, tenant)
+        new_request(body.model, ids, derived(spec, j), priority=priority, deadline=deadline, tenant=tenant)
         for ids in limited
         for j in range(body.n)
     ]

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from producer_api.openai.structured import ToolPlan, response_format_constraint, tool_plan
 from shared.errors import ValidationError
-from shared.schemas import Constraint
+from shared.schemas import Constraint, Seed
 
 # service_tier -> where it lands among the priority levels (0 = most urgent).
 SERVICE_TIERS = ("auto", "default", "flex", "priority")
@@ -57,7 +57,7 @@ class ResponsesRequest(BaseModel):
     # Extensions (extra_body), as on the other routes: the queue's own priority (overrides service_tier),
     # seed, stop strings, ignore_eos.
     priority: int | None = Field(None, ge=0)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
 

@@ -19,7 +19,6 @@ from fastapi.responses import JSONResponse, Response
 
 from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
-from producer_api.dispatch import Submission
 from producer_api.errors import OpenAIRoute
 from producer_api.models_common import OPENAI_ERRORS
 from producer_api.openai.structured import template_messages
@@ -41,9 +40,10 @@ from producer_api.responses.store import ResponseStore
 from producer_api.state import AppState, arrival, state_of
 from producer_api.streaming import unless_disconnected
 from producer_api.tokenization import enforce_limits
-from producer_api.validation import check_stops, resolve_model, resolve_priority, sampling_spec
+from producer_api.validation import check_stops, resolve_model, resolve_priority
 from shared.errors import NotFoundError, ValidationError
 from shared.event_delivery import parse_log_entry
+from shared.request_builder import new_request, sampling_spec
 from shared.schemas import ErrorEvent, TokenEvent
 
 router = APIRouter(prefix="/v1/responses", tags=["Responses"], route_class=OpenAIRoute)
@@ -249,9 +249,9 @@ async def create_response(request: Request, key: ApiKey | None = Depends(authent
     if body.store:
         await store_of(st).put(record)
     tenant = key.key_id if key else None
-    sub = Submission(model, ids, spec, priority, None, tenant, request_id=response_id)
+    queued = new_request(model, ids, spec, priority=priority, tenant=tenant, request_id=response_id)
     try:
-        await st.dispatcher.submit(sub, need_worker=not body.background)
+        await st.dispatcher.submit(queued, need_worker=not body.background)
     except BaseException:
         if body.store:
             await store_of(st).delete(response_id)

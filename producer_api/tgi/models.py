@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from producer_api.models_common import RequestOptions, StrictModel
+from shared.schemas import Seed
 
 MAX_BEST_OF = 4
 
@@ -40,7 +41,7 @@ class GenerateParameters(RequestOptions, StrictModel):
     max_new_tokens: int | None = Field(None, ge=1, examples=[32])
     repetition_penalty: float | None = Field(None, gt=0.0)
     return_full_text: bool = Field(False, description="Prepend the prompt to generated_text.")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: Seed | None = None
     stop: list[str] = Field(default_factory=list, description="Stop sequences (not included in the output).")
     temperature: float | None = Field(None, gt=0.0, le=100.0)
     top_k: int | None = Field(None, gt=0)

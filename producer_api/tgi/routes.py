@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
-from producer_api.dispatch import Dispatcher, Submission
+from producer_api.dispatch import Dispatcher
 from producer_api.errors import TgiRoute
 from producer_api.models_common import TGI_ERRORS, inline_schema
 from producer_api.relay import stream_response
@@ -27,13 +27,12 @@ from producer_api.tokenization import enforce_limits
 from producer_api.validation import (
     check_stops,
     constraint_of,
-    derived,
     resolve_deadline,
     resolve_priority,
-    sampling_spec,
 )
 from shared.errors import UnsupportedParameterError, ValidationError
-from shared.schemas import Constraint
+from shared.request_builder import derived, new_request, sampling_spec
+from shared.schemas import Constraint, QueuedRequest
 
 router = APIRouter(tags=["TGI"], route_class=TgiRoute)
 
@@ -50,10 +49,10 @@ _STREAM_DOC: dict[int | str, dict[str, Any]] = {
 
 @dataclass
 class TgiPlan:
-    submission: Submission
+    submission: QueuedRequest
     body: GenerateRequest
     validated: float
-    submissions: list[Submission]  # best_of of them (derived seeds); submission is the first
+    submissions: list[QueuedRequest]  # best_of of them (derived seeds); submission is the first
 
 
 async def plan(request: Request, body: GenerateRequest, key: ApiKey | None, *, stream: bool = False) -> TgiPlan:
@@ -105,7 +104,10 @@ async def plan(request: Request, body: GenerateRequest, key: ApiKey | None, *, s
         watermark=p.watermark or None,
     )
     tenant = key.key_id if key else None
-    submissions = [Submission(model, ids, derived(spec, i), priority, deadline, tenant) for i in range(best_of)]
+    submissions = [
+        new_request(model, ids, derived(spec, i), priority=priority, deadline=deadline, tenant=tenant)
+        for i in range(best_of)
+    ]
     return TgiPlan(submissions[0], body, time.perf_counter(), submissions)
 
 
@@ -171,7 +173,7 @@ async def generate(request: Request, body: GenerateRequest, key: ApiKey | None, 
     return payload, headers
 
 
-def prefill(request: Request, sub: Submission) -> list[dict[str, Any]]:
+def prefill(request: Request, sub: QueuedRequest) -> list[dict[str, Any]]:
     # Prompt logprobs are not computed by the engine; TGI also leaves the first one null.
     tokenizer = state_of(request).tokenizers.get(sub.model)
     texts = tokenizer.convert_ids_to_tokens(sub.prompt_token_ids)

@@ -10,8 +10,9 @@ from producer_api.api_keys import parse_key
 from producer_api.models_common import RequestOptions
 from producer_api.openai.formatting import completion_logprobs
 from producer_api.tokenization import enforce_limits
-from producer_api.validation import derived, resolve_deadline, resolve_priority, sampling_spec
+from producer_api.validation import resolve_deadline, resolve_priority
 from shared.errors import ValidationError
+from shared.request_builder import derived, sampling_spec
 from shared.schemas import TokenEvent
 from shared.settings import Settings
 

@@ -401,7 +401,7 @@ def test_an_internal_failure_is_a_json_500_without_details(
     async def broken(*args: object, **kwargs: object) -> str:
         raise RuntimeError("secret internals")
 
-    api.app.state.inflightq.dispatcher.client.submit = broken
+    api.app.state.inflightq.dispatcher.client.enqueue = broken  # what the API queues a request with
     with api.client() as http:
         response = http.post("/v1/jobs", json={"prompt": "hi"})
     assert response.status_code == 500
