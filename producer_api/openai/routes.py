@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
 from producer_api.errors import OpenAIRoute
-from producer_api.models_common import OPENAI_ERRORS
+from producer_api.models_common import OPENAI_ERRORS, OpenAIErrorBody
 from producer_api.openai.formatting import (
     ChatStream,
     CompletionStream,
@@ -326,8 +326,14 @@ async def list_models(request: Request, key: ApiKey | None = Depends(authenticat
     return ModelList(data=list((await live_models(state_of(request))).values()))
 
 
+_MODEL_NOT_FOUND = {"model": OpenAIErrorBody, "description": "model_not_found: not served here, or no live worker now"}
+
+
 @router.get(
-    "/models/{model:path}", response_model=ModelCard, responses=OPENAI_ERRORS, summary="One model with live workers"
+    "/models/{model:path}",
+    response_model=ModelCard,
+    responses={**OPENAI_ERRORS, 404: _MODEL_NOT_FOUND},
+    summary="One model with live workers",
 )
 async def retrieve_model(model: str, request: Request, key: ApiKey | None = Depends(authenticate)) -> ModelCard:
     """The model as ``/v1/models`` lists it; OpenAI's 404 ``model_not_found`` for one it does not list."""
