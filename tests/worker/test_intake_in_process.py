@@ -308,7 +308,10 @@ def test_the_publisher_logs_then_publishes_every_token_and_the_final_result(h: H
         pubsub.subscribe(channel)
         while pubsub.get_message(timeout=1.0) is None and not h.redis.pubsub_numsub(channel)[0][1]:
             pass
-        events = [EngineEvent(request_id, i, 100 + i, f"t{i}") for i in range(3)]
+        events = [EngineEvent(request_id, i, 100 + i, f"t{i}") for i in range(2)]
+        events.append(
+            EngineEvent(request_id, 2, 102, "t2", finish_reason="length")
+        )  # the last token, as the engine ends it
         h.publisher.publish_tokens([(events[0], 0), (EngineEvent(request_id, 1, -1, ""), 0)])  # no token: skipped
         h.publisher.publish_tokens([(e, 2) for e in events[1:]])
         result = FinalResult(
@@ -325,10 +328,10 @@ def test_the_publisher_logs_then_publishes_every_token_and_the_final_result(h: H
             live.append(json.loads(message["data"]))
     logged = [json.loads(f[LOG_FIELD]) for _, f in h.redis.xrange(h.client.keys.replay_log(request_id))]
     assert live == logged
-    assert [(e["index"], e["token_id"], e.get("attempt", 0)) for e in logged[:3]] == [
-        (0, 100, 0),
-        (1, 101, 2),
-        (2, 102, 2),
+    assert [(e["index"], e["token_id"], e.get("attempt", 0), e.get("finish_reason")) for e in logged[:3]] == [
+        (0, 100, 0, None),
+        (1, 101, 2, None),
+        (2, 102, 2, "length"),  # the request's last token, which carries its finish reason
     ]
     assert logged[3]["type"] == "done"
     assert h.client.result(request_id, timeout=5) == result
@@ -342,10 +345,12 @@ def test_the_publisher_logs_then_publishes_every_token_and_the_final_result(h: H
 def test_a_backlog_is_sent_in_calls_of_bounded_size_in_order(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(publisher_module, "TOKENS_PER_CALL", 2)
     request_id = h.submit(1)
-    h.publisher.publish_tokens([(EngineEvent(request_id, i, i, str(i)), 0) for i in range(5)])
+    last = EngineEvent(request_id, 4, 4, "4", finish_reason="stop_sequence")
+    h.publisher.publish_tokens([*((EngineEvent(request_id, i, i, str(i)), 0) for i in range(4)), (last, 0)])
     flushed(h)
-    logged = [json.loads(f[LOG_FIELD])["index"] for _, f in h.redis.xrange(h.client.keys.replay_log(request_id))]
-    assert logged == [0, 1, 2, 3, 4]
+    logged = [json.loads(f[LOG_FIELD]) for _, f in h.redis.xrange(h.client.keys.replay_log(request_id))]
+    assert [e["index"] for e in logged] == [0, 1, 2, 3, 4]
+    assert logged[-1]["finish_reason"] == "stop_sequence"
     assert h.publisher.round_trips >= 1 and h.publisher.events_sent == 5
 
 
