@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import redis
@@ -14,16 +13,20 @@ from bench.serve_cpu import LOAD_GENERATOR, WORKERS, CpuMeter, local_redis_pid, 
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
 
-BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\ntime.sleep(30)"
+# Burns {s} s of CPU, says so on stdout, then idles.
+BURN = (
+    "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
+    "print('burnt', flush=True)\ntime.sleep(30)"
+)
 
 
 def test_a_busy_child_and_an_idle_one_are_told_apart() -> None:
-    busy = subprocess.Popen([sys.executable, "-c", BURN.format(s=0.6)])
+    busy = subprocess.Popen([sys.executable, "-c", BURN.format(s=0.6)], stdout=subprocess.PIPE, text=True)
     idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         meter = CpuMeter({WORKERS: [busy.pid], "api": [idle.pid]}, cores=2)
         meter.start()
-        time.sleep(1.5)
+        assert busy.stdout is not None and busy.stdout.readline() == "burnt\n"  # its burn is over
         report = meter.stop(tokens=100)
     finally:
         busy.kill(), idle.kill()
