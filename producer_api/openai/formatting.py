@@ -149,13 +149,14 @@ class CompletionStream(ChoiceStream):
 
 class ChatStream(ChoiceStream):
     """/v1/chat/completions: delta chunks, the role first; with tools, text that may be a tool call
-    is held back until it is a whole call (or plainly text)."""
+    is held back until it is plainly text or a call's name is written, whose arguments then stream
+    as the model writes them."""
 
     def __init__(self, reply: Reply, request_ids: list[str], *, logprobs: bool, tools: bool = False) -> None:
         super().__init__(reply)
         self.choices = len(request_ids)
         self.logprobs = logprobs
-        self.splitters = [ToolCallStream(request_id) for request_id in request_ids] if tools else None
+        self.splitters = [ToolCallStream(request_id, pieces=True) for request_id in request_ids] if tools else None
 
     def _choice(self, index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> str:
         # As TGI: every delta names its role and carries tool_calls (null without calls); TGI's own

@@ -30,6 +30,8 @@ from shared.schemas import Constraint
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+# A call's JSON up to its arguments' value: the grammar writes the name first.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:')
 # Compact JSON inside %json (the engine's default for plain schemas, repeated for Lark's).
 _COMPACT = {"whitespace_flexible": False}
 
@@ -231,8 +233,9 @@ def call_id(request_id: str, i: int) -> str:
 
 
 def parse_tool_calls(text: str, request_id: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool_calls) of an assistant's text: complete calls become OpenAI tool calls; text
-    before the first call is the content (None when empty). A cut-off call is dropped."""
+    """(content, tool_calls) of an assistant's text: complete calls become OpenAI tool calls, their
+    arguments the JSON text the model wrote (as a stream sends them); text before the first call is
+    the content (None when empty). A cut-off call is dropped."""
     calls = []
     for match in _CALL.finditer(text):
         try:
@@ -240,22 +243,82 @@ def parse_tool_calls(text: str, request_id: str) -> tuple[str | None, list[dict[
         except ValueError:
             continue
         if isinstance(doc, dict) and isinstance(doc.get("name"), str):
-            arguments = json.dumps(doc.get("arguments", {}), ensure_ascii=False)
-            calls.append({"name": doc["name"], "arguments": arguments})
+            calls.append({"name": doc["name"], "arguments": _arguments_text(match.group(1), doc)})
     head = text.split(CALL_OPEN, 1)[0].strip() if calls else text
     tool_calls = [{"id": call_id(request_id, i), "type": "function", "function": c} for i, c in enumerate(calls)]
     return (head or None) if calls else text, tool_calls
 
 
+def _arguments_text(call: str, doc: dict[str, Any]) -> str:
+    """The arguments of a parsed call as written; re-encoded when the name does not come first."""
+    head = _HEAD.match(call)
+    if head is not None:
+        value = call[head.end() :].lstrip()
+        scanner = JsonValueScanner()
+        end = scanner.feed(value)
+        if scanner.ended:
+            return value[:end]
+    return json.dumps(doc.get("arguments", {}), ensure_ascii=False)
+
+
+class JsonValueScanner:
+    """Finds where one JSON value, fed in pieces, ends (its validity is the grammar's business)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.started = False
+        self.ended = False
+
+    def feed(self, text: str) -> int:
+        """How much of ``text`` belongs to the value (all of it unless it ends inside); the value
+        begins with the first piece fed, so leading whitespace is the caller's to strip."""
+        self.started = self.started or bool(text)
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+                    if self.depth == 0:
+                        self.ended = True
+                        return i + 1
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif self.depth == 0 and ch in ",}] \t\r\n":  # the end of a number, true, false or null
+                self.ended = True
+                return i
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.ended = True
+                    return i + 1
+        return len(text)
+
+
 class ToolCallStream:
     """One streamed choice's text, cut into ``delta.content`` and ``delta.tool_calls`` chunks. Text
-    that may still become a call is held back until it is clearly content, or a whole call."""
+    that may still become a call is held back until it is clearly content or a call's name is known.
 
-    def __init__(self, request_id: str) -> None:
+    With ``pieces`` (chat, as OpenAI streams) a call's first delta carries its id, type, name and
+    empty arguments, the next ones the arguments as the model writes them; without, each call comes
+    whole in one delta once its closing tag is written (the Responses API's items)."""
+
+    def __init__(self, request_id: str, *, pieces: bool = False) -> None:
         self.request_id = request_id
+        self.pieces = pieces
         self.buffer = ""
         self.mode: str | None = None  # None: undecided; "content"; "calls"
-        self.calls_sent = 0
+        self.part = "open"  # inside "calls": "open" (before a tag), "head", "arguments", "close"
+        self.calls_begun = 0
+        self.calls_sent = 0  # calls the client has seen (begun ones with pieces)
+        self.scanner = JsonValueScanner()
+        self.call: dict[str, Any] = {}  # the call being written
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         """Deltas to send for this piece of text."""
@@ -271,11 +334,11 @@ class ToolCallStream:
                 return [{"content": out}]
             else:
                 return []
-        return self._complete_calls()
+        return self._calls()
 
     def finish(self) -> list[dict[str, Any]]:
         if self.mode == "calls":
-            return self._complete_calls()
+            return self._calls()
         out, self.buffer = self.buffer, ""
         return [{"content": out}] if out else []
 
@@ -283,11 +346,45 @@ class ToolCallStream:
     def made_calls(self) -> bool:
         return self.calls_sent > 0
 
-    def _complete_calls(self) -> list[dict[str, Any]]:
-        _, calls = parse_tool_calls(self.buffer, self.request_id)
-        deltas = []
-        for i in range(self.calls_sent, len(calls)):
-            call = calls[i]
-            deltas.append({"tool_calls": [{"index": i, **call}]})
-        self.calls_sent = len(calls)
-        return deltas
+    def _calls(self) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        while True:
+            if self.part == "open":
+                rest = self.buffer.lstrip()
+                if not rest.startswith(CALL_OPEN):
+                    return deltas
+                self.buffer, self.part = rest[len(CALL_OPEN) :], "head"
+            elif self.part == "head":
+                head = _HEAD.match(self.buffer)
+                if head is None:
+                    return deltas
+                index, self.calls_begun = self.calls_begun, self.calls_begun + 1
+                name = json.loads(head.group(1))
+                self.call = {"index": index, "id": call_id(self.request_id, index), "type": "function"}
+                self.call["function"] = {"name": name, "arguments": ""}
+                if self.pieces:
+                    deltas.append({"tool_calls": [self.call]})
+                    self.calls_sent += 1
+                self.buffer, self.part, self.scanner = self.buffer[head.end() :], "arguments", JsonValueScanner()
+            elif self.part == "arguments":
+                if not self.scanner.started:
+                    self.buffer = self.buffer.lstrip()
+                if not self.buffer:
+                    return deltas
+                end = self.scanner.feed(self.buffer)
+                piece, self.buffer = self.buffer[:end], self.buffer[end:]
+                if not self.pieces:
+                    self.call["function"]["arguments"] += piece
+                elif piece:
+                    deltas.append({"tool_calls": [{"index": self.call["index"], "function": {"arguments": piece}}]})
+                if not self.scanner.ended:
+                    return deltas
+                self.part = "close"
+            else:
+                at = self.buffer.find(CALL_CLOSE)
+                if at < 0:
+                    return deltas
+                self.buffer, self.part = self.buffer[at + len(CALL_CLOSE) :], "open"
+                if not self.pieces:
+                    deltas.append({"tool_calls": [self.call]})
+                    self.calls_sent += 1

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 from tests.api.conftest import ApiServer
 from tests.structured_cases import SCHEMAS, validate
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 WEATHER = {
     "type": "function",
@@ -147,6 +147,17 @@ def test_an_invalid_constraint_is_a_400_naming_the_problem(
 # Tools -------------------------------------------------------------------------------------------
 
 
+def assembled(deltas: list[Any]) -> list[Any]:
+    """Streamed tool-call deltas joined by index: the first names the call, the rest add arguments."""
+    calls: dict[int, Any] = {}
+    for delta in deltas:
+        if delta.index not in calls:
+            calls[delta.index] = delta.model_copy(deep=True)
+        else:
+            calls[delta.index].function.arguments += delta.function.arguments or ""
+    return list(calls.values())
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_tool_choice_returns_sdk_tool_calls(oai: openai.OpenAI, stream: bool) -> None:
     kwargs: dict[str, Any] = {
@@ -167,7 +178,7 @@ def test_required_tool_choice_returns_sdk_tool_calls(oai: openai.OpenAI, stream:
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
         assert not "".join(d.content or "" for d in deltas)
-        calls = [tc for d in deltas for tc in d.tool_calls or []]
+        calls = assembled([tc for d in deltas for tc in d.tool_calls or []])
     assert len(calls) == 1
     assert calls[0].function.name in ("get_weather", "get_time")
     tool = WEATHER if calls[0].function.name == "get_weather" else TIME
