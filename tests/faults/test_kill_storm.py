@@ -29,6 +29,10 @@ def test_repeated_sigkills_lose_and_duplicate_nothing(spawn_worker, client, refe
         thread.start()
     started = time.monotonic()
     done_kills = 0
+
+    def total_sent() -> int:
+        return sum(tokens_sent(client, rid) for rid in ids)
+
     for k in range(kills):
         try:
             wait_for(lambda: any(0 < tokens_sent(client, rid) < n for rid in ids), timeout=60)
@@ -38,8 +42,10 @@ def test_repeated_sigkills_lose_and_duplicate_nothing(spawn_worker, client, refe
         victim = workers.pop(k % len(workers))
         victim.signal(signal.SIGKILL)
         victim.wait(timeout=10)
+        sent = total_sent()
         workers.append(spawn_worker(f"w{3 + k}", env=few, ready=False))
-        time.sleep(2.0)
+        # The next kill once the survivors have carried on generating (or there is nothing left to run).
+        wait_for(lambda sent=sent: total_sent() > sent or total_sent() == requests * n, timeout=120)
     results = {rid: client.result(rid, timeout=600) for rid in ids}
     elapsed = time.monotonic() - started
     for thread in followers:

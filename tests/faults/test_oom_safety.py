@@ -171,7 +171,8 @@ def fill_and_measure(
             finally:
                 sampling.set()
                 sampler.join()
-            time.sleep(1.0)  # past start-up's last allocations (the metrics server, the first heartbeat)
+            for w in watched:  # past start-up's last allocations: the first heartbeat was seen, the metrics answer
+                scrape(w.port)
             for w in watched:
                 found = KV_LINE.search(w.worker.log_path.read_text(errors="replace"))
                 assert found, w.worker.log()
