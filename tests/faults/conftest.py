@@ -2,7 +2,8 @@
 (tests/api's), and private Redis servers with an append-only file where a test restarts Redis.
 
 Marked ``faults``; ``INFLIGHTQ_FAULTS_HEAVY=1`` runs the heavier variants (more requests, more
-streams) that docs/reliability.md reports."""
+streams) that docs/reliability.md reports, and ``INFLIGHTQ_FAULTS_AT_DEFAULTS=1`` runs the workers at
+the default recovery settings (its "defaults" column; ``tests/worker/conftest.py``)."""
 
 from __future__ import annotations
 

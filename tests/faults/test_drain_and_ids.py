@@ -15,7 +15,7 @@ from shared.event_delivery import parse_log_entry
 from shared.request_lifecycle import RequestStatus
 from shared.schemas import TokenEvent
 from tests.worker import paced_worker
-from tests.worker.conftest import DEFAULT_RECOVERY, greedy
+from tests.worker.conftest import DEFAULT_RECOVERY, TUNED_RECOVERY, greedy
 from tests.worker.test_worker import PROMPT, prompt, tokens_sent, wait_for
 
 PACED_TOKENS = 30  # per request, before the drain
@@ -41,7 +41,7 @@ def test_a_drain_hands_over_from_the_replay_log_not_from_token_0(spawn_worker, c
     # The leaving worker is paced (tests/worker/paced_worker.py): it generates PACED_TOKENS per request
     # and waits while the heir starts, then one token per TRICKLE_S while it drains, so the drain finds
     # both requests running however fast the machine runs the model.
-    recovery_env = DEFAULT_RECOVERY if recovery == "defaults" else {}  # tuned: worker_env's short times
+    recovery_env = DEFAULT_RECOVERY if recovery == "defaults" else TUNED_RECOVERY
     env = {"INFLIGHTQ_DRAIN_TIMEOUT_S": "0.3", **recovery_env}
     leaving = spawn_worker("leaving", env=env, script=paced_worker.SCRIPT)
     request_ids = [client.submit(model, prompt(i), greedy(n)) for i in range(2)]

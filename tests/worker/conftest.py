@@ -29,6 +29,11 @@ DEFAULT_RECOVERY = {
     "INFLIGHTQ_RECLAIM_AFTER_S": str(Settings().reclaim_after_s),
     "INFLIGHTQ_HEARTBEAT_TTL_S": str(Settings().heartbeat_ttl_s),
 }
+# The suite's own short ones, for a test that measures both.
+TUNED_RECOVERY = {"INFLIGHTQ_RECLAIM_AFTER_S": str(RECLAIM_AFTER_S), "INFLIGHTQ_HEARTBEAT_TTL_S": "3"}
+# INFLIGHTQ_FAULTS_AT_DEFAULTS=1: every worker keeps the defaults and the default drain timeout, for the
+# defaults column of docs/reliability.md's fault table.
+AT_DEFAULTS = os.environ.get("INFLIGHTQ_FAULTS_AT_DEFAULTS") == "1"
 
 
 @dataclass
@@ -89,18 +94,20 @@ SpawnWorker = Callable[..., WorkerProcess]
 
 @pytest.fixture
 def worker_env(settings: Settings) -> dict[str, str]:
-    return {
+    env = {
         **os.environ,
         "INFLIGHTQ_REDIS_URL": settings.redis_url,
         "INFLIGHTQ_REDIS_CLUSTER": "true" if settings.redis_cluster else "false",
         "INFLIGHTQ_KEY_PREFIX": settings.key_prefix,
-        "INFLIGHTQ_RECLAIM_AFTER_S": str(RECLAIM_AFTER_S),
-        "INFLIGHTQ_HEARTBEAT_TTL_S": "3",
+        **TUNED_RECOVERY,
         "INFLIGHTQ_DRAIN_TIMEOUT_S": "20",
         # Two shared cores: one intra-op thread per worker keeps several workers from thrashing.
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
     }
+    if AT_DEFAULTS:
+        env |= {**DEFAULT_RECOVERY, "INFLIGHTQ_DRAIN_TIMEOUT_S": str(Settings().drain_timeout_s)}
+    return env
 
 
 @pytest.fixture
