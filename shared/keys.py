@@ -103,6 +103,11 @@ class Keys:
         """Maps a client-chosen key (a batch line's custom_id) to the request id it created."""
         return self._k("idem", scope, key)
 
+    def idempotency_key(self, owner: str, digest: str) -> str:
+        """String (JSON): what an HTTP ``Idempotency-Key`` created; ``digest`` (a hash of the key) picks
+        its shard, so these spread over a Cluster's slots."""
+        return self._request_k(digest, "idem-http", owner, digest)
+
     # Responses API -------------------------------------------------------------------
     def response(self, response_id: str) -> str:
         """String (JSON): a stored /v1/responses response: its input, parameters, conversation context and,

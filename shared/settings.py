@@ -78,6 +78,12 @@ class Settings(BaseSettings):
         description="How long a finished request's replay log (every token event: SSE Last-Event-ID resume) "
         "outlives it; its result and status stay result_ttl_s.",
     )
+    idempotency_window_s: int = Field(
+        86_400,
+        ge=1,
+        description="How long an Idempotency-Key (per API key) keeps answering with the object its first "
+        "request created (POST /v1/jobs, /v1/responses, /v1/batches, /v1/files).",
+    )
     response_ttl_s: int = Field(
         86_400,
         ge=1,

@@ -6,20 +6,23 @@ Thin over ``store.py`` (the records) and ``queue.py`` (the RQ side). Handlers ar
 
 from __future__ import annotations
 
+import hashlib
 from email.message import Message
 from email.parser import BytesParser
 from email.policy import HTTP
 
 from anyio import to_thread
 from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import JSONResponse
 
 from producer_api.auth import authenticate
 from producer_api.batches.files import FileObject, FilePage
 from producer_api.batches.models import BatchCreate, FileDeleted
 from producer_api.batches.queue import cancel_batch, create_batch
 from producer_api.batches.store import BatchObject, BatchPage, BatchStore
-from producer_api.errors import OpenAIRoute
+from producer_api.idempotency import IdempotencyKey, once
 from producer_api.ownership import owner_of
+from producer_api.routing import OpenAIRoute
 from producer_api.state import state_of
 from shared.errors import ValidationError
 from shared.redis_connect import connect
@@ -52,7 +55,9 @@ def _form_parts(content_type: str, body: bytes) -> dict[str, Message]:
 
 
 @router.post("/v1/files", response_model=FileObject, summary="Upload a JSONL file (purpose=batch)")
-async def create_file(request: Request, owner: str | None = Depends(owner_of)) -> FileObject:
+async def create_file(
+    request: Request, owner: str | None = Depends(owner_of), idempotency_key: str | None = IdempotencyKey
+) -> JSONResponse:
     body = await request.body()
     parts = _form_parts(request.headers.get("content-type", ""), body)
     if "file" not in parts:
@@ -65,7 +70,15 @@ async def create_file(request: Request, owner: str | None = Depends(owner_of)) -
     content = file_part.get_payload(decode=True) or b""
     filename = file_part.get_filename() or "upload.jsonl"
     store = batch_store(request)
-    return await to_thread.run_sync(lambda: store.files.put(content, filename=filename, purpose=purpose, owner=owner))
+
+    async def upload() -> JSONResponse:
+        def put() -> FileObject:
+            return store.files.put(content, filename=filename, purpose=purpose, owner=owner)
+
+        return JSONResponse((await to_thread.run_sync(put)).model_dump(mode="json"))
+
+    fingerprint = ("/v1/files", filename, purpose, hashlib.sha256(content).hexdigest())
+    return await once(state_of(request), owner, idempotency_key, fingerprint, upload)
 
 
 @router.get("/v1/files", response_model=FilePage, summary="Files, newest first")
@@ -102,20 +115,31 @@ def delete_file(
 
 
 @router.post("/v1/batches", response_model=BatchObject, summary="Create a batch from an uploaded file")
-def create(
-    body: BatchCreate, store: BatchStore = Depends(batch_store), owner: str | None = Depends(owner_of)
-) -> BatchObject:
-    return create_batch(
-        store.settings,
-        store,
-        input_file_id=body.input_file_id,
-        endpoint=body.endpoint,
-        completion_window=body.completion_window,
-        metadata=body.metadata,
-        model=body.model,
-        owner=owner,
-        connection=store.redis,
-    )
+async def create(
+    request: Request,
+    body: BatchCreate,
+    store: BatchStore = Depends(batch_store),
+    owner: str | None = Depends(owner_of),
+    idempotency_key: str | None = IdempotencyKey,
+) -> JSONResponse:
+    def make() -> BatchObject:
+        return create_batch(
+            store.settings,
+            store,
+            input_file_id=body.input_file_id,
+            endpoint=body.endpoint,
+            completion_window=body.completion_window,
+            metadata=body.metadata,
+            model=body.model,
+            owner=owner,
+            connection=store.redis,
+        )
+
+    async def created() -> JSONResponse:
+        return JSONResponse((await to_thread.run_sync(make)).model_dump(mode="json"))
+
+    fingerprint = ("/v1/batches", body.model_dump(mode="json"))
+    return await once(state_of(request), owner, idempotency_key, fingerprint, created)
 
 
 @router.get("/v1/batches", response_model=BatchPage, summary="Batches, newest first")

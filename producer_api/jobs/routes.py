@@ -15,6 +15,7 @@ from producer_api import sse
 from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
 from producer_api.errors import TgiRoute
+from producer_api.idempotency import IdempotencyKey, once
 from producer_api.jobs.models import Job, JobCancelled, JobCreated, JobError, JobRequest, JobResult, JobUsage
 from producer_api.models_common import TGI_ERRORS, ErrorBody, inline_schema
 from producer_api.ownership import owner_of, visible
@@ -56,7 +57,17 @@ async def prompt_ids(st: AppState, model: str, body: JobRequest) -> tuple[list[i
     responses=TGI_ERRORS,
     summary="Submit a job; answers at once with its id",
 )
-async def create_job(request: Request, body: JobRequest, key: ApiKey | None = Depends(authenticate)) -> JSONResponse:
+async def create_job(
+    request: Request,
+    body: JobRequest,
+    key: ApiKey | None = Depends(authenticate),
+    idempotency_key: str | None = IdempotencyKey,
+) -> JSONResponse:
+    st, fingerprint = state_of(request), ("/v1/jobs", body.model_dump(mode="json"))
+    return await once(st, owner_of(key), idempotency_key, fingerprint, lambda: submit(request, body, key))
+
+
+async def submit(request: Request, body: JobRequest, key: ApiKey | None) -> JSONResponse:
     st = state_of(request)
     settings = st.settings
     model = resolve_model(settings, body.model or settings.model)

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
 from producer_api.errors import OpenAIRoute
+from producer_api.idempotency import HEADER, IdempotencyKey, once
 from producer_api.models_common import OPENAI_ERRORS
 from producer_api.openai.structured import template_messages
 from producer_api.ownership import owner_of, visible
@@ -173,14 +174,24 @@ def tool_choice_echo(body: ResponsesRequest) -> Any:
 
 
 @router.post("", responses=OPENAI_ERRORS, summary="Create a response (OpenAI Responses API)")
-async def create_response(request: Request, key: ApiKey | None = Depends(authenticate)) -> Response:
-    st = state_of(request)
-    settings = st.settings
+async def create_response(
+    request: Request, key: ApiKey | None = Depends(authenticate), idempotency_key: str | None = IdempotencyKey
+) -> Response:
     try:
         raw = await request.json()
     except ValueError:
         raise ValidationError("the body is not valid JSON", field="body") from None
     body = parse(raw)
+    if idempotency_key is not None and body.stream:
+        raise ValidationError(f"{HEADER} applies to answers of one object, not to stream=true", field=HEADER)
+    st = state_of(request)
+    return await once(st, owner_of(key), idempotency_key, ("/v1/responses", raw), lambda: start(request, body, key))
+
+
+async def start(request: Request, body: ResponsesRequest, key: ApiKey | None) -> Response:
+    """Creates the response (stored when body.store) and its request; answers as body asks."""
+    st = state_of(request)
+    settings = st.settings
     model = resolve_model(settings, body.model or settings.model)
     st.tokenizers.get(model)
     messages = input_messages(body)
