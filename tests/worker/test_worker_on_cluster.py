@@ -5,7 +5,8 @@ process at the Cluster (INFLIGHTQ_REDIS_CLUSTER=true, INFLIGHTQ_REDIS_URL = one 
 
 Chosen to cover each path whose keys meet in a script or a pipeline: submit and the depth check,
 stream (log replay + sharded pub/sub), cancel, priorities, deadlines, crash takeover with SIGKILL (the
-dead worker's heartbeat stops: its entries are claimed in the model's slot), a reused request id (CREATE refuses it in the request's slot, the queue entry lives in the model's)."""
+dead worker's heartbeat stops: its entries are claimed in the model's slot), a reused request id
+(CREATE refuses it in the request's slot, the queue entry lives in the model's)."""
 
 from __future__ import annotations
 
