@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from worker.engine.core.cgroups import ROOT, binding_dirs
+
 LOOK_EVERY_S = 1.0
 RAISE_AFTER_LOOKS = 2  # threads are added back only when this many looks in a row find room for them
 # torch's own default (all cores, or OMP_NUM_THREADS), read before any engine changes it: the most
@@ -43,32 +45,15 @@ def affinity() -> set[int]:
         return set(range(os.cpu_count() or 1))
 
 
-def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: str | None = None) -> float | None:
+def cgroup_cpu_quota(root: Path = ROOT, proc_cgroup: str | None = None) -> float | None:
     """CPUs' worth of time per period that this process's cgroup and its ancestors allow (the
     tightest); None where none sets a quota. cgroup v2 and v1; ``root`` and ``proc_cgroup`` (the
     text of /proc/self/cgroup) for tests."""
-    if proc_cgroup is None:
-        try:
-            proc_cgroup = Path("/proc/self/cgroup").read_text()
-        except OSError:
-            return None
     tightest: float | None = None
-    for line in proc_cgroup.splitlines():
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2: one hierarchy
-            bases = [root]
-        elif "cpu" in controllers.split(","):
-            bases = [root / name for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu")]
-        else:
-            continue
-        # In a container the cgroup namespace makes its own cgroup the root; outside, any ancestor's
-        # quota binds too.
-        parts = [p for p in path.strip("/").split("/") if p]
-        for base in bases:
-            for depth in range(len(parts), -1, -1):
-                quota = _quota(base.joinpath(*parts[:depth]), v2=controllers == "")
-                if quota is not None:
-                    tightest = quota if tightest is None else min(tightest, quota)
+    for directory, v2 in binding_dirs(("cpu", "cpu,cpuacct", "cpuacct,cpu"), "cpu", root, proc_cgroup):
+        quota = _quota(directory, v2=v2)
+        if quota is not None:
+            tightest = quota if tightest is None else min(tightest, quota)
     return tightest
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from worker.engine.core.cgroups import ROOT, binding_dirs
+
 KV_MEMORY_FRACTION = 0.25  # of the memory free now; the rest stays for activations and other processes
 
 
@@ -31,36 +33,18 @@ def available_memory_bytes(device: torch.device) -> int:
     return available if headroom is None else min(available, headroom)
 
 
-def cgroup_memory_headroom(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: str | None = None) -> int | None:
+def cgroup_memory_headroom(root: Path = ROOT, proc_cgroup: str | None = None) -> int | None:
     """Bytes this process's memory cgroup and its ancestors may still grow by (the tightest limit
     less its usage, reclaimable page cache not counted as used); None where none sets a limit.
     cgroup v2 and v1; ``root`` and ``proc_cgroup`` (the text of /proc/self/cgroup) for tests."""
-    if proc_cgroup is None:
-        try:
-            proc_cgroup = Path("/proc/self/cgroup").read_text()
-        except OSError:
-            return None
     tightest: int | None = None
-    for line in proc_cgroup.splitlines():
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2: one hierarchy
-            base, limit_file, usage_file, inactive = root, "memory.max", "memory.current", "inactive_file"
-        elif "memory" in controllers.split(","):
-            base, limit_file, usage_file, inactive = (
-                root / "memory",
-                "memory.limit_in_bytes",
-                "memory.usage_in_bytes",
-                "total_inactive_file",
-            )
+    for directory, v2 in binding_dirs(("memory",), "memory", root, proc_cgroup):
+        if v2:
+            headroom = _headroom(directory, "memory.max", "memory.current", "inactive_file")
         else:
-            continue
-        # In a container the cgroup namespace makes its own cgroup the root; outside, walk from
-        # the process's cgroup up to the root, since any ancestor's limit binds too.
-        parts = [p for p in path.strip("/").split("/") if p]
-        for depth in range(len(parts), -1, -1):
-            headroom = _headroom(base.joinpath(*parts[:depth]), limit_file, usage_file, inactive)
-            if headroom is not None:
-                tightest = headroom if tightest is None else min(tightest, headroom)
+            headroom = _headroom(directory, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        if headroom is not None:
+            tightest = headroom if tightest is None else min(tightest, headroom)
     return tightest
 
 
