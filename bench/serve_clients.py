@@ -103,7 +103,8 @@ def chat_sender(http: httpx.AsyncClient, headers: dict[str, str], model: str, pr
                     for choice in data.get("choices", []):
                         delta = choice.get("delta", {})
                         # The server sends one chunk per token after an opening chunk per choice (role, empty
-                        # content); every chunk names the role, as TGI's do, so the opening one is told by order.
+                        # content, written with the first token's); every chunk names the role, as TGI's do, so
+                        # the opening one is told by order and the first token is timed at its own chunk.
                         if "content" in delta and choice.get("index", 0) in opened:
                             last = result.record_token(started, time.perf_counter(), last)
                         opened.add(choice.get("index", 0))

@@ -148,7 +148,7 @@ class CompletionStream(ChoiceStream):
 
 
 class ChatStream(ChoiceStream):
-    """/v1/chat/completions: delta chunks, the role first; with tools, text that may be a tool call
+    """/v1/chat/completions: delta chunks, the role with the first token; with tools, text that may be a tool call
     is held back until it is plainly text or a call's name is written, whose arguments then stream
     as the model writes them."""
 
@@ -157,6 +157,7 @@ class ChatStream(ChoiceStream):
         self.choices = len(request_ids)
         self.logprobs = logprobs
         self.splitters = [ToolCallStream(request_id, pieces=True) for request_id in request_ids] if tools else None
+        self.opened = [False] * self.choices
 
     def _choice(self, index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> str:
         # As TGI: every delta names its role and carries tool_calls (null without calls); TGI's own
@@ -164,19 +165,26 @@ class ChatStream(ChoiceStream):
         delta = {"role": "assistant", **delta, "tool_calls": delta.get("tool_calls")}
         return self.reply.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
 
-    def opening(self) -> list[str]:
-        # OpenAI's first chunk of each choice names the role.
-        return [self._choice(i, {"role": "assistant", "content": ""}) for i in range(self.choices)]
+    def _opened(self, choice: int, frames: list[str]) -> list[str]:
+        """OpenAI's first chunk of each choice names the role; as vLLM, it goes out with the choice's
+        first token, in the same write, so a client timing its first chunk times the first token
+        (while queued, only keep-alive comments go out)."""
+        if self.opened[choice]:
+            return frames
+        self.opened[choice] = True
+        return ["".join([self._choice(choice, {"role": "assistant", "content": ""}), *frames])]
 
     def token(self, choice: int, event: TokenEvent) -> list[str]:
         if self.splitters is None:
-            return [self._choice(choice, {"content": event.text}, chat_logprobs([event]) if self.logprobs else None)]
-        return [self._choice(choice, delta) for delta in self.splitters[choice].feed(event.text)]
+            shown = chat_logprobs([event]) if self.logprobs else None
+            return self._opened(choice, [self._choice(choice, {"content": event.text}, shown)])
+        return self._opened(choice, [self._choice(choice, delta) for delta in self.splitters[choice].feed(event.text)])
 
     def finish(self, choice: int, result: FinalResult) -> list[str]:
         if self.splitters is None:
-            return [self._choice(choice, {}, None, finish_reason(result))]
+            return self._opened(choice, [self._choice(choice, {}, None, finish_reason(result))])
         splitter = self.splitters[choice]
         tail = [self._choice(choice, delta) for delta in splitter.finish()]
         called = splitter.made_calls and result.finish_reason != "length"
-        return [*tail, self._choice(choice, {}, None, "tool_calls" if called else finish_reason(result))]
+        last = self._choice(choice, {}, None, "tool_calls" if called else finish_reason(result))
+        return self._opened(choice, [*tail, last])

@@ -153,16 +153,18 @@ class Consumer:
 
 
 def drive(
-    r: redis.Redis, prefix: str, request_id: str, consumer: Consumer, frames: int = TOKENS, before_steps: int = 0
+    r: redis.Redis, prefix: str, request_id: str, consumer: Consumer, frames: int = TOKENS, quiet_s: float = 0.0
 ) -> list[Any]:
     """Allows the request's steps one at a time; each step's frame must reach the consumer before
-    the next step is allowed. Returns the ``before_steps`` frames sent before any step (the OpenAI
-    role chunk), the steps' frames, and then whatever else the consumer sent."""
-    got = [consumer.next(f"frame {i} (before any step)") for i in range(before_steps)]
+    the next step is allowed, and none may come in the ``quiet_s`` before the first step. Returns the
+    steps' frames, and then whatever else the consumer sent."""
+    got: list[Any] = []
     wait_until(
         lambda: r.pubsub_numsub(documented_channel(prefix, request_id))[0][1] >= 1,
         f"nobody subscribed to the request's token channel {documented_channel(prefix, request_id)}",
     )
+    time.sleep(quiet_s)
+    assert consumer.arrivals.empty(), f"a frame came before the first step: {consumer.arrivals.get()}"
     for step in range(frames):
         paced_worker.allow_steps(r, prefix, request_id)
         got.append(consumer.next(f"the frame of step {step} (the worker now waits for step {step + 1})"))
@@ -282,9 +284,11 @@ def stream_route(
     path: str,
     body: dict[str, Any] | None,
     frames: int = TOKENS,
-    before_steps: int = 0,
+    quiet_s: float = 0.0,
+    first_two_together: bool = False,
 ) -> tuple[str, list[Any]]:
-    """Opens an SSE route; each data frame is one item. Returns the request id and the frames."""
+    """Opens an SSE route; each data frame is one item (with ``first_two_together``, the first two
+    frames are one item, with the seconds between their arrivals). Returns the request id and the frames."""
     prefix = paced.settings.key_prefix
     opened: queue.Queue[str] = queue.Queue()
     request_id = ""
@@ -294,13 +298,20 @@ def stream_route(
             assert response.status_code == 200, response.read()
             assert response.headers["content-type"].startswith("text/event-stream")
             opened.put(response.headers["x-request-id"])
+            held: list[tuple[Any, float]] = []
             for data in sse_data(response):
-                put(data if data == "[DONE]" else json.loads(data))
+                frame = data if data == "[DONE]" else json.loads(data)
+                if first_two_together and len(held) < 2:
+                    held.append((frame, time.monotonic()))
+                    if len(held) == 2:
+                        put((held[0][0], held[1][0], held[1][1] - held[0][1]))
+                else:
+                    put(frame)
 
     consumer = Consumer(consume)
     try:
         request_id = opened.get(timeout=ARRIVAL_DEADLINE_S)
-        return request_id, drive(r, prefix, request_id, consumer, frames, before_steps)
+        return request_id, drive(r, prefix, request_id, consumer, frames, quiet_s)
     finally:
         if request_id:
             release_on_failure(r, prefix, request_id)
@@ -325,10 +336,13 @@ def test_openai_chat_stream_sends_each_token_before_the_next_step(paced: ApiServ
         "ignore_eos": True,
         "stream": True,
     }
-    # The role chunk goes out before any step; then one chunk per step.
-    _, frames = stream_route(paced, r, "POST", "/v1/chat/completions", body, before_steps=1)
-    role, tokens, rest = frames[0], frames[1 : TOKENS + 1], frames[TOKENS + 1 :]
-    assert role["choices"][0]["delta"]["role"] == "assistant"
+    # As vLLM: nothing before the first step (a client timing its first chunk times the first token),
+    # then the role chunk with the first token's, then one chunk per step.
+    _, frames = stream_route(paced, r, "POST", "/v1/chat/completions", body, quiet_s=1.0, first_two_together=True)
+    (role, first, apart), tokens, rest = frames[0], [frames[0][1], *frames[1:TOKENS]], frames[TOKENS:]
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": "", "tool_calls": None}
+    assert apart < 0.5, f"the role chunk came {apart:.2f} s before the first token's"
+    assert first["choices"][0]["delta"]["content"] is not None
     # Each step's chunk carries that step's text; like TGI's, every delta also names its role and
     # carries ``tool_calls`` (null without calls): text-generation's client requires both.
     deltas = [c["choices"][0]["delta"] for c in tokens]
