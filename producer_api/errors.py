@@ -1,27 +1,25 @@
 """The ONE mapping from failures to HTTP responses, in the dialect of the route that failed.
 
-A router declares its routes' dialect by its route class: ``TgiRoute`` answers TGI's
+A router declares its routes' dialect by its route class (``routing.py``): ``TgiRoute`` answers TGI's
 ``{"error", "error_type"}`` (huggingface_hub turns ``error_type`` into its exception classes),
 ``OpenAIRoute`` OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with OpenAI's status
 codes where they differ from TGI's: a request it cannot take is a 400 (the openai package raises
 ``BadRequestError``), an unknown model a 404 ``model_not_found``, where TGI answers 422 for both.
 A request no route matches (an unknown path) is answered in TGI's shape.
 
-Anything unexpected becomes a 500 without a traceback in the body. A route answers it itself, so
-the server never sees the exception and the client's keep-alive connection stays open."""
+Anything unexpected becomes a 500 without a traceback in the body."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import redis.exceptions
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from fastapi.routing import APIRoute
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 from starlette.types import Scope
@@ -141,32 +139,6 @@ def error_response(dialect: Dialect, exc: BaseException, scope: Scope) -> JSONRe
     if error.error_type == "rate_limited":
         headers = {"retry-after": str(getattr(error, "retry_after", 60))}
     return JSONResponse(dialect.body(error), status_code=dialect.status(error), headers=headers)
-
-
-class DialectRoute(APIRoute):
-    """A route that answers every failure of its own, expected or not, in its dialect."""
-
-    dialect: ClassVar[Dialect] = TGI
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-        dialect = self.dialect
-
-        async def answer(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except Exception as exc:
-                return error_response(dialect, exc, request.scope)
-
-        return answer
-
-
-class TgiRoute(DialectRoute):
-    dialect = TGI
-
-
-class OpenAIRoute(DialectRoute):
-    dialect = OPENAI
 
 
 def dialect_of(scope: Scope) -> Dialect:

@@ -8,8 +8,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from producer_api import metrics
-from producer_api.errors import TgiRoute
 from producer_api.queue_metrics import queue_registry
+from producer_api.routing import TgiRoute
 from producer_api.state import state_of
 from producer_api.tgi.models import Health
 

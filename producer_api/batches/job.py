@@ -25,6 +25,7 @@ from shared.model_source import load_tokenizer
 from shared.request_builder import sampling_spec
 from shared.schemas import FinalResult
 from shared.settings import Settings, get_settings
+from shared.valid_text import check_text
 
 log = logging.getLogger("inflightq.batch")
 
@@ -88,6 +89,7 @@ class ApiLineHandler:
         from producer_api.tokenization import enforce_limits
         from producer_api.validation import check_stops
 
+        check_text(body)  # as the routes check every body
         if model:
             body = {**body, "model": model}
         request: ChatCompletionRequest | CompletionRequest

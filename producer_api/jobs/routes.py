@@ -14,12 +14,12 @@ from fastapi.responses import JSONResponse, Response
 from producer_api import sse
 from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
-from producer_api.errors import TgiRoute
 from producer_api.idempotency import IdempotencyKey, once
 from producer_api.jobs.models import Job, JobCancelled, JobCreated, JobError, JobRequest, JobResult, JobUsage
 from producer_api.models_common import TGI_ERRORS, ErrorBody, inline_schema
 from producer_api.ownership import owner_of, visible
 from producer_api.relay import stream_response
+from producer_api.routing import TgiRoute
 from producer_api.state import AppState, arrival, state_of
 from producer_api.tgi.formatting import TgiStream
 from producer_api.tgi.models import StreamResponse

@@ -14,7 +14,6 @@ from fastapi.responses import JSONResponse, Response
 
 from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
-from producer_api.errors import OpenAIRoute
 from producer_api.models_common import OPENAI_ERRORS, OpenAIErrorBody
 from producer_api.openai.formatting import (
     ChatStream,
@@ -42,6 +41,7 @@ from producer_api.openai.structured import (
     tool_plan,
 )
 from producer_api.relay import Formatter, stream_response
+from producer_api.routing import OpenAIRoute
 from producer_api.state import AppState, arrival, state_of
 from producer_api.streaming import unless_disconnected
 from producer_api.tokenization import enforce_limits

@@ -19,7 +19,6 @@ from fastapi.responses import JSONResponse, Response
 
 from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
-from producer_api.errors import OpenAIRoute
 from producer_api.idempotency import HEADER, IdempotencyKey, once
 from producer_api.models_common import OPENAI_ERRORS
 from producer_api.openai.structured import template_messages
@@ -38,6 +37,7 @@ from producer_api.responses.models import (
     tools_of,
 )
 from producer_api.responses.store import ResponseStore
+from producer_api.routing import OpenAIRoute
 from producer_api.state import AppState, arrival, state_of
 from producer_api.streaming import unless_disconnected
 from producer_api.tokenization import enforce_limits

@@ -14,9 +14,9 @@ from fastapi.responses import JSONResponse, Response
 from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
 from producer_api.dispatch import Dispatcher
-from producer_api.errors import TgiRoute
 from producer_api.models_common import TGI_ERRORS, inline_schema
 from producer_api.relay import stream_response
+from producer_api.routing import TgiRoute
 from producer_api.state import arrival, state_of
 from producer_api.streaming import unless_disconnected
 from producer_api.strict_schema import strict_schema

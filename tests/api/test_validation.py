@@ -393,6 +393,38 @@ def test_openapi_documents_every_route_with_response_models(http: httpx.Client) 
     assert http.get("/docs").status_code == 200
 
 
+def client_port(response: httpx.Response) -> int:
+    """The local port of the connection that carried ``response``."""
+    return int(response.extensions["network_stream"].get_extra_info("client_addr")[1])
+
+
+def test_an_unexpected_failure_is_a_500_in_the_routes_shape_and_the_connection_stays_usable(
+    redis_url: str, key_prefix: str, tiny_model_dir: Path, start_api: Callable[[Settings], ApiServer]
+) -> None:
+    api = start_api(Settings(redis_url=redis_url, key_prefix=key_prefix, model=str(tiny_model_dir)))
+
+    async def broken(*args: object, **kwargs: object) -> str:
+        raise RuntimeError("secret internals")
+
+    dispatcher = api.app.state.inflightq.dispatcher
+    dispatcher.client.enqueue = broken  # the jobs route queues without waiting for a worker
+    dispatcher.wait_for_worker = broken  # the OpenAI routes wait for one first
+    internal = {"message": "internal server error", "type": "server_error", "param": None, "code": "internal"}
+    ports = set()
+    with api.client() as http:  # one keep-alive connection, as long as the server keeps it open
+        for path, body, answer in [
+            ("/v1/jobs", {"prompt": "hi"}, {"error": "internal server error", "error_type": "internal"}),
+            ("/v1/completions", {"model": api.settings.model, "prompt": "hi"}, {"error": internal}),
+            ("/v1/jobs", {"prompt": "hi"}, {"error": "internal server error", "error_type": "internal"}),
+        ]:
+            failed = http.post(path, json=body)
+            assert failed.status_code == 500 and failed.json() == answer, failed.text
+            fine = http.post("/tokenize", json={"inputs": "hello world"})
+            assert fine.status_code == 200, fine.text
+            ports |= {client_port(failed), client_port(fine)}
+    assert len(ports) == 1, "a failed request must not cost the client its connection"
+
+
 def test_an_internal_failure_is_a_json_500_without_details(
     redis_url: str, key_prefix: str, tiny_model_dir: Path, start_api: Callable[[Settings], ApiServer]
 ) -> None:
