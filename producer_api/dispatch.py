@@ -237,9 +237,9 @@ class WorkerWatch:
     checked every _WATCH_S while some stream of it is followed, by one task for all of them.
 
     ``gone`` completes once no worker has served the model for no_worker_wait_s; the streams
-    waiting on it end with 503, and the next ones get a fresh future. (One timer per silent stream,
-    as before, woke the API 500 times a second with 1,000 requests queued.) A failed check counts
-    as neither: Redis being unreachable is not every worker being gone."""
+    waiting on it end with 503, and the next ones get a fresh future. One task, not a timer per
+    silent stream: with many requests queued, per-stream timers would wake the API hundreds of times
+    a second. A failed check counts as neither: Redis being unreachable is not every worker being gone."""
 
     def __init__(self, dispatcher: Dispatcher, model: str) -> None:
         self.dispatcher = dispatcher

@@ -12,8 +12,8 @@ from producer_api import metrics
 from producer_api.errors import dialect_of, error_response
 from shared.errors import HeadersTooLargeError, PayloadTooLargeError
 
-# Request headers beyond these get 431 (nginx's default buffers hold 4 x 8 KB; 200 KB of headers or
-# 5,000 of them were accepted and parsed on every request).
+# Request headers beyond these get 431: as nginx's default buffers (4 x 8 KB) hold, so a client
+# cannot make every request parse megabytes of headers.
 MAX_HEADERS = 100
 MAX_HEADER_BYTES = 32 * 1024
 

@@ -66,7 +66,7 @@ OPENAI_ERRORS: dict[int | str, dict[str, object]] = {
 def inline_schema(model: type[BaseModel]) -> dict[str, Any]:
     """``model``'s JSON schema with its ``$defs`` written in place: for a schema embedded in a
     route's OpenAPI by hand (an SSE event's), where ``#/$defs/...`` would point at nothing
-    (schemathesis reported the references unresolvable)."""
+    (a schema reader such as schemathesis cannot resolve them)."""
     schema = model.model_json_schema()
     defs = schema.pop("$defs", {})
 

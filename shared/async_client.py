@@ -3,8 +3,8 @@
 redis.asyncio; see ``shared.client`` for the contract.
 
 Unlike the sync client, every stream it follows shares one pub/sub connection per Redis node
-(``shared.subscriptions.ChannelHub``): an API replica with 10,000 open streams holds a handful of
-Redis connections, not 10,000."""
+(``shared.subscriptions.ChannelHub``): an API replica holds a handful of Redis connections however
+many streams it has open."""
 
 from __future__ import annotations
 

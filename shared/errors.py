@@ -128,7 +128,7 @@ class CancelledError(InflightqError):
 class ExpiredError(InflightqError):
     """The request's deadline passed before it finished.
 
-    408, a client error: the deadline is the client's own choice, and a 5xx (504 at first) paged
+    408, a client error: the deadline is the client's own choice, and a 5xx would page
     operators (the 5xx alert in deploy/prometheus/alerts.yml) for every client that set a tight one.
     OpenAI's and huggingface_hub's clients treat 408 as a timeout."""
 

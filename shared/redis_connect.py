@@ -60,9 +60,9 @@ def refresh_topology(client: object) -> None:
     """After a failed command on a Cluster: ask the Cluster again who serves which slots.
 
     redis-py does this itself after a plain command's connection error, but not reliably after a
-    pipeline's (seen with redis-py 8.1: a publisher whose pipelines kept connecting to a master
-    killed a minute earlier, its replica long promoted, while the client's other commands had
-    moved on). A no-op for a standalone client; an unreachable Cluster is left for the next try."""
+    pipeline's: a pipeline may keep connecting to a dead master after its replica's promotion,
+    while the client's other commands have moved on. A no-op for a standalone client; an
+    unreachable Cluster is left for the next try."""
     if isinstance(client, RedisCluster):
         try:
             client.nodes_manager.initialize()

@@ -1,9 +1,9 @@
 """The asyncio command pool: a bounded number of Redis connections, and callers past the bound wait.
 
 redis.asyncio opens a pooled connection whenever more commands are in flight than it has idle
-connections, and keeps it: an API replica's pool follows the peak of commands in flight at once
-(2,353 connections for 10,000 open streams on a standalone Redis, 3,098 on a Cluster; bench
-streams, 2026-12-01). Bounded here, with redis-py's own means:
+connections, and keeps it: an API replica's pool follows the peak of commands in flight at once,
+thousands of connections for an API with many open streams (``bench streams``, docs/benchmarks.md).
+Bounded here, with redis-py's own means:
 
 - standalone: ``redis.asyncio.BlockingConnectionPool``: past ``max_connections`` a command waits
   for a connection to come back, up to ``wait_s``;

@@ -149,8 +149,8 @@ _CAN_MOVE = _lua_can_move()
 # comes after, from ``ENQUEUE`` (on a Cluster its XADD runs on another node), so a worker never
 # reads an entry whose hash is still to come; ``START`` recreates a hash Redis lost.
 # The same submission sent again (a connection lost after Redis ran the script, and the client
-# retried: seen in a Cluster failover, where it came back as 409 for an id the API had minted
-# itself) finds its own hash, still queued with its submitted_at, and is 'ok'.
+# retried, as happens in a Cluster failover) finds its own hash, still queued with its
+# submitted_at, and is 'ok': an id the API minted itself is never a 409.
 CREATE = """
 local fields = {}
 local submitted_at

@@ -20,7 +20,7 @@ FinishReason = Literal["length", "eos_token", "stop_sequence"]
 # What a request that names none gets (``shared.settings`` makes both configurable per deployment).
 DEFAULT_PRIORITY = 1  # 0 is the most urgent
 DEFAULT_MAX_NEW_TOKENS = 256
-# Seeds are 63-bit: the range every engine's generator takes.
+# Seeds are 63-bit: a non-negative int64, as the engine's generators take them.
 SEED_LIMIT = 2**63
 Seed = Annotated[int, Field(ge=0, le=SEED_LIMIT - 1)]
 

@@ -227,7 +227,7 @@ class Settings(BaseSettings):
     compile_dynamic: bool = Field(
         False,
         description="With compile: one symbolic-size graph for 2+ tokens and one for 1, instead of one per "
-        "bucket (two compiles at start instead of nine; a smaller gain, bench/results/peers-2026-12-02.md).",
+        "bucket (two compiles at start instead of nine, for a smaller gain).",
     )
     compile_cache: str | None = Field(
         None, description="Directory for the compiled forward's caches; unset = ~/.cache/inflightq/inductor."

@@ -7,8 +7,8 @@ re-established and events may have passed meanwhile).
 
 - ``ChannelHub`` (asyncio; the API and ``AsyncQueueClient``): ONE pub/sub connection per Redis
   node for the whole process, shared by every stream it follows; each message is handed to the
-  queues of the followers of its channel. 10,000 open streams hold one connection per node, not
-  10,000. On a Cluster, channels are sharded (SSUBSCRIBE on the node that owns the channel's slot,
+  queues of the followers of its channel: however many streams are open, one connection per node.
+  On a Cluster, channels are sharded (SSUBSCRIBE on the node that owns the channel's slot,
   found by redis-py's Cluster client); when a node's connection fails (failover) or the node gives
   a channel's slot away, the hub asks the Cluster client for the current owners, subscribes there,
   and tells the channels' followers to check their logs.
@@ -55,8 +55,8 @@ class _NodeListener:
     confirmed: dict[str, asyncio.Future[None]] = field(default_factory=dict)
     # Replies still due to our own (S)UNSUBSCRIBEs, per channel. On a Cluster, Redis also sends an
     # sunsubscribe of its own when a slot moves away; the reply to ours looks the same, and taking
-    # it for a move (while a new follower was subscribing to the channel again) dropped that
-    # follower's confirmation: its stream waited SUBSCRIBE_S and ended early.
+    # it for a move (while a new follower subscribes to the channel again) would drop that
+    # follower's confirmation: its stream would wait SUBSCRIBE_S and end early.
     unsubscribing: dict[str, int] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
 
