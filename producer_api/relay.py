@@ -4,9 +4,11 @@ Every streaming route (TGI's, OpenAI's chat and completions, Responses, jobs) ru
 ``Formatter`` says only how events look in its dialect. What the loop reads is already positioned
 and policed by ``Dispatcher.events``: where a resumed stream starts (Last-Event-ID, starting_after),
 the request's deadline, cancelling a request whose stream ends unfinished (the client left) unless
-the route keeps it (jobs, background responses). n choices wait for a slow client in a buffer of at
-most ``stream_buffer_events`` (``streaming.merge``). Keep-alive comments and noticing the client
-leaving belong to the response (``sse.EventStreamResponse``)."""
+the route keeps it (jobs, background responses). What waits for a slow client is bounded: n choices
+in a buffer of at most ``stream_buffer_events`` events and ``stream_buffer_bytes`` bytes
+(``streaming.merge``), one choice's unread messages at most ``stream_buffer_bytes``
+(``shared.subscriptions``); past either the client gets a ``slow_reader`` error event. Keep-alive
+comments and noticing the client leaving belong to the response (``sse.EventStreamResponse``)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from producer_api.errors import normalize
 from producer_api.streaming import merge
 from shared.errors import InflightqError
 from shared.schemas import AnyEvent, DoneEvent, ErrorEvent, FinalResult, TokenEvent
+from shared.settings import Settings
 
 
 class Formatter(Protocol):
@@ -47,13 +50,19 @@ class Formatter(Protocol):
         ...
 
 
+def event_bytes(event: AnyEvent) -> int:
+    """What an event weighs in a stream's buffer: its size as JSON."""
+    return len(event.model_dump_json())
+
+
 async def relay(
-    streams: list[AsyncIterator[AnyEvent]], formatter: Formatter, *, max_buffered: int
+    streams: list[AsyncIterator[AnyEvent]], formatter: Formatter, *, settings: Settings
 ) -> AsyncIterator[str]:
     try:
         for frame in formatter.opening():
             yield frame
-        async with contextlib.aclosing(merge(streams, max_buffered)) as merged:
+        buffered = merge(streams, settings.stream_buffer_events, settings.stream_buffer_bytes, event_bytes)
+        async with contextlib.aclosing(buffered) as merged:
             async for choice, event in merged:
                 if isinstance(event, TokenEvent):
                     frames = formatter.token(choice, event)
@@ -77,8 +86,8 @@ def stream_response(
     formatter: Formatter,
     *,
     route: str,
-    max_buffered: int,
+    settings: Settings,
     headers: dict[str, str] | None = None,
 ) -> StreamingResponse:
     """The SSE response relaying ``streams``; ``route`` labels its metrics."""
-    return sse.response(relay(streams, formatter, max_buffered=max_buffered), route, headers=headers)
+    return sse.response(relay(streams, formatter, settings=settings), route, headers=headers)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import anyio
@@ -34,34 +34,43 @@ async def unless_disconnected(request: Request, work: Awaitable[T], poll_s: floa
                 await task
 
 
-async def merge(streams: list[AsyncIterator[T]], max_buffered: int = 4096) -> AsyncIterator[tuple[int, T]]:
+async def merge(
+    streams: list[AsyncIterator[T]],
+    max_buffered: int = 4096,
+    max_bytes: int = 1024 * 1024,
+    size: Callable[[T], int] = lambda _: 0,
+) -> AsyncIterator[tuple[int, T]]:
     """Interleaves n choices' streams as events arrive, tagged with the choice index.
 
     The choices are read as fast as they come, so a client that reads slower than that leaves
-    events waiting here: at most ``max_buffered`` of them. Past that the choices stop being read
+    events waiting here: at most ``max_buffered`` of them, of at most ``max_bytes`` together
+    (each event's ``size``). Past either the choices stop being read
     (their subscriptions close) and the client gets ``SlowReaderError`` as soon as it asks for
-    the next event; other clients never notice. (A single stream needs no buffer: it is read only
-    as fast as its client takes events.)"""
+    the next event; other clients never notice. (A single stream is read only as fast as its
+    client takes events: what waits for it waits in its subscription, bounded in bytes likewise.)"""
     if len(streams) == 1:
         async with contextlib.aclosing(streams[0]) as stream:  # type: ignore[type-var]
             async for item in stream:
                 yield 0, item
         return
     # Holds at most max_buffered events, plus one end marker (and maybe an error) per stream.
-    queue: asyncio.Queue[tuple[int, T] | tuple[int, BaseException] | None] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, T, int] | tuple[int, BaseException, int] | None] = asyncio.Queue()
     overflowed = False
+    buffered_bytes = 0
 
     async def pump(i: int, stream: AsyncIterator[T]) -> None:
-        nonlocal overflowed
+        nonlocal overflowed, buffered_bytes
         try:
             async with contextlib.aclosing(stream):  # type: ignore[type-var]
                 async for item in stream:
-                    if overflowed or queue.qsize() >= max_buffered:
+                    item_bytes = size(item)
+                    if overflowed or queue.qsize() >= max_buffered or buffered_bytes + item_bytes > max_bytes:
                         overflowed = True
                         return
-                    queue.put_nowait((i, item))
+                    buffered_bytes += item_bytes
+                    queue.put_nowait((i, item, item_bytes))
         except Exception as exc:
-            queue.put_nowait((i, exc))
+            queue.put_nowait((i, exc, 0))
         finally:
             queue.put_nowait(None)
 
@@ -72,14 +81,17 @@ async def merge(streams: list[AsyncIterator[T]], max_buffered: int = 4096) -> As
             item = await queue.get()
             if overflowed:
                 raise SlowReaderError(
-                    f"the client read too slowly: {max_buffered} events waited unread, so the stream was dropped"
+                    f"the client read too slowly: more than {max_buffered} events or {max_bytes} bytes waited "
+                    "unread, so the stream was dropped"
                 )
             if item is None:
                 open_streams -= 1
                 continue
-            if isinstance(item[1], BaseException):
-                raise item[1]
-            yield item  # type: ignore[misc]
+            choice, event, event_bytes = item
+            if isinstance(event, BaseException):
+                raise event
+            buffered_bytes -= event_bytes
+            yield choice, event
     finally:
         for task in tasks:
             task.cancel()

@@ -32,7 +32,7 @@ class AsyncQueueClient:
         # A redis.asyncio.Redis, or its RedisCluster (INFLIGHTQ_REDIS_CLUSTER): same commands, and
         # redis.asyncio's own Retry either way (``connect_async``).
         self.redis: aioredis.Redis = client or connect_async(self.settings)  # type: ignore[assignment]
-        self.hub = ChannelHub(self.redis)
+        self.hub = ChannelHub(self.redis, self.settings.stream_buffer_bytes)
         self._core = QueueCore(self.settings)
         self.keys = self._core.keys
         self._scripts = {lua: self.redis.register_script(lua) for lua in CLIENT_SCRIPTS}

@@ -142,6 +142,13 @@ class Settings(BaseSettings):
         "503 (a followed stream pauses, as for an unreachable Redis).",
     )
 
+    stream_buffer_bytes: int = Field(
+        1024 * 1024,
+        ge=64 * 1024,
+        description="Bytes of events (counted as JSON) the API holds for a stream whose client reads slower than "
+        "they come (each choice's unread messages, and a multi-choice stream's merged events, at most this); past "
+        "it that client is dropped with a slow_reader error event (others are unaffected).",
+    )
     stream_buffer_events: int = Field(
         4096,
         ge=16,

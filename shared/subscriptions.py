@@ -29,6 +29,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
 
+from shared.errors import SlowReaderError
 from shared.redis_connect import is_cluster_client
 
 log = logging.getLogger("inflightq.subscriptions")
@@ -39,9 +40,46 @@ CHECK = None
 _RESUBSCRIBE_PAUSE_S = 0.2
 
 
+class _Overflowed:
+    """Takes the place of a follower's unread messages once they passed its byte budget."""
+
+
+OVERFLOWED = _Overflowed()
+
+
 class _Follower:
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[str | None] = asyncio.Queue()
+    """One follower's unread messages, at most ``max_bytes`` of them: past that they are dropped
+    and the follower learns it fell behind (``SlowReaderError``) when it next reads."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.queue: asyncio.Queue[str | _Overflowed | None] = asyncio.Queue()
+        self.max_bytes = max_bytes
+        self.unread_bytes = 0
+        self.overflowed = False
+
+    def put(self, data: str) -> None:
+        if self.overflowed:
+            return
+        self.unread_bytes += len(data)
+        if self.unread_bytes <= self.max_bytes:
+            self.queue.put_nowait(data)
+            return
+        self.overflowed = True
+        self.unread_bytes = 0
+        while not self.queue.empty():  # the unread messages go now, not when the reader comes back
+            self.queue.get_nowait()
+        self.queue.put_nowait(OVERFLOWED)
+
+    async def get(self) -> str | None:
+        item = await self.queue.get()
+        if isinstance(item, _Overflowed):
+            raise SlowReaderError(
+                f"the client read too slowly: more than {self.max_bytes} bytes of events waited unread, "
+                "so the stream was dropped"
+            )
+        if item is not None:
+            self.unread_bytes -= len(item)
+        return item
 
 
 @dataclass
@@ -99,8 +137,9 @@ class _NodeListener:
 class ChannelHub:
     """One subscriber per process (see the module's docstring)."""
 
-    def __init__(self, client: aioredis.Redis | Any) -> None:
+    def __init__(self, client: aioredis.Redis | Any, max_unread_bytes: int = 1024 * 1024) -> None:
         self.client = client
+        self.max_unread_bytes = max_unread_bytes  # per follower (``_Follower``)
         self._tasks: set[asyncio.Task[None]] = set()
         self.sharded = is_cluster_client(client)
         self._followers: dict[str, set[_Follower]] = {}
@@ -193,7 +232,7 @@ class ChannelHub:
         kind, channel = message["type"], message.get("channel")
         if kind in ("message", "smessage"):
             for follower in self._followers.get(channel, ()):
-                follower.queue.put_nowait(message["data"])
+                follower.put(message["data"])
         elif kind in ("subscribe", "ssubscribe"):
             future = listener.confirmed.get(channel)
             if future is not None and not future.done():
@@ -284,7 +323,7 @@ class HubSubscription:
 
     def __init__(self, hub: ChannelHub) -> None:
         self.hub = hub
-        self.follower = _Follower()
+        self.follower = _Follower(hub.max_unread_bytes)
         self.channels: list[str] = []
 
     async def subscribe(self, channel: str, timeout: float) -> None:
@@ -293,7 +332,7 @@ class HubSubscription:
 
     async def get_message(self, timeout: float) -> str | None:
         try:
-            return await asyncio.wait_for(self.follower.queue.get(), timeout)
+            return await asyncio.wait_for(self.follower.get(), timeout)
         except TimeoutError:
             return None
 

@@ -203,7 +203,7 @@ async def stream_job(
         [events],
         TgiStream(seed=None, special_ids=special, with_ids=True),
         route="/v1/jobs/{job_id}/stream",
-        max_buffered=st.settings.stream_buffer_events,
+        settings=st.settings,
         headers={"x-request-id": job_id},
     )
 

@@ -220,7 +220,7 @@ def relay_choices(st: AppState, request_ids: list[str], follow: dict[str, Any], 
         [st.dispatcher.events(request_id, **follow) for request_id in request_ids],
         formatter,
         route=follow["route"],
-        max_buffered=st.settings.stream_buffer_events,
+        settings=st.settings,
         headers={"x-request-id": request_ids[0]},
     )
 

@@ -312,7 +312,7 @@ def event_stream(
         [events],
         formatter,
         route=route,
-        max_buffered=st.settings.stream_buffer_events,
+        settings=st.settings,
         headers={"x-request-id": record["id"]},
     )
 

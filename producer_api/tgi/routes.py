@@ -197,7 +197,7 @@ async def generate_stream(request: Request, body: GenerateRequest, key: ApiKey |
         [events],
         formatter,
         route=route,
-        max_buffered=st.settings.stream_buffer_events,
+        settings=st.settings,
         headers={"x-request-id": request_id},
     )
 

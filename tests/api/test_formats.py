@@ -13,6 +13,9 @@ from producer_api.relay import relay as relay_frames
 from producer_api.tgi.formatting import TgiStream
 from shared.errors import ExpiredError
 from shared.schemas import AnyEvent, DoneEvent, ErrorEvent, FinalResult, Timings, TokenEvent, TopLogprob, Usage
+from shared.settings import Settings
+
+BUFFER = Settings(stream_buffer_events=16)
 
 
 def token(index: int, token_id: int, text: str, **extra: object) -> TokenEvent:
@@ -33,7 +36,7 @@ def result(text: str, token_ids: list[int]) -> FinalResult:
 
 def tgi_stream(source: AsyncIterator[AnyEvent], **kwargs: object) -> AsyncIterator[str]:
     options = {"seed": 7, "special_ids": frozenset({2})} | kwargs
-    return relay_frames([source], TgiStream(**options), max_buffered=16)  # type: ignore[arg-type]
+    return relay_frames([source], TgiStream(**options), settings=BUFFER)  # type: ignore[arg-type]
 
 
 def relay(events: list[AnyEvent] | AsyncIterator[AnyEvent], **kwargs: object) -> list[tuple[str | None, dict]]:
@@ -175,7 +178,7 @@ def chat_frames(streams: list[list[AnyEvent]]) -> list[str]:
     async def run() -> list[str]:
         formatter = ChatStream(reply, [f"r{i}" for i in range(len(streams))], logprobs=False)
         sources = [source(i, events) for i, events in enumerate(streams)]
-        return [frame async for frame in relay_frames(sources, formatter, max_buffered=16)]  # type: ignore[arg-type]
+        return [frame async for frame in relay_frames(sources, formatter, settings=BUFFER)]  # type: ignore[arg-type]
 
     frames = asyncio.run(run())
     assert sorted(closed) == list(range(len(streams)))  # every choice's stream is closed at the end
