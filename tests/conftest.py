@@ -5,6 +5,7 @@ real Redis Cluster (3 masters + 3 replicas started here, for the modules that ov
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +20,12 @@ from shared.keys import Keys
 from shared.redis_connect import connect
 from shared.settings import Settings
 from tests.ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 - hooks
+
+# What the fast tier (pytest -m "not slow") leaves out, new modules included: whole suites, the
+# benchmarks' own tests and the modules that rerun tests on a Redis Cluster. Any other slow module
+# carries its own mark.
+SLOW_SUITES = ("faults", "conformance")
+SLOW_MODULES = re.compile(r"test_bench_.*|.*_on_cluster.*")
 
 # Every key a test run writes lives under this prefix; the run deletes only those.
 RUN_PREFIX = f"iqtest-{uuid.uuid4().hex[:10]}"
@@ -36,6 +43,15 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     settings = Settings()  # where the workers will look for it (INFLIGHTQ_CPU_KERNELS, INFLIGHTQ_KERNEL_CACHE)
     if settings.cpu_kernels:
         paged_decode_available(settings.kernel_cache)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    for item in items:
+        if not item.path.is_relative_to(tests):
+            continue
+        if item.path.relative_to(tests).parts[0] in SLOW_SUITES or SLOW_MODULES.fullmatch(item.path.stem):
+            item.add_marker(pytest.mark.slow)
 
 
 # The Redis the tests use when it answers, whoever runs it (the run's header says so).

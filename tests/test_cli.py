@@ -53,6 +53,7 @@ def test_unknown_batch_id(env: dict[str, str]) -> None:
     one_line_error(cli("batch", "cancel", "batch_nope", env=env), "batch_nope")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args", [("status",), ("batch", "status", "batch_x"), ("batch", "submit", "README.md"), ("purge", "--yes")]
 )
@@ -149,6 +150,7 @@ def running_up_file(redis_url: str, key_prefix: str, pid: int) -> None:
     write_deployment(Deployment(redis_url, False, key_prefix, "http://127.0.0.1:8000", pid))
 
 
+@pytest.mark.slow
 def test_status_in_another_shell_follows_the_running_up_unless_told_otherwise(
     env: dict[str, str], redis_url: str, key_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

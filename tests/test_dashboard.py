@@ -28,6 +28,8 @@ import yaml
 from inflightq_cli.redis_server import free_port
 from tests.ci_skips import missing
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "grafana" / "dashboards" / "inflightq.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"

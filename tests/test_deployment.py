@@ -26,6 +26,8 @@ from shared.keys import CONSUMER_GROUP, Keys
 from shared.settings import Settings
 from tests.ci_skips import missing
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILES = sorted(p for p in (ROOT / "docker").glob("Dockerfile.*") if p.suffix != ".dockerignore")

@@ -13,6 +13,8 @@ import pytest
 from inflightq_cli import redis_cluster
 from inflightq_cli.redis_cluster import PrivateRedisCluster
 
+pytestmark = pytest.mark.slow
+
 
 def _listen_on(port: int) -> socket.socket:
     sock = socket.socket()

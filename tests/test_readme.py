@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,17 @@ def test_readme_blocks_are_found() -> None:
 def test_ci_runs_the_test_command_the_readme_gives() -> None:
     """`bash scripts/test.sh` is the one README command this test cannot run (it is this test's own run)."""
     assert "bash scripts/test.sh" in (REPO / ".ci" / "run").read_text()
+
+
+def test_the_fast_tier_the_readme_gives_leaves_out_the_quick_start_run() -> None:
+    """The README's fast tier passes ``-m "not slow"`` through scripts/test.sh to pytest; ``slow`` is a
+    registered marker, and this module's quick start run (minutes) carries it."""
+    assert 'bash scripts/test.sh -m "not slow"' in README.read_text()
+    assert 'python -m pytest "$@"' in (REPO / "scripts" / "test.sh").read_text()
+    pytest_options = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert any(marker.startswith("slow:") for marker in pytest_options["markers"]), pytest_options
+    marks = [mark.name for mark in test_every_readme_example_works_as_typed.pytestmark]
+    assert "slow" in marks, marks
 
 
 class Stack:
@@ -111,6 +123,7 @@ def expected_output(code: str) -> str:
     return rules[0] if rules else "Paris"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_readme_example_works_as_typed(redis_url: str, run_prefix: str, default_model_name: str) -> None:
     prefix = f"{run_prefix}-readme"

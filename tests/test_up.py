@@ -15,9 +15,12 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import redis
 
 from inflightq_cli.redis_server import ensure_redis, free_port, redis_answers
+
+pytestmark = pytest.mark.slow
 
 
 def test_up_serves_a_first_request_and_stops_cleanly(tiny_model_dir: Path, run_prefix: str, tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from tests.api.test_responses import check_sequence, sdk
 from tests.conftest import RedisBackend
 from tests.worker import paced_worker
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 TOKENS = 16
 BEFORE_KILL = 10  # tokens the worker may generate while the first API process lives

@@ -21,7 +21,7 @@ from shared.settings import Settings
 from tests.api.conftest import ApiServer
 from tests.worker.conftest import WorkerProcess
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 16

@@ -113,6 +113,7 @@ def last_event(lines: list[str]) -> dict[str, object]:
     return json.loads(data[-1]) if data else {}
 
 
+@pytest.mark.slow
 def test_hundreds_of_requests_and_streams_at_once_share_a_bounded_pool(
     start_api: Callable[[Settings], ApiServer],
     redis_backend: RedisBackend,

@@ -234,6 +234,7 @@ def test_errors_name_the_parameter(live_api: ApiServer) -> None:
         client.responses.cancel(non_background.id)
 
 
+@pytest.mark.slow
 def test_cancel_queued_and_api_restart(
     redis_url: str,
     run_prefix: str,
@@ -264,6 +265,7 @@ def test_cancel_queued_and_api_restart(
 PACED_TOKENS = 10
 
 
+@pytest.mark.slow
 def test_background_survives_a_worker_crash(
     redis_url: str,
     module_prefix: str,

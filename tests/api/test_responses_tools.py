@@ -16,7 +16,7 @@ from tests.api.conftest import ApiServer
 from tests.api.test_responses import drop_and_resume, sdk, wait_status
 from tests.structured_cases import validate
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 PET = {
     "type": "object",

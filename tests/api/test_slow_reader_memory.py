@@ -10,6 +10,7 @@ import socket
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from shared.keys import Keys
@@ -18,6 +19,8 @@ from shared.settings import Settings
 from tests.api.api_process import SpawnApi, spawn_api  # noqa: F401 - the fixture
 from tests.api.conftest import WorkerProcess, wait_for_workers
 from tests.conftest import RedisBackend
+
+pytestmark = pytest.mark.slow
 
 MIB = 1024 * 1024
 SLOW_READERS = 4

@@ -17,7 +17,7 @@ from tests.api.test_end_to_end import sse_events
 from tests.conftest import RedisBackend
 from tests.worker import paced_worker
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 JOB_TOKENS = 300

@@ -19,7 +19,7 @@ from shared.settings import Settings
 from tests.api.api_process import SpawnApi, spawn_api  # noqa: F401 - the fixture
 from tests.batch.conftest import ROOT, Proc, chat_line, jsonl, wait_for
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from shared.client import QueueClient
 from shared.settings import Settings
 from tests.batch.conftest import ROOT, Proc, chat_line, jsonl, wait_for
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 N = 16
 

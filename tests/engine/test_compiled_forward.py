@@ -19,6 +19,8 @@ from worker.engine.core import step_interrupt
 from worker.engine.model.compiled_forward import buckets_for
 from worker.engine.model.model_loader import load_model
 
+pytestmark = pytest.mark.slow
+
 MAX_NEW = 10
 
 

@@ -174,6 +174,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_a_build_without_avx512_attends_the_same(tmp_path: Path) -> None:
     """This box builds the kernel for its AVX-512; CPUs with AVX2 only get the other code paths (8-wide
     dot products, V summed one query head at a time). Built for Haswell in a fresh process, they match

@@ -42,6 +42,7 @@ def test_gathered_tables_come_in_widths_of_four_times() -> None:
     assert context_widths(10) == (10,)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cpu_kernels", [False, True], ids=["torch-attention", "cpu-kernel-attention"])
 def test_padded_decode_steps_give_generates_tokens(
     make_engine: Any, tiny_ref: Any, monkeypatch: pytest.MonkeyPatch, cpu_kernels: bool

@@ -105,6 +105,7 @@ def test_logits_at_last_positions_only(make_engine: Any, tiny_ref: Any) -> None:
     assert out.top_logprobs is not None and [t for t, _, _ in out.top_logprobs[0]] == expected.topk(3).indices.tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_default_model_chat_prompts_match_generate(default_model_name: str) -> None:
     from worker.engine.model.model_loader import load_model

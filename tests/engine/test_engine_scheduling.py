@@ -100,6 +100,7 @@ def test_a_step_that_decodes_takes_a_capped_prompt_chunk_but_an_urgent_prompt_wh
         assert [e.token_id for e in events if e.request_id == name] == reference(tiny_ref, prompt(seed, 40), 12)
 
 
+@pytest.mark.slow
 def test_aging_stops_starvation(make_engine: Any) -> None:
     def first_token_step(aging_steps: int | None) -> int | None:
         engine = make_engine(max_num_seqs=1, aging_steps=aging_steps)

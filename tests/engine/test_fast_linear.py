@@ -65,6 +65,7 @@ def mkl_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not mkl_available(), reason="this torch has no MKL")
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize(("out_features", "in_features"), [(192, 576), (1536, 576), (576, 1536), (37, 40)])

@@ -91,6 +91,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("vocab", "scale"), [(49152, 1.0), (49152, 4.0), (49152, 12.0), (37, 2.0), (5, 1.0)])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
@@ -196,6 +197,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_a_build_without_avx512_draws_the_same(tmp_path: Path) -> None:
     """This box builds the kernels for its AVX-512; CPUs with AVX2 only get the other code paths (an
     8-wide exp, scalar selection and sums). Built for Haswell in a fresh process, they pass the same

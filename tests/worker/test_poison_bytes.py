@@ -14,6 +14,8 @@ from shared.work_queue import STREAM_FIELD
 from tests.worker.conftest import greedy
 from tests.worker.test_worker import PROMPT, wait_for
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.timeout(180)
 def test_a_non_utf8_entry_in_the_most_urgent_stream_is_dead_lettered_and_the_worker_keeps_serving(

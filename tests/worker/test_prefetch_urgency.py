@@ -11,6 +11,8 @@ from shared.client import QueueClient
 from tests.worker.conftest import greedy
 from tests.worker.test_worker import prompt, tokens_sent, wait_for
 
+pytestmark = pytest.mark.slow
+
 LONG = 400  # tokens: the urgent request's run is this many steps, the window the check looks at
 
 

@@ -7,6 +7,7 @@ finishes (BACKGROUND_TOKENS steps); with it, within a few steps."""
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from inflightq_cli.redis_server import free_port
 from shared.client import QueueClient
@@ -14,6 +15,8 @@ from shared.schemas import TokenEvent
 from tests.worker import paced_worker, slow_worker
 from tests.worker.conftest import greedy
 from tests.worker.test_worker import prompt, tokens_sent, wait_for
+
+pytestmark = pytest.mark.slow
 
 BACKGROUND_TOKENS = 600
 # The urgent request must start before the background requests have made this many steps more.

@@ -22,6 +22,8 @@ from tests.ci_skips import missing
 from tests.worker.conftest import greedy
 from tests.worker.test_worker import PROMPT, tokens_sent, wait_for
 
+pytestmark = pytest.mark.slow
+
 REDIS_6_2 = Path(sys.executable).parent / "redis-server"
 
 

@@ -8,6 +8,8 @@ import json
 import signal
 import threading
 
+import pytest
+
 from shared.client import QueueClient
 from shared.keys import CONSUMER_GROUP
 from shared.request_lifecycle import RequestStatus
@@ -16,6 +18,8 @@ from shared.work_queue import STREAM_FIELD
 from tests.structured_cases import validate
 from tests.worker import paced_worker
 from tests.worker.test_worker import tokens_sent, wait_for
+
+pytestmark = pytest.mark.slow
 
 # Long enough (~150 tokens) to be caught mid-way, bounded so that it always ends.
 INVENTORY = {

@@ -9,6 +9,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from inflightq_cli.redis_server import free_port
 from shared.client import QueueClient
@@ -78,6 +79,7 @@ def test_strict_priority_order_when_the_batch_is_full(spawn_worker, client) -> N
     assert sorted(started, key=lambda p: started[p]) == [0, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_a_worker_prefetches_what_it_is_told_beyond_its_running_slots(spawn_worker, client, reference) -> None:
     spawn_worker("prefetcher", "--max-num-seqs", "1", env={"INFLIGHTQ_PREFETCH_SEQS": "1"})
     model = client.settings.model
@@ -94,6 +96,7 @@ def test_a_worker_prefetches_what_it_is_told_beyond_its_running_slots(spawn_work
         assert client.result(request_id, timeout=60).token_ids == reference(p, n)
 
 
+@pytest.mark.slow
 def test_two_workers_share_one_queue(spawn_worker, client, reference) -> None:
     workers = [spawn_worker(name, "--max-num-seqs", "2", ready=False) for name in ("share-a", "share-b")]
     for worker in workers:
@@ -105,12 +108,14 @@ def test_two_workers_share_one_queue(spawn_worker, client, reference) -> None:
         assert result.token_ids == reference(prompt(i), 24)
 
 
+@pytest.mark.slow
 def test_a_worker_runs_the_threads_it_is_given_and_reports_them(spawn_worker, client) -> None:
     spawn_worker("one-thread", env={"INFLIGHTQ_TORCH_THREADS": "1"})
     spawn_worker("two-threads", env={"INFLIGHTQ_TORCH_THREADS": "2"})
     assert {w.name: w.threads for w in client.live_workers()} == {"one-thread": 1, "two-threads": 2}
 
 
+@pytest.mark.slow
 def test_a_worker_runs_its_share_of_the_cpus_it_may_use_not_torchs_count(spawn_worker, client) -> None:
     from worker.engine.core.cpu_threads import affinity, cgroup_cpu_quota, usable_cpus
 
@@ -123,6 +128,7 @@ def test_a_worker_runs_its_share_of_the_cpus_it_may_use_not_torchs_count(spawn_w
     assert {w.name: w.threads for w in client.live_workers()} == expected
 
 
+@pytest.mark.slow
 def test_a_hung_engine_loop_exits_the_worker_and_its_request_is_taken_over(spawn_worker, client, reference) -> None:
     hangs = spawn_worker("hangs", env={"INFLIGHTQ_ENGINE_STALL_S": "2"}, script=faulty_worker.SCRIPT)
     stuck_prompt = [5, faulty_worker.HANG_TOKEN, 6]
@@ -185,6 +191,7 @@ def test_a_late_subscriber_gets_the_whole_stream(spawn_worker, client) -> None:
 VICTIM_TOKENS = 10
 
 
+@pytest.mark.slow
 def test_kill_9_mid_generation_is_taken_over_with_identical_output(spawn_worker, client, reference) -> None:
     model = client.settings.model
     # The victim is paced (tests/worker/paced_worker.py): it generates VICTIM_TOKENS per request and then
@@ -232,6 +239,7 @@ def test_kill_9_mid_generation_is_taken_over_with_identical_output(spawn_worker,
     assert client.redis.xpending(client.keys.stream(model, 1), CONSUMER_GROUP)["pending"] == 0
 
 
+@pytest.mark.slow
 def test_poison_entries_go_to_the_dead_letters_and_the_worker_keeps_serving(spawn_worker, client) -> None:
     spawn_worker("sturdy")
     model = client.settings.model
@@ -253,6 +261,7 @@ def test_poison_entries_go_to_the_dead_letters_and_the_worker_keeps_serving(spaw
     assert client.redis.xlen(stream) == 0 and client.redis.xpending(stream, CONSUMER_GROUP)["pending"] == 0
 
 
+@pytest.mark.slow
 def test_sigterm_drains_running_requests_and_exits_0(spawn_worker, client, reference) -> None:
     worker = spawn_worker("drainer")
     model = client.settings.model
@@ -264,6 +273,7 @@ def test_sigterm_drains_running_requests_and_exits_0(spawn_worker, client, refer
     assert client.live_workers() == [], "a stopped worker takes its heartbeat with it"
 
 
+@pytest.mark.slow
 def test_sigterm_past_the_drain_timeout_hands_the_rest_back(spawn_worker, client, reference) -> None:
     # Paced (tests/worker/paced_worker.py): one token per request per 10 ms, so the 0.3 s drain timeout
     # finds both running however fast the machine runs the model (300 tokens would take 3 s).
@@ -294,6 +304,7 @@ def test_sigterm_past_the_drain_timeout_hands_the_rest_back(spawn_worker, client
     assert resumed.token_ids == uninterrupted.token_ids
 
 
+@pytest.mark.slow
 def test_a_seeded_sampled_request_is_reproducible(spawn_worker, client) -> None:
     spawn_worker("sampler")
     spec = SamplingSpec(max_new_tokens=16, temperature=0.9, top_k=50, seed=1234, ignore_eos=True)
@@ -302,6 +313,7 @@ def test_a_seeded_sampled_request_is_reproducible(spawn_worker, client) -> None:
     assert first.token_ids == second.token_ids
 
 
+@pytest.mark.slow
 def test_a_request_that_breaks_the_engine_is_dead_lettered_after_max_deliveries(
     spawn_worker, client, reference
 ) -> None:
