@@ -61,7 +61,7 @@ app.add_typer(bench_app, name="bench")
 
 @app.command("settings")
 def settings_table() -> None:
-    """Print every INFLIGHTQ_* setting with its default, as the README's markdown table."""
+    """Print every INFLIGHTQ_* setting with its default, as docs/settings.md's markdown table."""
     from shared.settings import Settings
 
     print("| variable | default | meaning |\n|---|---|---|")

@@ -1,6 +1,6 @@
 """The one typed settings object. Every field is read from ``INFLIGHTQ_<NAME>``.
 
-The README's settings table is generated from this class (``inflightq settings``)."""
+docs/settings.md's table is generated from this class (``inflightq settings``)."""
 
 from __future__ import annotations
 

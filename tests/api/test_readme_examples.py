@@ -1,6 +1,6 @@
-"""The README's commands, run: its curl examples against a real API and worker (tiny model), and its
-settings table against what ``inflightq settings`` prints. A README that drifts from the code fails
-here instead of on a reader's first try."""
+"""The README's commands, run: its curl examples against a real API and worker (tiny model), and the
+settings tables (docs/settings.md whole, the README's selection) against what ``inflightq settings``
+prints. A README that drifts from the code fails here instead of on a reader's first try."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from tests.api.conftest import ApiServer
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
+SETTINGS_DOC = (ROOT / "docs" / "settings.md").read_text()
 
 
 def curl_commands() -> list[str]:
@@ -79,14 +80,17 @@ def settings_rows(text: str) -> dict[str, str]:
     return dict(re.findall(r"^\| `(INFLIGHTQ_[A-Z0-9_]+)` \| `([^`]*)` \|", text, flags=re.M))
 
 
-def test_the_readme_settings_table_is_what_inflightq_settings_prints() -> None:
+def test_the_settings_tables_are_what_inflightq_settings_prints() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("INFLIGHTQ_")}  # defaults, not this machine's
     printed = subprocess.run(
         [sys.executable, "-m", "inflightq_cli", "settings"], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert printed.returncode == 0, printed.stderr
-    shown, documented = settings_rows(printed.stdout), settings_rows(README)
+    shown, documented, selected = settings_rows(printed.stdout), settings_rows(SETTINGS_DOC), settings_rows(README)
     assert len(shown) > 20, printed.stdout[:500]
+    assert len(selected) >= 5 and all(shown.get(k) == v for k, v in selected.items()), {
+        k: (v, shown.get(k)) for k, v in selected.items() if shown.get(k) != v
+    }
     assert documented == shown, {
         "only in the README": sorted(set(documented) - set(shown)),
         "missing from the README": sorted(set(shown) - set(documented)),
