@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from worker.engine.core.outputs import EngineEvent, EngineLoad, EngineStats
+from worker.engine.core.outputs import EngineEvent, EngineStats
+from worker.engine.core.policy import EngineLoad
 from worker.engine.sampling.sampling_params import SamplingParams
 
 

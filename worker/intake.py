@@ -29,8 +29,7 @@ from shared.client_core import filter_heartbeats
 from shared.keys import CONSUMER_GROUP, Keys
 from shared.settings import Settings
 from worker.acceptance import Acceptance
-from worker.engine.core.outputs import EngineLoad
-from worker.engine.core.policy import Capacity, how_many_to_steal
+from worker.engine.core.policy import Capacity, EngineLoad, how_many_to_steal
 from worker.reconnect import ResilientLoop
 from worker.run_state import RunState
 from worker.streams import ensure_groups, is_missing_group, priority_streams

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from worker.engine.core.outputs import EngineLoad, RunningLoad
-from worker.engine.core.policy import Capacity, Take, Urgency
+from worker.engine.core.policy import Capacity, EngineLoad, RunningLoad, Take, Urgency
 
 
 def load(

@@ -26,8 +26,7 @@ from worker import publisher as publisher_module
 from worker.acceptance import Acceptance
 from worker.active import ActiveRequest
 from worker.engine import EngineEvent
-from worker.engine.core.outputs import EngineLoad, RunningLoad
-from worker.engine.core.policy import Capacity, Urgency
+from worker.engine.core.policy import Capacity, EngineLoad, RunningLoad, Urgency
 from worker.intake import Intake, WorkerLoad
 from worker.publisher import Publisher
 from worker.run_state import RunState

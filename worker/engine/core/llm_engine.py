@@ -19,8 +19,8 @@ from worker.engine.core.block_manager import BlockManager
 from worker.engine.core.config import EngineConfig
 from worker.engine.core.cpu_threads import thread_governor
 from worker.engine.core.memory import KvCacheSize, kv_cache_size
-from worker.engine.core.outputs import EngineEvent, EngineLoad, EngineStats, FinishReason, RunningLoad
-from worker.engine.core.policy import Policy
+from worker.engine.core.outputs import EngineEvent, EngineStats, FinishReason
+from worker.engine.core.policy import EngineLoad, Policy, RunningLoad
 from worker.engine.core.scheduler import Scheduler
 from worker.engine.core.sequence import Sequence, SequenceStatus
 from worker.engine.core.step_interrupt import StepInterrupt, StepInterrupted

@@ -1,12 +1,10 @@
-"""What the engine hands out: per-token events (streaming), whole results (offline), counters,
-and a report of what it holds (``EngineLoad``) for whoever decides what to give it next."""
+"""What the engine hands out: per-token events (streaming), whole results (offline) and counters.
+(The report of what it holds, ``EngineLoad``, is the policy's input and lives in ``policy``.)"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
-
-from worker.engine.core.policy import Urgency
 
 # "error": this request failed alone (its grammar matcher broke); ``EngineEvent.error`` says why.
 FinishReason = Literal["length", "eos_token", "stop_sequence", "expired", "error"]
@@ -69,25 +67,3 @@ class EngineStats:
     @property
     def forward_share(self) -> float:
         return self.forward_time_s / self.step_time_s if self.step_time_s else 0.0
-
-
-@dataclass(frozen=True)
-class RunningLoad:
-    urgency: Urgency  # as the scheduler ranks it (``policy``)
-    num_blocks: int  # KV blocks a preemption would free
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """What the engine holds, as of its last step, add or abort. Replaced whole (never mutated), so
-    another thread reads it without the engine's lock, which a step holds for its whole forward."""
-
-    max_num_seqs: int
-    block_size: int
-    num_seqs: int = 0  # unfinished sequences: running and waiting inside the engine
-    spare_blocks: int = 0  # free KV blocks less what the waiting sequences will claim
-    running: tuple[RunningLoad, ...] = ()
-    waiting: tuple[Urgency, ...] = ()  # of the waiting sequences
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)

@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 if TYPE_CHECKING:
-    from worker.engine.core.outputs import EngineLoad, RunningLoad
     from worker.engine.core.sequence import Sequence
 
 T = TypeVar("T")
@@ -105,6 +104,28 @@ def victim(candidates: Iterable[T], urgency: Callable[[T], Urgency]) -> T:
 def preemption_order(candidates: Iterable[T], urgency: Callable[[T], Urgency]) -> list[T]:
     """``candidates`` in the order successive preemptions take them (each ``victim`` of the rest)."""
     return sorted(candidates, key=urgency, reverse=True)
+
+
+@dataclass(frozen=True)
+class RunningLoad:
+    urgency: Urgency  # as the scheduler ranks it (``policy``)
+    num_blocks: int  # KV blocks a preemption would free
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine holds, as of its last step, add or abort. Replaced whole (never mutated), so
+    another thread reads it without the engine's lock, which a step holds for its whole forward."""
+
+    max_num_seqs: int
+    block_size: int
+    num_seqs: int = 0  # unfinished sequences: running and waiting inside the engine
+    spare_blocks: int = 0  # free KV blocks less what the waiting sequences will claim
+    running: tuple[RunningLoad, ...] = ()
+    waiting: tuple[Urgency, ...] = ()  # of the waiting sequences
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
 
 
 def how_many_to_steal(first_seen: Iterable[float], now: float, wait_s: float) -> int:
