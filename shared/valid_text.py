@@ -13,6 +13,11 @@ from shared.errors import ValidationError
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def is_valid_text(text: str) -> bool:
+    """Whether ``text`` holds no lone surrogate (what JSON escapes and surrogateescape-decoded bytes leave)."""
+    return _SURROGATE.search(text) is None
+
+
 def invalid_text_at(value: Any, path: str = "") -> str | None:
     """The dotted path (``messages.0.content``) of the first string in ``value``, its dicts' keys
     and values and its lists' items, that is not valid Unicode (a bad key: its dict's path); None
@@ -21,10 +26,10 @@ def invalid_text_at(value: Any, path: str = "") -> str | None:
     while pending:
         where, item = pending.pop()
         if isinstance(item, str):
-            if _SURROGATE.search(item):
+            if not is_valid_text(item):
                 return where or "body"
         elif isinstance(item, dict):
-            if any(isinstance(key, str) and _SURROGATE.search(key) for key in item):
+            if any(isinstance(key, str) and not is_valid_text(key) for key in item):
                 return where or "body"
             pending.extend((f"{where}.{key}" if where else str(key), v) for key, v in reversed(item.items()))
         elif isinstance(item, list):

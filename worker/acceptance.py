@@ -28,6 +28,7 @@ from shared.keys import Keys
 from shared.request_lifecycle import START
 from shared.schemas import DeadLetter, QueuedRequest, TokenEvent
 from shared.settings import Settings
+from shared.valid_text import is_valid_text
 from shared.work_queue import STREAM_FIELD
 from worker.active import ActiveRequest
 from worker.publisher import Publisher
@@ -41,15 +42,6 @@ ENTRY_ID = "entry_id"
 
 class Rejected(Exception):
     """An entry that cannot be run, and why (the dead letter's reason)."""
-
-
-def has_undecodable(text: str) -> bool:
-    """Whether ``text`` came from bytes that are not UTF-8 (surrogateescape's lone surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
 
 
 def raw_json(fields: dict[str, str]) -> str:
@@ -110,7 +102,7 @@ class Acceptance:
 
     def parse(self, stream: str, fields: dict[str, str]) -> QueuedRequest:
         """The entry's request, or ``Rejected`` saying why it is none."""
-        if any(has_undecodable(k) or has_undecodable(v) for k, v in fields.items()):
+        if any(not (is_valid_text(k) and is_valid_text(v)) for k, v in fields.items()):
             raise Rejected("undecodable entry: a field is not UTF-8")
         if set(fields) != {STREAM_FIELD}:
             raise Rejected(f"malformed entry: fields {sorted(fields)[:8]}, expected only {STREAM_FIELD!r}")
@@ -242,14 +234,14 @@ def _salvage(fields: dict[str, str]) -> tuple[str | None, str | None]:
     """The request id a rejected entry names, if it names a plausible one (its waiter is told), and
     its submitted_at as the request hash holds it (``repr`` of the float), if it has one."""
     raw = fields.get(STREAM_FIELD, "")
-    if len(raw) > 1_000_000 or has_undecodable(raw):
+    if len(raw) > 1_000_000 or not is_valid_text(raw):
         return None, None
     try:
         doc = json.loads(raw)
         value = doc["id"]
     except Exception:
         return None, None
-    plausible = isinstance(value, str) and 0 < len(value) <= 128 and value.isprintable() and not has_undecodable(value)
+    plausible = isinstance(value, str) and 0 < len(value) <= 128 and value.isprintable() and is_valid_text(value)
     if not plausible:
         return None, None
     submitted = doc.get("submitted_at") if isinstance(doc, dict) else None
