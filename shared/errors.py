@@ -88,9 +88,45 @@ class OverloadedError(InflightqError):
     http_status = 429
 
 
-class RateLimitedError(InflightqError):
-    error_type = "rate_limited"
+class LimitError(InflightqError):
+    """A 429 that names the limit it hit (``limit``: its name, ``value``: its size) and when to retry."""
+
     http_status = 429
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        limit: str | None = None,
+        value: int | None = None,
+        retry_after: int | None = None,
+        field: str | None = None,
+    ) -> None:
+        super().__init__(message, field=field)
+        self.limit = limit
+        self.value = value
+        self.retry_after = retry_after
+
+    @property
+    def code(self) -> str:
+        return self.subtype or self.limit or self.error_type
+
+
+class TenantOverloadedError(LimitError, OverloadedError):
+    """One tenant has ``value`` requests queued for a model, its limit (``max_queued``): that tenant
+    alone is refused; other tenants' requests are still taken."""
+
+    subtype = "tenant_overloaded"
+
+    def __init__(self, message: str, *, tenant: str | None = None, value: int | None = None) -> None:
+        super().__init__(message, limit="tenant_max_queued", value=value)
+        self.tenant = tenant
+
+
+class RateLimitedError(LimitError):
+    """A key past its requests or tokens per minute (``limit``: requests_per_minute or tokens_per_minute)."""
+
+    error_type = "rate_limited"
 
 
 class UnavailableError(InflightqError):

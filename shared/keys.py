@@ -148,9 +148,10 @@ class Keys:
         return self._k("batch", batch_id, "lease")
 
     # API keys ----------------------------------------------------------------------
-    def rate_limit(self, key_id: str, window: int) -> str:
-        """Counter of an API key's requests in one one-minute window (every API replica shares it)."""
-        return self._k("ratelimit", key_id, window)
+    def rate_limits(self) -> str:
+        """Prefix of the ``limits`` library's counters of API keys' requests and tokens per minute
+        (every API replica shares them); the library appends its own names."""
+        return self._k("ratelimit")
 
     # Workers -----------------------------------------------------------------------
     def cancel_channel(self) -> str:
