@@ -124,10 +124,35 @@ class Settings(BaseSettings):
     api_port: int = Field(8000, ge=0, le=65535, description="Port the API binds.")
     api_keys: CommaList = Field(
         default_factory=list,
-        description="Accepted API keys (comma-separated); empty means no auth. "
-        "A key may carry limits: key:max_priority:requests_per_minute.",
+        description="Accepted API keys (comma-separated); empty means no auth. A key may carry its tenant, weight "
+        "and limits: key[:max_priority[:rpm]][:name=value]..., names tenant, weight, rpm, tpm, max_queued, "
+        "max_priority (README: Tenants, weights and limits).",
     )
     api_keys_file: str | None = Field(None, description="File with one API key (and limits) per line.")
+    tenant_source: Literal["key", "header", "user"] = Field(
+        "key",
+        description="Who a request's tenant is when it presents no API key (with a key it is the key's tenant): "
+        "key = none (POST /v1/jobs' `tenant` field still names one); header = the tenant_header's value; user = "
+        "the body's `user` field (OpenAI's routes; `tenant` on /v1/jobs).",
+    )
+    tenant_header: str = Field("X-Tenant", min_length=1, description="The header tenant_source=header reads.")
+    tenant_max_queued: int | None = Field(
+        None,
+        ge=1,
+        description="Requests one tenant may have waiting per model before its next is refused (429 "
+        "tenant_overloaded, for that tenant only), unless its key names its own max_queued; unset = no per-tenant "
+        "limit (max_queue_depth still holds).",
+    )
+    tenant_metrics: CommaList = Field(
+        default_factory=list,
+        description="Tenants the Prometheus metrics label by name (comma-separated; a key's tenant name or key id).",
+    )
+    tenant_metrics_max: int = Field(
+        10,
+        ge=0,
+        description="Further tenants a process labels by name as it meets them, beyond tenant_metrics; the rest "
+        'count as tenant="other" (bounded label cardinality).',
+    )
     api_redis_max_connections: int = Field(
         64,
         ge=2,
@@ -250,7 +275,7 @@ class Settings(BaseSettings):
         None, description="Directory for large batch files; unset keeps them in Redis with a TTL."
     )
 
-    @field_validator("models", "api_keys", mode="before")
+    @field_validator("models", "api_keys", "tenant_metrics", mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):
