@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from worker.engine.core.block_manager import CacheChanges
 from worker.engine.core.outputs import EngineEvent, EngineStats
 from worker.engine.core.policy import EngineLoad
 from worker.engine.sampling.sampling_params import SamplingParams
@@ -27,6 +28,8 @@ class Engine(Protocol):
     def num_total_blocks(self) -> int: ...
 
     def has_unfinished(self) -> bool: ...
+
+    def prefix_cache_changes(self, full: bool = False) -> CacheChanges: ...
 
     def add_request(
         self,

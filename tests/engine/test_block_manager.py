@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 
+from shared.prefix_hash import chain
 from worker.engine import SamplingParams
 from worker.engine.core.block_manager import BlockManager
 from worker.engine.core.sequence import Sequence
@@ -165,3 +166,55 @@ def test_prefix_caching_off_registers_nothing() -> None:
     compute(bm, seq(PROMPT))
     assert bm.match_prefix(seq(PROMPT)) == 0
     assert not any(h is not None for h in bm._hash_of)
+
+
+def test_the_block_hashes_are_the_shared_chain() -> None:
+    """The API computes a request's chain with ``shared.prefix_hash``: the engine registers its blocks under it."""
+    bm = BlockManager(8, 4)
+    s = seq(PROMPT, tenant="acme")
+    compute(bm, s)
+    expected = chain(PROMPT, 4, tenant="acme")
+    assert len(expected) == 2
+    assert [bm._hash_of[b] for b in s.block_table[:2]] == expected
+    assert sorted(bm.drain_changes(full=True).cached) == sorted(expected)
+
+
+def test_drained_changes_follow_caching_and_eviction() -> None:
+    bm = BlockManager(2, 4)
+    old = seq(PROMPT[:8])
+    compute(bm, old)
+    first = bm.drain_changes()
+    assert sorted(first.cached) == sorted(chain(PROMPT[:8], 4)) and first.evicted == [] and not first.full
+    assert bm.drain_changes().cached == []  # drained once
+    bm.free(old)
+    new = seq([7, 7, 7, 7, 6, 6, 6, 6, 5])
+    compute(bm, new, 8)  # overwrites both cached blocks
+    changes = bm.drain_changes()
+    assert sorted(changes.evicted) == sorted(chain(PROMPT[:8], 4))
+    assert sorted(changes.cached) == sorted(chain(new.token_ids, 4))
+    assert sorted(bm.drain_changes(full=True).cached) == sorted(changes.cached)
+
+
+def test_a_hash_evicted_and_cached_again_between_drains_counts_as_cached() -> None:
+    bm = BlockManager(1, 4)
+    a = seq([1, 2, 3, 4, 5])
+    compute(bm, a, 4)
+    bm.free(a)
+    b = seq([9, 9, 9, 9, 9])
+    compute(bm, b, 4)  # evicts a's block
+    bm.free(b)
+    again = seq([1, 2, 3, 4, 5])
+    compute(bm, again, 4)  # evicts b's, caches a's again
+    changes = bm.drain_changes()
+    assert changes.cached == chain([1, 2, 3, 4], 4) and changes.evicted == chain([9, 9, 9, 9], 4)
+
+
+def test_undrained_changes_past_the_bound_become_a_full_drain() -> None:
+    bm = BlockManager(1, 4)
+    for i in range(1100):  # each caches one hash and evicts the one before
+        s = seq([i] * 4 + [0])
+        compute(bm, s, 4)
+        bm.free(s)
+    changes = bm.drain_changes()
+    assert changes.full and changes.cached == chain([1099] * 4, 4) and changes.evicted == []
+    assert not bm.drain_changes().full

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from worker.engine.core.block_manager import BlockManager
+from worker.engine.core.block_manager import BlockManager, CacheChanges
 from worker.engine.core.config import EngineConfig
 from worker.engine.core.cpu_threads import thread_governor
 from worker.engine.core.memory import KvCacheSize, kv_cache_size
@@ -23,13 +23,15 @@ from worker.engine.core.outputs import EngineEvent, EngineStats, FinishReason
 from worker.engine.core.policy import EngineLoad, Policy, RunningLoad
 from worker.engine.core.scheduler import Scheduler
 from worker.engine.core.sequence import Sequence, SequenceStatus
+from worker.engine.core.speculation import SpeculationConfig, Speculator
 from worker.engine.core.step_interrupt import StepInterrupt, StepInterrupted
+from worker.engine.model.lora import Adapter, AdapterSet, LoRARequest
 from worker.engine.model.model_loader import Resolve
 from worker.engine.model.model_runner import ModelRunner
 from worker.engine.sampling.detokenizer import IncrementalDetokenizer
 from worker.engine.sampling.sampler import Sampler, SamplingRow
 from worker.engine.sampling.sampling_params import SamplingParams
-from worker.engine.sampling.structured import StructuredOutput
+from worker.engine.sampling.structured import StructuredOutput, allowed_prefix
 
 
 class LLMEngine:
@@ -81,7 +83,14 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.special_token_ids = set(getattr(tokenizer, "all_special_ids", ()))
         self.structured = StructuredOutput(tokenizer, text_config.vocab_size, self.eos_token_ids)
+        self.speculator: Speculator | None = None
+        if config.speculative_tokens > 0:
+            self.speculator = Speculator(
+                SpeculationConfig(config.speculative_tokens, config.speculative_ngram_max, config.speculative_ngram_min)
+            )
+            self.scheduler.propose = self._propose
         self._seqs: dict[str, Sequence] = {}
+        self._adapter_of: dict[str, Adapter] = {}  # request id -> the adapter it pins while in the engine
         self._pending: list[EngineEvent] = []  # events decided outside a step (e.g. a resume already complete)
         self._arrivals = 0
         self._lock = threading.RLock()
@@ -137,6 +146,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._seqs or self._pending)
 
+    def prefix_cache_changes(self, full: bool = False) -> CacheChanges:
+        """Block hashes (``shared.prefix_hash``) cached and evicted since the last call; ``full``: all cached."""
+        with self._lock:
+            return self.block_manager.drain_changes(full)
+
     # --- requests -----------------------------------------------------------------------------
     def add_request(
         self,
@@ -147,7 +161,10 @@ class LLMEngine:
         deadline: float | None = None,
         tenant: str | None = None,
         prior_output_token_ids: Seq[int] = (),
+        lora: LoRARequest | None = None,
     ) -> None:
+        """``lora``: the adapter the request runs with (loaded here if the engine does not hold it; raises
+        ``lora.AdapterError`` for one it cannot serve, ``ValueError`` where the engine serves no adapters)."""
         params = params or SamplingParams()
         prompt, prior = list(prompt_token_ids), list(prior_output_token_ids)
         if not prompt:
@@ -163,22 +180,43 @@ class LLMEngine:
             params = dataclasses.replace(params, seed=secrets.randbits(63))
         # Built outside the lock (a new constraint compiles in milliseconds); raises on a bad one.
         matcher = self.structured.matcher(params.constraint, prior) if params.constraint is not None else None
+        adapter = self._acquire_adapter(lora) if lora is not None else None  # from disk outside the lock
         with self._lock:
             if request_id in self._seqs:
+                if adapter is not None:
+                    self.adapters.release(adapter)  # type: ignore[union-attr]
                 raise ValueError(f"request {request_id!r} is already in the engine")
             detok = IncrementalDetokenizer(self.tokenizer, prompt, params.stop, prior_output_token_ids=prior)
             seq = Sequence(
                 request_id, prompt, params, arrival=self._arrivals, priority=priority, deadline=deadline,
-                tenant=tenant, prior_output_token_ids=prior, detokenizer=detok,
+                tenant=tenant, adapter=adapter.key if adapter else None, prior_output_token_ids=prior,
+                detokenizer=detok,
             )  # fmt: skip
             seq.matcher = matcher
+            if self._speculates(params):
+                assert self.speculator is not None
+                seq.speculation = self.speculator.new_state()
             self._arrivals += 1
             if len(prior) >= params.max_new_tokens:
+                if adapter is not None:
+                    self.adapters.release(adapter)  # type: ignore[union-attr]
                 self._pending.append(EngineEvent(request_id, len(prior), -1, "", finish_reason="length"))
                 return
             self._seqs[request_id] = seq
+            if adapter is not None:
+                self._adapter_of[request_id] = adapter
             self.scheduler.add(seq)
             self._refresh_load()
+
+    @property
+    def adapters(self) -> AdapterSet | None:
+        """The LoRA adapters the engine holds; None where it serves none (``EngineConfig.max_loras`` 0)."""
+        return self.runner.adapters
+
+    def _acquire_adapter(self, lora: LoRARequest) -> Adapter:
+        if self.runner.adapters is None:
+            raise ValueError(f"adapter {lora.name!r} asked of an engine that serves none (max_loras is 0)")
+        return self.runner.adapters.acquire(lora)
 
     def interrupt_for(self, priority: int) -> bool:
         """A request of ``priority`` is on its way (from any thread, without the lock): stops the
@@ -228,10 +266,32 @@ class LLMEngine:
             self._refresh_load()
             return events
 
+    # --- speculation ----------------------------------------------------------------------------
+    def _speculates(self, params: SamplingParams) -> bool:
+        """Penalties and the watermark read the tokens before each draw, which a draft's rows do not have."""
+        wanted = params.speculate if params.speculate is not None else self.config.speculate_by_default
+        return self.speculator is not None and wanted and not params.needs_history and not params.watermark
+
+    def _propose(self, seq: Sequence, limit: int) -> list[int]:
+        """The scheduler's question for a decode: tokens to check beside its next one (at most ``limit``)."""
+        if seq.speculation is None or self.speculator is None:
+            return []
+        # The step adds up to 1 + len(draft) tokens: within max_new_tokens and the model's length.
+        room = min(seq.params.max_new_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        limit = min(limit, room)
+        draft = self.speculator.propose(seq.speculation, seq.token_ids, limit)
+        if draft and seq.matcher is not None:
+            draft = allowed_prefix(seq.matcher, draft)  # a forbidden token would not be drawn: never check it
+        return draft
+
     def _run(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[EngineEvent]:
         sample = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, num_new_tokens, strict=True)]
         constrained = [s for s, f in zip(seqs, sample, strict=True) if f and s.matcher is not None]
-        masks = self.structured.fill_async([s.matcher for s in constrained]) if constrained else None
+        masks = (
+            self.structured.fill_async([s.matcher for s in constrained], [s.draft for s in constrained])
+            if constrained
+            else None
+        )
         started = time.perf_counter()
         try:
             logits = self.runner.run(seqs, num_new_tokens, sample, self._interrupt)
@@ -242,10 +302,16 @@ class LLMEngine:
                 masks.result()  # the helper thread reads the matchers: done before anyone changes them
             self.stats.interrupted_steps += 1
             self.stats.interrupted_time_s += time.perf_counter() - started
+            for seq in seqs:
+                seq.draft = []
             return []
         self.stats.forward_time_s += time.perf_counter() - started
         bitmask = self._await_masks(masks, len(constrained)) if masks is not None else None
-        mask_row = {id(s): i for i, s in enumerate(constrained)}
+        mask_row: dict[int, int] = {}  # a constrained sequence's first mask row (one more per draft token)
+        first = 0
+        for s in constrained:
+            mask_row[id(s)] = first
+            first += 1 + len(s.draft)
         sampling: list[Sequence] = []
         for seq, n, s in zip(seqs, num_new_tokens, sample, strict=True):
             seq.num_computed_tokens += n
@@ -260,19 +326,76 @@ class LLMEngine:
                 allowed=bitmask[mask_row[id(s)]] if bitmask is not None and id(s) in mask_row else None,
             )
             for s in sampling
-        ]  # fmt: skip
+        ] if not any(s.draft for s in sampling) else self._draft_rows(sampling, bitmask, mask_row)  # fmt: skip
         out = self.sampler.sample(logits, rows)
-        events = []
-        for i, seq in enumerate(sampling):
+        events: list[EngineEvent] = []
+        i = 0  # the sequence's first row
+        for seq in sampling:
+            num_rows = 1 + len(seq.draft)
             if seq.matcher is not None and seq.matcher.is_error():  # its mask could not be computed
                 error = f"structured output failed: {seq.matcher.get_error()}"
                 events.append(self._fail(seq, error, seq.num_output_tokens))
-                continue
-            logprob = out.logprobs[i] if out.logprobs is not None else None
-            top = out.top_logprobs[i] if out.top_logprobs is not None and seq.params.logprobs else None
-            events.append(self._on_token(seq, out.token_ids[i], logprob, top))
-        self.stats.generated_tokens += len(sampling)
+            elif num_rows == 1:
+                events.append(self._on_token(seq, out.token_ids[i], *self._logprobs(out, i, seq)))
+                self.stats.generated_tokens += 1
+            else:
+                events += self._accept(seq, out, i)
+            self.stats.token_steps += 1
+            i += num_rows
         return events
+
+    def _draft_rows(self, seqs: list[Sequence], bitmask: Any, mask_row: dict[int, int]) -> list[SamplingRow]:
+        """Each sequence's row at its next token, then one row after each of its draft tokens: row j is
+        drawn as token index num_output_tokens + j would be, had the draft's first j tokens been drawn."""
+        rows = []
+        for s in seqs:
+            output = s.output_token_ids
+            first = mask_row.get(id(s)) if bitmask is not None else None
+            for j in range(1 + len(s.draft)):
+                allowed = bitmask[first + j] if first is not None else None
+                history = output + s.draft[:j] if j else output
+                rows.append(
+                    SamplingRow(s.request_id, s.params, s.prompt_token_ids, history, s.num_output_tokens + j, allowed)
+                )
+        return rows
+
+    def _accept(self, seq: Sequence, out: Any, first: int) -> list[EngineEvent]:
+        """A drafted sequence's tokens: the draws of its rows while each equals the draft token it
+        checks, then the first draw that differs (or the draw after the whole draft). Each row's draw
+        is the one the sequence makes without a draft (same logits, same seeded number), so a token
+        is kept exactly when that draw proposed it: greedy output is unchanged, and a sampled draft
+        token is kept with its probability, else replaced by a draw from the rest (the
+        speculative-sampling rule for a draft that proposes one token)."""
+        draft = seq.draft
+        drawn = out.token_ids[first : first + 1 + len(draft)]
+        accepted = 0
+        while accepted < len(draft) and drawn[accepted] == draft[accepted]:
+            accepted += 1
+        self.stats.draft_tokens += len(draft)
+        self.stats.draft_accepted_tokens += accepted
+        self.stats.draft_steps += 1
+        assert self.speculator is not None and seq.speculation is not None
+        self.speculator.record(seq.speculation, len(draft), accepted)
+        events = []
+        for j in range(accepted + 1):
+            if j:  # the KV of the draft token just kept was computed by this step's row j
+                seq.num_computed_tokens += 1
+                self.block_manager.register_computed(seq)
+            event = self._on_token(seq, drawn[j], *self._logprobs(out, first + j, seq))
+            events.append(event)
+            self.stats.generated_tokens += 1
+            if event.finish_reason is not None:
+                break
+        seq.draft = []
+        if not seq.is_finished:
+            self.block_manager.trim(seq, seq.num_tokens)
+        return events
+
+    @staticmethod
+    def _logprobs(out: Any, row: int, seq: Sequence) -> tuple[float | None, list[tuple[int, float]] | None]:
+        logprob = out.logprobs[row] if out.logprobs is not None else None
+        top = out.top_logprobs[row] if out.top_logprobs is not None and seq.params.logprobs else None
+        return logprob, top
 
     def _on_token(
         self, seq: Sequence, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None
@@ -327,6 +450,9 @@ class LLMEngine:
         self.scheduler.remove(seq)
         self.sampler.release(seq.request_id)
         self._seqs.pop(seq.request_id, None)
+        adapter = self._adapter_of.pop(seq.request_id, None)
+        if adapter is not None:
+            self.adapters.release(adapter)  # type: ignore[union-attr]
         seq.status = SequenceStatus.FINISHED
 
 
