@@ -234,6 +234,19 @@ class Settings(BaseSettings):
         "sets it to N.",
     )
     block_size: int = Field(16, ge=1, description="Tokens per KV cache block.")
+    affinity: bool = Field(
+        True,
+        description="Prefix affinity: the API offers a request to the worker whose prefix cache holds the longest "
+        "prefix of it (a conversation's history, a shared system prompt); any worker takes it once the offer has "
+        "waited affinity_steal_after_ms, or at once when that worker is gone or another is idle. false: every "
+        "request goes to whichever worker pulls first. The API's block_size must be the workers'.",
+    )
+    affinity_steal_after_ms: int = Field(
+        500,
+        ge=0,
+        description="How long a request offered to the worker holding its prefix waits for it before any worker may "
+        "take it (an idle worker takes it at once).",
+    )
     torch_threads: int = Field(
         0,
         ge=0,
