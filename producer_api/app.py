@@ -24,6 +24,7 @@ from producer_api.middleware import BodyLimitMiddleware, MetricsMiddleware
 from producer_api.openai import routes as openai
 from producer_api.responses import routes as responses
 from producer_api.state import AppState, api_client_name
+from producer_api.tenants import Tenants
 from producer_api.tgi import routes as tgi
 from producer_api.tokenization import Tokenizers
 from shared.async_client import AsyncQueueClient
@@ -106,19 +107,22 @@ def create_app(
     (tests), whose own objects it would freeze with them."""
     settings = settings or get_settings()
     api_keys = load_keys(settings)  # fail at startup, not per request, on a malformed key file
+    tenants = Tenants(settings, api_keys)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loaded = tokenizers or await anyio.to_thread.run_sync(Tokenizers.load, settings)
         redis_client = _redis(settings)
         client = AsyncQueueClient(settings, client=redis_client)
+        limiter = RateLimiter(limits_storage(settings, redis_client))
         app.state.inflightq = AppState(
             settings=settings,
             tokenizers=loaded,
-            dispatcher=Dispatcher(settings, client),
+            dispatcher=Dispatcher(settings, client, tenants=tenants, limiter=limiter),
             api_keys=api_keys,
-            rate_limiter=RateLimiter(limits_storage(settings, redis_client)),
+            rate_limiter=limiter,
             redis=redis_client,
+            tenants=tenants,
         )
         frozen = freeze_startup_objects() if freeze_startup else 0
         log.info(

@@ -7,9 +7,10 @@ from __future__ import annotations
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
+from producer_api import metrics
 from producer_api.api_keys import ApiKey, find_key
 from producer_api.state import state_of
-from shared.errors import AuthenticationError
+from shared.errors import AuthenticationError, RateLimitedError
 
 # Declared as security schemes so /docs shows an "Authorize" button for either header.
 _bearer = HTTPBearer(auto_error=False, description="Authorization: Bearer <key>")
@@ -30,6 +31,10 @@ async def authenticate(
     key = find_key(keys, presented) if presented else None
     if key is None:
         raise AuthenticationError("a valid API key is required (Authorization: Bearer <key> or x-api-key)")
-    await state.rate_limiter.hit(key)
+    try:
+        await state.rate_limiter.hit(key)
+    except RateLimitedError as error:
+        metrics.TENANT_REJECTIONS.labels(state.tenants.labels(key.tenant), error.code).inc()
+        raise
     request.scope.setdefault("state", {})["key_id"] = key.key_id
     return key

@@ -16,7 +16,9 @@ from typing import Any
 import anyio
 
 from producer_api import metrics
-from shared.errors import CancelledError, ExpiredError, UnavailableError, error_from_type
+from producer_api.api_keys import ApiKey, RateLimiter
+from producer_api.tenants import Tenants
+from shared.errors import CancelledError, ExpiredError, LimitError, OverloadedError, UnavailableError, error_from_type
 from shared.schemas import AnyEvent, DoneEvent, ErrorEvent, FinalResult, QueuedRequest, TokenEvent, WorkerHeartbeat
 from shared.settings import Settings
 
@@ -46,10 +48,19 @@ class ClientDisconnected(CancelledError):
         super().__init__("the client disconnected")
 
 
+def submitted_tokens(requests: list[QueuedRequest]) -> int:
+    """What a key's tokens per minute counts at submission: prompt tokens plus max_new_tokens."""
+    return sum(len(r.prompt_token_ids) + r.sampling.max_new_tokens for r in requests)
+
+
 class Dispatcher:
-    def __init__(self, settings: Settings, client: Any) -> None:
+    def __init__(
+        self, settings: Settings, client: Any, *, tenants: Tenants | None = None, limiter: RateLimiter | None = None
+    ) -> None:
         self.settings = settings
         self.client = client
+        self.tenants = tenants or Tenants(settings, [])
+        self.limiter = limiter
         self._live: dict[str, tuple[float, list[WorkerHeartbeat]]] = {}
         self._served: dict[str, tuple[float, asyncio.Future[bool]]] = {}
         self._watches: dict[str, WorkerWatch] = {}
@@ -98,18 +109,39 @@ class Dispatcher:
                 return heartbeat.device
         return "unknown"
 
-    async def submit(self, request: QueuedRequest, *, need_worker: bool = True) -> str:
-        """Queues a request the route built (``shared.request_builder``); its id."""
+    async def submit(self, request: QueuedRequest, *, need_worker: bool = True, key: ApiKey | None = None) -> str:
+        """Queues a request the route built (``shared.request_builder``) as its tenant, with the
+        tenant's weight and queued limit; charges ``key``'s tokens per minute (``key=None``: none,
+        or already charged). Its id."""
         if need_worker:
             await self.wait_for_worker(request.model)
-        request_id: str = await self.client.enqueue(request)
+        terms = self.tenants.terms(request.tenant)
+        request.tenant_weight = terms.weight
+        try:
+            if key is not None and self.limiter is not None:
+                await self.limiter.charge_tokens(key, submitted_tokens([request]))
+            # Only when set: the tenant's queued limit is the enqueue script's argument.
+            limit = {} if terms.max_queued is None else {"tenant_max_queued": terms.max_queued}
+            request_id: str = await self.client.enqueue(request, **limit)
+        except (LimitError, OverloadedError) as error:
+            metrics.TENANT_REJECTIONS.labels(self.tenants.labels(request.tenant), error.code).inc()
+            raise
         metrics.SUBMITTED.labels(request.model, str(request.priority)).inc()
         metrics.PROMPT_TOKENS.labels(request.model).inc(len(request.prompt_token_ids))
         return request_id
 
-    async def submit_all(self, requests: list[QueuedRequest]) -> list[str]:
-        """All or nothing: if one of n choices is refused (429), the accepted ones are cancelled."""
+    async def submit_all(self, requests: list[QueuedRequest], *, key: ApiKey | None = None) -> list[str]:
+        """All or nothing: if one of n choices is refused (429), the accepted ones are cancelled.
+        ``key``'s tokens per minute are charged for all of them at once, before any is queued."""
         ids: list[str] = []
+        if requests:
+            await self.wait_for_worker(requests[0].model)
+        if key is not None and self.limiter is not None:
+            try:
+                await self.limiter.charge_tokens(key, submitted_tokens(requests))
+            except LimitError as error:
+                metrics.TENANT_REJECTIONS.labels(self.tenants.labels(key.tenant), error.code).inc()
+                raise
         try:
             for request in requests:
                 ids.append(await self.submit(request))

@@ -26,6 +26,7 @@ from starlette.types import Scope
 
 from shared.errors import (
     InflightqError,
+    LimitError,
     MalformedBodyError,
     NotFoundError,
     PayloadTooLargeError,
@@ -137,8 +138,16 @@ def error_response(dialect: Dialect, exc: BaseException, scope: Scope) -> JSONRe
     scope.setdefault("state", {})["error_type"] = error.code  # the metrics' label: its most specific name
     headers = {"retry-after": _RETRY_AFTER[error.error_type]} if error.error_type in _RETRY_AFTER else None
     if error.error_type == "rate_limited":
-        headers = {"retry-after": str(getattr(error, "retry_after", 60))}
-    return JSONResponse(dialect.body(error), status_code=dialect.status(error), headers=headers)
+        headers = {"retry-after": "60"}
+    body = dialect.body(error)
+    if isinstance(error, LimitError):
+        if error.retry_after is not None:
+            headers = {"retry-after": str(error.retry_after)}
+        if error.limit is not None:
+            # Beside each dialect's own fields: which limit refused the request, and its size.
+            limit = {"name": error.limit, "value": error.value}
+            (body["error"] if isinstance(body.get("error"), dict) else body)["limit"] = limit
+    return JSONResponse(body, status_code=dialect.status(error), headers=headers)
 
 
 def dialect_of(scope: Scope) -> Dialect:

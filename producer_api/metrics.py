@@ -63,6 +63,14 @@ SUBMITTED = Counter(
     ["model", "priority"],
     registry=REGISTRY,
 )
+TENANT_REJECTIONS = Counter(
+    "inflightq_api_tenant_rejections_total",
+    "Requests refused with 429, by tenant (bounded: tenant_metrics, tenant_metrics_max, the rest 'other') and "
+    "limit: tenant_overloaded (its max_queued), overloaded (the model's max_queue_depth), requests_per_minute, "
+    "tokens_per_minute.",
+    ["tenant", "limit"],
+    registry=REGISTRY,
+)
 CANCELLED_ON_DISCONNECT = Counter(
     "inflightq_api_cancelled_on_disconnect_total",
     "Requests cancelled because their client went away before the end.",

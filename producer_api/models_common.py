@@ -27,12 +27,20 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+class LimitInfo(BaseModel):
+    """The limit a 429 hit: tenant_max_queued, requests_per_minute or tokens_per_minute, and its size."""
+
+    name: str
+    value: int | None = None
+
+
 class ErrorBody(BaseModel):
     """TGI's error body (TGI routes and the jobs API)."""
 
     error: str
     error_type: str
     field: str | None = None
+    limit: LimitInfo | None = None
 
 
 class OpenAIErrorDetail(BaseModel):
@@ -40,6 +48,7 @@ class OpenAIErrorDetail(BaseModel):
     type: str
     param: str | None = None
     code: str | None = None
+    limit: LimitInfo | None = None
 
 
 class OpenAIErrorBody(BaseModel):
@@ -53,7 +62,12 @@ TGI_ERRORS: dict[int | str, dict[str, object]] = {
         (413, "body larger than max_body_bytes"),
         (422, "validation failed; the body names the field"),
         (424, "generation failed"),
-        (429, "overloaded (queue too deep) or rate_limited (API key budget)"),
+        (
+            429,
+            "overloaded (the model's queue too deep, or code tenant_overloaded: the tenant's own max_queued) or "
+            "rate_limited (the API key's requests or tokens per minute); `limit` names the limit, Retry-After "
+            "says when to retry",
+        ),
         (408, "expired: the request's deadline or timeout passed before it finished"),
         (503, "Redis unreachable or no live worker for the model"),
     )

@@ -13,6 +13,7 @@ from shared.settings import Settings
 if TYPE_CHECKING:
     from producer_api.api_keys import ApiKey, RateLimiter
     from producer_api.dispatch import Dispatcher
+    from producer_api.tenants import Tenants
     from producer_api.tokenization import Tokenizers
 
 
@@ -24,6 +25,7 @@ class AppState:
     api_keys: list[ApiKey]
     rate_limiter: RateLimiter
     redis: Any  # redis.asyncio.Redis for the rate limiter and health checks
+    tenants: Tenants
 
 
 def api_client_name(settings: Settings) -> str:

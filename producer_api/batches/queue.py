@@ -188,6 +188,7 @@ def create_batch(
     metadata: dict[str, str] | None = None,
     model: str | None = None,
     owner: str | None = None,
+    tenant: str | None = None,
     connection: redis.Redis | None = None,
 ) -> BatchObject:
     batch = store.create(
@@ -197,6 +198,7 @@ def create_batch(
         metadata=metadata,
         model=model,
         owner=owner,
+        tenant=tenant,
     )
     enqueue_run(settings, store, batch.id, connection)
     return batch

@@ -15,6 +15,7 @@ from anyio import to_thread
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 
+from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
 from producer_api.batches.files import FileObject, FilePage
 from producer_api.batches.models import BatchCreate, FileDeleted
@@ -120,8 +121,11 @@ async def create(
     body: BatchCreate,
     store: BatchStore = Depends(batch_store),
     owner: str | None = Depends(owner_of),
+    key: ApiKey | None = Depends(authenticate),
     idempotency_key: str | None = IdempotencyKey,
 ) -> JSONResponse:
+    tenant = state_of(request).tenants.resolve(request, key)
+
     def make() -> BatchObject:
         return create_batch(
             store.settings,
@@ -132,6 +136,7 @@ async def create(
             metadata=body.metadata,
             model=body.model,
             owner=owner,
+            tenant=tenant,
             connection=store.redis,
         )
 

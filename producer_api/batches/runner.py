@@ -26,10 +26,13 @@ from typing import Any, Protocol
 
 import redis
 
+from producer_api.api_keys import load_keys
 from producer_api.batches.lines import InputLine, batch_error_line, failed_response_line, output_line, parse_lines
 from producer_api.batches.store import MAX_BATCH_LINES, BatchErrorItem, BatchObject, BatchStatus, BatchStore, BatchUsage
+from producer_api.tenants import Tenants
 from shared.client import QueueClient
 from shared.errors import InflightqError, NotFoundError, error_from_type
+from shared.request_builder import build_request
 from shared.schemas import FinalResult, SamplingSpec
 
 log = logging.getLogger("inflightq.batch")
@@ -96,6 +99,8 @@ class BatchRunner:
         self.lease_lost = False
         self.endpoint = ""
         self.owner: str | None = None
+        self.tenant: str | None = None
+        self.tenant_weight = 1.0
 
     # Entry -----------------------------------------------------------------------------
     def run(self) -> BatchStatus:
@@ -141,8 +146,12 @@ class BatchRunner:
         if batch.status.is_final:
             return batch.status
         self.endpoint = batch.endpoint
-        # The creating key: its tenant keeps the batch's prefix cache apart, and it owns the results.
+        # The creating key owns the results; its tenant (or, without keys, the creator's) runs the
+        # lines, with that tenant's weight, and keeps the batch's prefix cache apart.
         self.owner = self.store.owner(self.batch_id)
+        self.tenant = batch.tenant or self.owner
+        settings = self.store.settings
+        self.tenant_weight = Tenants(settings, load_keys(settings)).terms(self.tenant).weight
         # Validating: the whole file is read and its lines checked before any request is queued.
         try:
             lines = parse_lines(self.store.files.content(batch.input_file_id), batch.endpoint)
@@ -205,16 +214,18 @@ class BatchRunner:
         request_id, _ = self.store.claim_request_id(self.batch_id, line.custom_id)
         # A request id claimed by an earlier run may already be queued, running or done: never twice.
         if self.client.status(request_id) is None:
-            self.client.submit(
+            request = build_request(
+                self.store.settings,
                 prepared.model,
                 prepared.prompt_token_ids,
                 prepared.sampling,
                 priority=self.priority,
                 deadline=float(batch.expires_at) if batch.expires_at else None,
-                tenant=self.owner,
+                tenant=self.tenant,
                 request_id=request_id,
-                check_depth=False,
             )
+            request.tenant_weight = self.tenant_weight
+            self.client.enqueue(request, check_depth=False)
         progress.pending[request_id] = Pending(line, request_id)
 
     def _collect(self, progress: _Progress) -> None:

@@ -126,6 +126,7 @@ class BatchObject(BaseModel):
     metadata: dict[str, str] | None = None
     model: str | None = None
     usage: BatchUsage | None = None
+    tenant: str | None = Field(None, description="The tenant its lines run as (its creator's), with its weight.")
 
 
 class BatchPage(BaseModel):
@@ -194,6 +195,7 @@ class BatchStore:
         metadata: dict[str, str] | None = None,
         model: str | None = None,
         owner: str | None = None,
+        tenant: str | None = None,
     ) -> BatchObject:
         if endpoint not in SUPPORTED_ENDPOINTS:
             raise ValidationError(f"endpoint must be one of {', '.join(SUPPORTED_ENDPOINTS)}", field="endpoint")
@@ -219,6 +221,7 @@ class BatchStore:
             expires_at=created + COMPLETION_WINDOWS[completion_window],
             metadata=metadata,
             model=model,
+            tenant=tenant,
         )
         fields: dict[str, str] = {
             "id": batch.id,
@@ -238,6 +241,8 @@ class BatchStore:
             fields["model"] = model
         if owner:
             fields["owner"] = owner
+        if tenant:
+            fields["tenant"] = tenant
         self.files.keep(input_file_id, self._ttl())
         with self.redis.pipeline() as pipe:
             pipe.hset(self.keys.batch(batch.id), mapping=fields)
@@ -299,6 +304,7 @@ class BatchStore:
             metadata=json.loads(f["metadata"]) if f.get("metadata") else None,
             model=f.get("model") or None,
             usage=BatchUsage.model_validate_json(f["usage"]) if f.get("usage") else None,
+            tenant=f.get("tenant") or None,
         )
 
     def status(self, batch_id: str) -> BatchStatus:

@@ -31,7 +31,12 @@ class JobRequest(RequestOptions, SamplingFields, StrictModel):
     max_new_tokens: int | None = Field(None, ge=1, examples=[64])
     # Checked against the model's vocabulary by the route, whose error names the field itself.
     stop_token_ids: list[int] = Field(default_factory=list)
-    tenant: str | None = Field(None, max_length=128, description="Ignored when an API key names the tenant.")
+    tenant: str | None = Field(
+        None,
+        max_length=128,
+        description="The tenant whose fair share the job draws on; ignored when an API key names the tenant, "
+        "and under tenant_source=header.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -53,6 +58,7 @@ class JobCreated(StrictModel):
     priority: int
     prompt_tokens: int
     max_new_tokens: int
+    tenant: str | None = Field(None, description="The tenant it runs as (README: Tenants, weights and limits).")
 
 
 class JobUsage(StrictModel):
@@ -86,6 +92,7 @@ class Job(StrictModel):
     finished_at: float | None = None
     worker: str | None = None
     attempt: int | None = None
+    tenant: str | None = Field(None, description="The tenant it runs as.")
     result: JobResult | None = None
     error: JobError | None = None
 

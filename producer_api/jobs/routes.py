@@ -103,9 +103,9 @@ async def submit(request: Request, body: JobRequest, key: ApiKey | None) -> JSON
             }
         ),
     )
-    tenant = key.key_id if key else body.tenant
+    tenant = st.tenants.resolve(request, key, body.tenant, field="tenant")
     queued = new_request(model, ids, spec, priority=priority, deadline=deadline, tenant=tenant)
-    request_id = await st.dispatcher.submit(queued, need_worker=False)
+    request_id = await st.dispatcher.submit(queued, need_worker=False, key=key)
     created = JobCreated(
         id=request_id,
         status=RequestStatus.QUEUED,
@@ -113,6 +113,7 @@ async def submit(request: Request, body: JobRequest, key: ApiKey | None) -> JSON
         priority=priority,
         prompt_tokens=len(ids),
         max_new_tokens=max_new_tokens,
+        tenant=tenant,
     )
     return JSONResponse(
         created.model_dump(mode="json"), status_code=202, headers={"location": f"/v1/jobs/{request_id}"}
@@ -142,6 +143,7 @@ def job_of(info: RequestInfo) -> Job:
         finished_at=info.finished_at,
         worker=info.worker,
         attempt=info.attempt,
+        tenant=info.tenant,
         result=result,
         error=error,
     )

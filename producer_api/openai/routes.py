@@ -75,6 +75,7 @@ def build_plan(
     st: AppState,
     body: SamplingFields,
     key: ApiKey | None,
+    tenant: str | None,
     prompts: list[list[int]],
     *,
     prompt_field: str,
@@ -109,7 +110,6 @@ def build_plan(
         logprobs=logprobs,
         constraint=constraint,
     )
-    tenant = key.key_id if key else None
     subs = [
         new_request(body.model, ids, derived(spec, j), priority=priority, deadline=deadline, tenant=tenant)
         for ids in limited
@@ -169,6 +169,7 @@ async def completions(
         st,
         body,
         key,
+        st.tenants.resolve(request, key, body.user),
         prompts,
         prompt_field="prompt",
         max_tokens=body.max_tokens,
@@ -176,7 +177,7 @@ async def completions(
         logprobs=body.logprobs,
         constraint=constraint,
     )
-    ids = await st.dispatcher.submit_all(plan.submissions)
+    ids = await st.dispatcher.submit_all(plan.submissions, key=key)
     echoes = [st.tokenizers.decode(body.model, p) if body.echo else "" for p in plan.prompts]
     reply = reply_for(body, plan, "text_completion", f"cmpl-{ids[0]}")
     follow = follow_kwargs(request, plan, "/v1/completions")
@@ -256,6 +257,7 @@ async def chat_completions(
         st,
         body,
         key,
+        st.tenants.resolve(request, key, body.user),
         [prompt],
         prompt_field="messages",
         max_tokens=body.max_completion_tokens or body.max_tokens,
@@ -263,7 +265,7 @@ async def chat_completions(
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         constraint=tools.constraint if calling and tools is not None else constraint,
     )
-    ids = await st.dispatcher.submit_all(plan.submissions)
+    ids = await st.dispatcher.submit_all(plan.submissions, key=key)
     reply = reply_for(body, plan, "chat.completion.chunk", f"chatcmpl-{ids[0]}")
     follow = follow_kwargs(request, plan, "/v1/chat/completions")
     if body.stream:

@@ -222,9 +222,11 @@ async def start(request: Request, body: ResponsesRequest, key: ApiKey | None) ->
         constraint=tools.constraint if calling and tools is not None else constraint,
     )
     response_id = "resp_" + uuid.uuid4().hex
+    tenant = st.tenants.resolve(request, key, body.user)
     record: dict[str, Any] = {
         "id": response_id,
         "owner": owner,
+        "tenant": tenant,
         "created_at": int(time.time()),
         "model": model,
         "priority": priority,
@@ -259,10 +261,9 @@ async def start(request: Request, body: ResponsesRequest, key: ApiKey | None) ->
     }
     if body.store:
         await store_of(st).put(record)
-    tenant = key.key_id if key else None
     queued = new_request(model, ids, spec, priority=priority, tenant=tenant, request_id=response_id)
     try:
-        await st.dispatcher.submit(queued, need_worker=not body.background)
+        await st.dispatcher.submit(queued, need_worker=not body.background, key=key)
     except BaseException:
         if body.store:
             await store_of(st).delete(response_id)

@@ -103,7 +103,7 @@ async def plan(request: Request, body: GenerateRequest, key: ApiKey | None, *, s
         constraint=grammar_constraint(p.grammar),
         watermark=p.watermark or None,
     )
-    tenant = key.key_id if key else None
+    tenant = st.tenants.resolve(request, key)
     submissions = [
         new_request(model, ids, derived(spec, i), priority=priority, deadline=deadline, tenant=tenant)
         for i in range(best_of)
@@ -132,7 +132,7 @@ async def generate(request: Request, body: GenerateRequest, key: ApiKey | None, 
     tgi = await plan(request, body, key)
     dispatcher: Dispatcher = st.dispatcher
     sub = tgi.submission
-    request_ids = await dispatcher.submit_all(tgi.submissions)
+    request_ids = await dispatcher.submit_all(tgi.submissions, key=key)
     follow = {"route": route, "model": sub.model, "started": arrival(request), "deadline": sub.deadline}
     generations = await unless_disconnected(request, dispatcher.collect_all(request_ids, **follow))
     # best_of: the sequence of highest cumulative logprob wins (TGI's choice); the rest follow it.
@@ -184,7 +184,7 @@ async def generate_stream(request: Request, body: GenerateRequest, key: ApiKey |
     st = state_of(request)
     tgi = await plan(request, body, key, stream=True)
     sub = tgi.submission
-    request_id = await st.dispatcher.submit(sub)
+    request_id = await st.dispatcher.submit(sub, key=key)
     events = st.dispatcher.events(
         request_id, route=route, model=sub.model, started=arrival(request), deadline=sub.deadline
     )
