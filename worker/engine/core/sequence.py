@@ -35,6 +35,7 @@ class Sequence:
         priority: int = 0,
         deadline: float | None = None,
         tenant: str | None = None,
+        adapter: str | None = None,
         prior_output_token_ids: list[int] | None = None,
         detokenizer: Any = None,
     ) -> None:
@@ -44,6 +45,7 @@ class Sequence:
         self.arrival = arrival  # the engine's arrival order, increasing; ties in priority go by it
         self.deadline = deadline
         self.tenant = tenant
+        self.adapter = adapter  # the LoRA adapter's key (``LoRARequest.key``) it runs with; None: the base model
         self.num_prompt_tokens = len(prompt_token_ids)
         # One flat list (prompt + output) so the runner slices it without concatenating per step.
         self.token_ids: list[int] = list(prompt_token_ids) + list(prior_output_token_ids or ())
