@@ -87,4 +87,6 @@ def serve_metrics(service: WorkerService, port: int) -> None:
     registry.register(WorkerCollector(service))  # type: ignore[arg-type]
     registry.register(service.latency.time_in_queue)
     registry.register(service.latency.time_to_first_token)
+    registry.register(service.tenant_usage.time_to_first_token)
+    registry.register(service.tenant_usage)  # type: ignore[arg-type]
     start_http_server(port, registry=registry)

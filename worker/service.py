@@ -30,6 +30,7 @@ from shared.client_core import redis_kwargs
 from shared.redis_connect import connect
 from shared.schemas import WorkerHeartbeat
 from shared.settings import Settings
+from shared.tenant_labels import TenantLabels
 from worker.acceptance import Acceptance
 from worker.active import ActiveRequest, failure_suspects
 from worker.cancel_listener import CancelListener
@@ -44,6 +45,7 @@ from worker.reconnect import TRANSIENT
 from worker.recovery import Recovery
 from worker.run_state import RunState
 from worker.streams import ensure_groups
+from worker.tenant_usage import TenantUsage
 from worker.watchdog import EngineWatchdog
 
 log = logging.getLogger("inflightq.worker")
@@ -89,6 +91,7 @@ class WorkerService:
             ("taken_over", "dead_lettered", "cancelled", "expired", "completed", "generated_tokens", "handed_back"), 0
         )
         self.latency = PriorityLatency(self.name, self.model)
+        self.tenant_usage = TenantUsage(self.name, self.model, TenantLabels.from_settings(settings))
         self.inbox = Inbox()
         self.owned = OwnedEntries()
         self._active: dict[str, ActiveRequest] = {}  # engine-loop thread only
@@ -249,6 +252,7 @@ class WorkerService:
         self._active[active.id] = active
         if not active.prior_token_ids and active.attempt == 0:
             self.latency.started(request.priority, time.time() - request.submitted_at)
+            self.tenant_usage.started(request.tenant, len(request.prompt_token_ids))
 
     def _cancel(self, request_id: str) -> None:
         active = self._active.get(request_id)
@@ -288,8 +292,10 @@ class WorkerService:
             active.add(event.token_id, event.text)
             if first and not active.prior_token_ids and active.attempt == 0:
                 self.latency.first_token(active.request.priority, time.time() - active.request.submitted_at)
+                self.tenant_usage.first_token(active.request.tenant, time.time() - active.request.submitted_at)
             if event.token_id >= 0:
                 self.counters["generated_tokens"] += 1
+                self.tenant_usage.generated(active.request.tenant)
             if event.finish_reason == "expired":
                 self.counters["expired"] += 1
                 self._finish_error(active, "expired", "expired", "deadline passed during generation")
