@@ -64,8 +64,18 @@ class AsyncQueueClient:
     ) -> str:
         return await self._run(self._core.submit(model, prompt_token_ids, sampling, **options))
 
-    async def enqueue(self, request: QueuedRequest, *, check_depth: bool = True) -> str:
-        return await self._run(self._core.enqueue(request, check_depth=check_depth))
+    async def enqueue(
+        self,
+        request: QueuedRequest,
+        *,
+        check_depth: bool = True,
+        offer_to: str | None = None,
+        tenant_max_queued: int | None = 0,
+    ) -> str:
+        """See ``QueueCore.enqueue``."""
+        return await self._run(
+            self._core.enqueue(request, check_depth=check_depth, offer_to=offer_to, tenant_max_queued=tenant_max_queued)
+        )
 
     async def ensure_groups(self, model: str) -> None:
         await self._run(self._core.ensure_groups(model))
@@ -94,6 +104,12 @@ class AsyncQueueClient:
 
     async def queue_depth(self, model: str) -> dict[int, int]:
         return await self._run(self._core.queue_depth(model))
+
+    async def tenant_waiting(self, model: str) -> dict[str, int]:
+        return await self._run(self._core.tenant_waiting(model))
+
+    async def tenant_shares(self, model: str, priority: int) -> dict[str, float]:
+        return await self._run(self._core.tenant_shares(model, priority))
 
     async def oldest_waiting_age_s(self, model: str) -> float:
         return await self._run(self._core.oldest_waiting_age_s(model))

@@ -67,8 +67,18 @@ class QueueClient:
     ) -> str:
         return self._run(self._core.submit(model, prompt_token_ids, sampling, **options))
 
-    def enqueue(self, request: QueuedRequest, *, check_depth: bool = True) -> str:
-        return self._run(self._core.enqueue(request, check_depth=check_depth))
+    def enqueue(
+        self,
+        request: QueuedRequest,
+        *,
+        check_depth: bool = True,
+        offer_to: str | None = None,
+        tenant_max_queued: int | None = 0,
+    ) -> str:
+        """See ``QueueCore.enqueue``."""
+        return self._run(
+            self._core.enqueue(request, check_depth=check_depth, offer_to=offer_to, tenant_max_queued=tenant_max_queued)
+        )
 
     def ensure_groups(self, model: str) -> None:
         self._run(self._core.ensure_groups(model))
@@ -99,6 +109,12 @@ class QueueClient:
     def queue_depth(self, model: str) -> dict[int, int]:
         """Requests waiting (not yet taken by a worker), per priority."""
         return self._run(self._core.queue_depth(model))
+
+    def tenant_waiting(self, model: str) -> dict[str, int]:
+        return self._run(self._core.tenant_waiting(model))
+
+    def tenant_shares(self, model: str, priority: int) -> dict[str, float]:
+        return self._run(self._core.tenant_shares(model, priority))
 
     def oldest_waiting_age_s(self, model: str) -> float:
         """Age of the oldest request no worker has taken yet (0.0 when none waits)."""

@@ -24,6 +24,7 @@ from shared.errors import (
     ConflictError,
     NotFoundError,
     OverloadedError,
+    TenantOverloadedError,
     UnavailableError,
     error_from_type,
 )
@@ -36,10 +37,10 @@ from shared.event_delivery import (
     log_maxlen,
     publish_command,
 )
-from shared.keys import CONSUMER_GROUP, Keys
+from shared.keys import CONSUMER_GROUP, Keys, lane_priority
 from shared.redis_plan import Emit, Pause, Pipeline, RunScript, Steps, call, pubsub_call
 from shared.request_builder import build_request
-from shared.request_lifecycle import CANCEL, CREATE, ENQUEUE, STATUS, RequestStatus, hash_fields
+from shared.request_lifecycle import CANCEL, CREATE, STATUS, RequestStatus, hash_fields
 from shared.schemas import (
     DoneEvent,
     ErrorEvent,
@@ -51,7 +52,15 @@ from shared.schemas import (
     parse_event,
 )
 from shared.settings import Settings
-from shared.work_queue import NOTIFY_KEEP, STREAM_FIELD, depth_of, first_undelivered
+from shared.work_queue import (
+    ENQUEUE,
+    NOTIFY_KEEP,
+    STREAM_FIELD,
+    depth_of,
+    first_undelivered,
+    model_lanes,
+    request_cost,
+)
 
 # The scripts a client runs; each front registers them once.
 CLIENT_SCRIPTS = (CREATE, ENQUEUE, CANCEL)
@@ -260,11 +269,23 @@ class QueueCore:
         )
         return (yield from self.enqueue(request, check_depth=check_depth))
 
-    def enqueue(self, request: QueuedRequest, *, check_depth: bool = True) -> Steps[str]:
+    def enqueue(
+        self,
+        request: QueuedRequest,
+        *,
+        check_depth: bool = True,
+        offer_to: str | None = None,
+        tenant_max_queued: int | None = 0,
+    ) -> Steps[str]:
         """Queues ``request`` as it is: one that ``shared.request_builder`` built (``submit``
-        does), so its defaults, priority range and seed are already in place."""
+        does), so its defaults, priority range and seed are already in place.
+
+        ``offer_to``: the worker that holds the request's prefix; the entry is offered to it first
+        (others take it after the steal bound, at once when it is dead). ``tenant_max_queued``: how
+        many requests of ``request.tenant`` may wait for this model (0 or None: no limit); past it
+        ``TenantOverloadedError``. ``check_depth=False`` skips both limits (batch work)."""
         yield from self.ensure_groups(request.model)
-        model_streams = [self.keys.stream(request.model, p) for p in range(self.settings.priority_levels)]
+        keys, model, priority = self.keys, request.model, request.priority
         first = hash_fields(
             request.id, request.model, request.priority, request.submitted_at, request.attempt, request.tenant
         )
@@ -278,17 +299,43 @@ class QueueCore:
         )
         if verdict in (b"duplicate", "duplicate"):
             raise ConflictError(f"request id {request.id} is already in use (status {detail}); choose a new id")
+        tenant = request.tenant or ""
+        lane = keys.lane(model, priority, tenant if self.settings.fair_share else None)
         verdict, detail = yield RunScript(
             ENQUEUE,
-            keys=[self.keys.stream(request.model, request.priority), self.keys.notify(request.model), *model_streams],
+            keys=[
+                lane,
+                keys.notify(model),
+                keys.lanes(model),
+                keys.share(model, priority),
+                keys.backlog(model, priority),
+                keys.waiting(model, priority),
+                keys.clock(model, priority),
+                keys.offers(model, priority, offer_to or ""),
+                keys.held(model, offer_to or ""),
+                keys.offered(model, priority),
+                *[keys.waiting(model, p) for p in range(self.settings.priority_levels)],
+            ],
             args=[
                 request.to_json(),
                 NOTIFY_KEEP,
                 self.settings.max_queue_depth if check_depth else 0,
                 CONSUMER_GROUP,
                 STREAM_FIELD,
+                tenant,
+                repr(request.tenant_weight),
+                request_cost(len(request.prompt_token_ids), request.sampling.max_new_tokens),
+                (tenant_max_queued or 0) if check_depth and tenant else 0,
+                offer_to or "",
             ],
         )
+        if verdict in (b"tenant_overloaded", "tenant_overloaded"):
+            yield call("delete", self.keys.request(request.id))
+            raise TenantOverloadedError(
+                f"tenant {tenant} has {int(detail)} requests queued for {model}, as many as it may",
+                tenant=tenant,
+                value=int(detail),
+            )
         if verdict in (b"overloaded", "overloaded"):
             yield call("delete", self.keys.request(request.id))
             raise OverloadedError(f"queue for {request.model} is full ({int(detail)} waiting)")
@@ -456,25 +503,47 @@ class QueueCore:
             raise NotFoundError(f"unknown request {request_id}")
         return outcome in (1, 2)
 
+    def lanes(self, model: str) -> Steps[list[str]]:
+        """Every lane and offer stream of the model, most urgent priority first."""
+        members = yield call("smembers", self.keys.lanes(model))
+        return model_lanes(members, self.keys, model, self.settings.priority_levels)
+
     def queue_depth(self, model: str) -> Steps[dict[int, int]]:
-        """Requests waiting (not yet taken by a worker), per priority."""
-        levels = range(self.settings.priority_levels)
-        streams = [self.keys.stream(model, priority) for priority in levels]
-        calls = [c for stream in streams for c in (call("xlen", stream), call("xpending", stream, CONSUMER_GROUP))]
+        """Requests waiting (not yet taken by a worker), per priority, over every lane and offer stream."""
+        lanes = yield from self.lanes(model)
+        calls = [c for lane in lanes for c in (call("xlen", lane), call("xpending", lane, CONSUMER_GROUP))]
         replies = yield Pipeline(calls, raise_on_error=False)
-        return {priority: depth_of(replies[2 * priority], replies[2 * priority + 1]) for priority in levels}
+        depth = dict.fromkeys(range(self.settings.priority_levels), 0)
+        for i, lane in enumerate(lanes):
+            depth[lane_priority(lane)] += depth_of(replies[2 * i], replies[2 * i + 1])
+        return depth
+
+    def tenant_waiting(self, model: str) -> Steps[dict[str, int]]:
+        """Requests waiting per tenant ('' for none), every priority together."""
+        replies = yield Pipeline(
+            [call("hgetall", self.keys.waiting(model, p)) for p in range(self.settings.priority_levels)]
+        )
+        waiting: dict[str, int] = {}
+        for counts in replies:
+            for tenant, count in (counts or {}).items():
+                waiting[tenant] = waiting.get(tenant, 0) + int(count)
+        return waiting
+
+    def tenant_shares(self, model: str, priority: int) -> Steps[dict[str, float]]:
+        """Each tenant's virtual time at ``priority``: the tokens it was served over its weight."""
+        shares = yield call("hgetall", self.keys.share(model, priority))
+        return {tenant: float(value) for tenant, value in (shares or {}).items()}
 
     def oldest_waiting_age_s(self, model: str) -> Steps[float]:
         """Age of the oldest request no worker has taken yet (0.0 when none waits)."""
         oldest = 0.0
         now_ms = time.time() * 1000
-        for priority in range(self.settings.priority_levels):
-            stream = self.keys.stream(model, priority)
+        for lane in (yield from self.lanes(model)):
             try:
-                groups = yield call("xinfo_groups", stream)
+                groups = yield call("xinfo_groups", lane)
             except redis.ResponseError:
                 continue
-            entries = yield call("xrange", stream, min=first_undelivered(groups), max="+", count=1)
+            entries = yield call("xrange", lane, min=first_undelivered(groups), max="+", count=1)
             if entries:
                 oldest = max(oldest, (now_ms - int(entries[0][0].split("-")[0])) / 1000)
         return oldest

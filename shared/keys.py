@@ -4,8 +4,9 @@ Where a key lives on a Redis Cluster is decided here, by its hash tag (the part 
 
 - ``{iq}:...``: deployment-wide keys (worker heartbeats, the models set, the cancel channel,
   files, batches, rate limits) share one slot;
-- ``{iq/q/<model>}:...``: a model's queue (priority streams and their consumer group, wake-up
-  list, dead letters) shares one slot per model;
+- ``{iq/q/<model>}:...``: a model's queue (its lanes and offer streams with their consumer group,
+  the lanes set, the fair-share counters, the workers' held prefixes, wake-up list, dead letters)
+  shares one slot per model, so every queue script is atomic on a Cluster too;
 - ``{iq/r<shard>.<n>}:...``: a request's hash, replay log and token channel share the slot of
   its shard. The shard is a hash of the request id (``shard_of``), so any id, generated or
   chosen by a client, carries its shard; the ``REQUEST_SHARDS`` shards' tags are chosen so that
@@ -19,6 +20,7 @@ touching each other."""
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from dataclasses import dataclass
 from functools import lru_cache
@@ -29,6 +31,22 @@ CONSUMER_GROUP = "workers"
 
 # Fixed for good: shard k's tag depends on it, and readers must find what writers wrote.
 REQUEST_SHARDS = 128
+
+
+def tenant_tag(tenant: str) -> str:
+    """A tenant as it appears in key names: short, stable, and free of characters keys avoid. The
+    pull script derives it the same way (``redis.sha1hex``), so the two must stay equal."""
+    return hashlib.sha1(tenant.encode()).hexdigest()[:16]
+
+
+def lane_priority(lane: str) -> int:
+    """The priority of a lane or offer stream, from its key (``Keys.lane``, ``Keys.offers``)."""
+    return int(lane.rsplit("}:", 1)[1].split(":", 1)[0].removeprefix("p"))
+
+
+def model_of_lane(lane: str) -> str:
+    """The model of a lane or offer stream, from its key's tag (``{<prefix>/q/<model>}``)."""
+    return lane[: lane.rindex("}:")].split("/q/", 1)[1]
 
 
 def shard_of(request_id: str) -> int:
@@ -72,8 +90,61 @@ class Keys:
 
     # Per model ---------------------------------------------------------------------
     def stream(self, model: str, priority: int) -> str:
-        """Priority stream of a model; priority 0 is the most urgent."""
+        """Priority stream of a model; priority 0 is the most urgent. The lane of requests without a
+        tenant, so a deployment without tenants has one stream per priority."""
         return self._model_k(model, f"p{priority}")
+
+    def lane(self, model: str, priority: int, tenant: str | None) -> str:
+        """Stream of one tenant's requests at one priority (the fair pick chooses between lanes)."""
+        if not tenant:
+            return self.stream(model, priority)
+        return self._model_k(model, f"p{priority}", "t", tenant_tag(tenant))
+
+    def lane_prefix(self, model: str, priority: int) -> str:
+        """What every tenant lane's key of ``priority`` starts with (the pull script appends the tag)."""
+        return self._model_k(model, f"p{priority}", "t", "")
+
+    def offers(self, model: str, priority: int, worker: str) -> str:
+        """Stream of entries offered to ``worker`` (it holds their prefix); others steal them after the bound."""
+        return self._model_k(model, f"p{priority}", "o", worker)
+
+    def offers_prefix(self, model: str, priority: int) -> str:
+        return self._model_k(model, f"p{priority}", "o", "")
+
+    def offered(self, model: str, priority: int) -> str:
+        """Set of the workers that have an offer stream at ``priority``."""
+        return self._model_k(model, f"p{priority}", "offered")
+
+    def lanes(self, model: str) -> str:
+        """Set of every lane and offer stream key of the model, every priority (the default streams
+        too): recovery, reclaim, depth and purge iterate it."""
+        return self._model_k(model, "lanes")
+
+    def share(self, model: str, priority: int) -> str:
+        """Hash: tenant -> virtual time at ``priority`` (tokens served / weight; the fair pick's counter)."""
+        return self._model_k(model, f"p{priority}", "share")
+
+    def clock(self, model: str, priority: int) -> str:
+        """String: the virtual time of the last pick at ``priority``; a tenant that becomes backlogged
+        while no other is starts there (no credit banked while idle)."""
+        return self._model_k(model, f"p{priority}", "clock")
+
+    def backlog(self, model: str, priority: int) -> str:
+        """Sorted set: tenants with waiting entries at ``priority``, scored by their virtual time."""
+        return self._model_k(model, f"p{priority}", "backlog")
+
+    def waiting(self, model: str, priority: int) -> str:
+        """Hash: tenant -> entries waiting at ``priority`` (not yet pulled): the backlog and the
+        per-tenant queued limit read it."""
+        return self._model_k(model, f"p{priority}", "waiting")
+
+    def held(self, model: str, worker: str) -> str:
+        """Set: the prefix block hashes (hex) ``worker`` has cached, with a TTL the heartbeat
+        refreshes; while it exists the worker is live (its offers are not stealable at once)."""
+        return self._model_k(model, "held", worker)
+
+    def held_prefix(self, model: str) -> str:
+        return self._model_k(model, "held", "")
 
     def notify(self, model: str) -> str:
         """A list idle workers block on; every enqueue pushes one wake-up token."""

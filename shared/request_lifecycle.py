@@ -28,9 +28,10 @@ FINISH check their move against ``ALLOWED_TRANSITIONS`` itself, rendered into th
 table the code and the tests read is the one Redis enforces.
 
 - ``CREATE`` then ``ENQUEUE`` (client): CREATE refuses an id already in use (without touching the
-  request that owns it) and writes the hash ``queued``; then, in the model's slot, ENQUEUE checks
-  the model's queue depth, XADDs and wakes a worker, all at once, so concurrent submits cannot
-  push a queue past its limit (a refused request's hash is deleted again).
+  request that owns it) and writes the hash ``queued``; then, in the model's slot, ENQUEUE
+  (``shared.work_queue``) checks the model's queue depth and the tenant's queued limit, XADDs and
+  wakes a worker, all at once, so concurrent submits cannot push a queue past its limit (a refused
+  request's hash is deleted again).
 - ``CANCEL`` (client): queued -> cancelled at once; its entry stays in the stream until a worker
   reads and skips it. (Deleting an unread entry would leave a tombstone ahead of the group's
   read position, and Redis then reports the group's lag as unknown, which blinds autoscaling
@@ -42,8 +43,8 @@ table the code and the tests read is the one Redis enforces.
   reuses the id of a request whose hash belongs to another entry is refused (``duplicate``).
 - ``FINISH`` (worker): -> done | failed | cancelled | expired where the table allows it, stores
   the result or error, appends the terminal event to the replay log and publishes it, all at
-  once: no reader ever sees a final status without its terminal event. Then the stream entry is
-  XACKed and XDELed.
+  once: no reader ever sees a final status without its terminal event. Then ``SETTLE``
+  (``shared.work_queue``) charges the tenant what the request used and XACKs and XDELs the entry.
 
 Each script names every key it touches in KEYS, all of one hash tag (``shared.keys``): a
 request's scripts touch its own slot, ``ENQUEUE`` its model's; so they stay legal on a Redis
@@ -167,31 +168,6 @@ end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 return {'ok', ''}
-"""
-
-# KEYS: target priority stream, notify list, then every priority stream of the model (for the
-# depth check): all in the model's slot.
-# ARGV: entry JSON, notify keep, max depth (0 = unchecked), group, stream field.
-# Returns {'ok', entry id} or {'overloaded', waiting}.
-ENQUEUE = """
-local max_depth = tonumber(ARGV[3])
-if max_depth > 0 then
-  local waiting = 0
-  for i = 3, #KEYS do
-    local length = redis.call('XLEN', KEYS[i])
-    if length > 0 then
-      local ok, pending = pcall(redis.call, 'XPENDING', KEYS[i], ARGV[4])
-      local taken = 0
-      if ok then taken = tonumber(pending[1]) end
-      waiting = waiting + math.max(0, length - taken)
-    end
-  end
-  if waiting >= max_depth then return {'overloaded', waiting} end
-end
-local id = redis.call('XADD', KEYS[1], '*', ARGV[5], ARGV[1])
-redis.call('LPUSH', KEYS[2], '1')
-redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[2]) - 1)
-return {'ok', id}
 """
 
 # KEYS: request hash, replay log, token channel (one slot).

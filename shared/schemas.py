@@ -127,7 +127,7 @@ class QueuedRequest(WireModel):
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     priority: int = Field(DEFAULT_PRIORITY, ge=0)
     deadline: float | None = Field(None, description="Unix time after which the request is dropped.")
-    tenant: str | None = Field(None, description="Keeps prefix caches of tenants apart.")
+    tenant: str | None = Field(None, description="Keeps prefix caches of tenants apart; the fair share's unit.")
     tenant_weight: float = Field(1.0, gt=0, description="The tenant's fair-share weight: its share of the level.")
     attempt: int = Field(0, ge=0, description="Raised by a worker that takes the request over.")
     submitted_at: float = Field(default_factory=time.time)

@@ -70,6 +70,11 @@ class Settings(BaseSettings):
         description="Idle time before a pending request is taken over although its worker still beats (a stuck "
         "worker's); a dead worker's are taken over once its heartbeat stops (heartbeat_stale_s).",
     )
+    fair_share: bool = Field(
+        True,
+        description="Fair share between tenants inside each priority (a lane per tenant, token-counted, weighted); "
+        "off, every priority is one first-come first-served stream.",
+    )
     max_deliveries: int = Field(3, ge=1, description="Deliveries before a request goes to the dead-letter stream.")
     result_ttl_s: int = Field(86_400, ge=1, description="How long results, request hashes and replay logs live.")
     replay_log_ttl_s: int = Field(

@@ -26,10 +26,10 @@ from pydantic import ValidationError
 from shared.event_delivery import parse_log_entry
 from shared.keys import Keys
 from shared.request_lifecycle import START
-from shared.schemas import DeadLetter, QueuedRequest, TokenEvent
+from shared.schemas import DeadLetter, FinalResult, QueuedRequest, TokenEvent
 from shared.settings import Settings
 from shared.valid_text import is_valid_text
-from shared.work_queue import STREAM_FIELD
+from shared.work_queue import ENTRY_FIELDS, STREAM_FIELD
 from worker.active import ActiveRequest
 from worker.publisher import Publisher
 from worker.reconnect import TRANSIENT
@@ -80,9 +80,10 @@ class Acceptance:
         except Exception:  # anything hostile (deep nesting, surrogates, wrong types) is judged by accept
             return 0
 
-    def accept(self, stream: str, entry_id: str, fields: dict[str, str] | None) -> bool:
+    def accept(self, stream: str, entry_id: str, fields: dict[str, str] | None, share: float = 0.0) -> bool:
         """True when the entry went to the engine. Never raises for what the entry holds: an
-        entry that cannot be judged would stay pending and come back forever."""
+        entry that cannot be judged would stay pending and come back forever. ``share``: its
+        tenant's virtual time when it was pulled (the fair part of its urgency)."""
         if not fields:  # deleted while pending (Redis 6.2 still lists it): nothing to run
             self.publisher.ack(stream, entry_id)
             return False
@@ -92,7 +93,7 @@ class Acceptance:
             self._malformed(stream, entry_id, fields, str(rejection))
             return False
         try:
-            return self._accept(request, stream, entry_id, fields)
+            return self._accept(request, stream, entry_id, fields, share)
         except TRANSIENT:
             raise  # Redis is away: the entry stays pending and comes back
         except Exception as error:
@@ -104,8 +105,11 @@ class Acceptance:
         """The entry's request, or ``Rejected`` saying why it is none."""
         if any(not (is_valid_text(k) and is_valid_text(v)) for k, v in fields.items()):
             raise Rejected("undecodable entry: a field is not UTF-8")
-        if set(fields) != {STREAM_FIELD}:
-            raise Rejected(f"malformed entry: fields {sorted(fields)[:8]}, expected only {STREAM_FIELD!r}")
+        if STREAM_FIELD not in fields or not set(fields) <= ENTRY_FIELDS:
+            raise Rejected(
+                f"malformed entry: fields {sorted(fields)[:8]}, expected {STREAM_FIELD!r} and at most "
+                f"{sorted(ENTRY_FIELDS - {STREAM_FIELD})}"
+            )
         size = len(fields[STREAM_FIELD])
         if size > self.max_entry_chars:
             raise Rejected(f"oversized entry: {size} characters (at most {self.max_entry_chars})")
@@ -119,7 +123,9 @@ class Acceptance:
             raise Rejected(f"priority {request.priority} out of range (0..{self.settings.priority_levels - 1})")
         return request
 
-    def _accept(self, request: QueuedRequest, stream: str, entry_id: str, fields: dict[str, str]) -> bool:
+    def _accept(
+        self, request: QueuedRequest, stream: str, entry_id: str, fields: dict[str, str], share: float = 0.0
+    ) -> bool:
         if request.expired():
             self.counters["expired"] += 1
             if self._owns(request.id, entry_id, repr(request.submitted_at)):
@@ -131,7 +137,7 @@ class Acceptance:
             return False
         verdict, deliveries, attempt, started_at = self._start_script(request, entry_id)
         if verdict == "run":
-            active = ActiveRequest(request, stream, entry_id, attempt=attempt, started_at=started_at)
+            active = ActiveRequest(request, stream, entry_id, attempt=attempt, started_at=started_at, share=share)
             # A takeover (attempt > 0: also a drain's hand-back, which gives its delivery back) or a
             # redelivery continues from what was already sent, never from token 0.
             if deliveries > 1 or attempt > 0:
@@ -149,7 +155,7 @@ class Acceptance:
         elif verdict == "duplicate":
             self._malformed(stream, entry_id, fields, f"duplicate request id {request.id}: another entry owns it")
         else:  # already final (finished by an earlier owner, or cancelled while queued): just drop the entry
-            self.publisher.ack(stream, entry_id)
+            self.publisher.ack(stream, entry_id, self._used(request))
         return False
 
     def dead_letter(
@@ -162,7 +168,8 @@ class Acceptance:
             reason=reason, stream=stream, entry_id=entry_id, request_id=request.id, worker=self.worker_name, raw=raw
         )
         self.publisher.dead_letter(request.model, letter)
-        self.publisher.finish_error(request.id, stream, entry_id, "failed", "generation", reason, None)
+        # It ran (deliveries times) without finishing: charged all its pull charged.
+        self.publisher.finish_error(request.id, stream, entry_id, "failed", "generation", reason, None, used=None)
 
     def _malformed(self, stream: str, entry_id: str, fields: dict[str, str], reason: str) -> None:
         request_id, submitted_at = _salvage(fields)
@@ -192,6 +199,15 @@ class Acceptance:
         if owner:
             return bool(owner == entry_id)
         return created is None or created == submitted_at
+
+    def _used(self, request: QueuedRequest) -> int:
+        """Tokens a request that is already final used, as its hash's result says (an earlier owner
+        finished it and died before settling); 0 for one that never ran."""
+        raw = self.redis.hget(self.keys.request(request.id), "result")
+        try:
+            return FinalResult.model_validate_json(raw).usage.total_tokens if raw else 0
+        except ValueError:
+            return 0
 
     def _start_script(self, request: QueuedRequest, entry_id: str) -> tuple[str, int, int, float]:
         now = time.time()

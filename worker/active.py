@@ -11,7 +11,7 @@ from shared.schemas import FinalResult, QueuedRequest, Timings, Usage
 @dataclass
 class ActiveRequest:
     request: QueuedRequest
-    stream: str  # the priority stream holding its entry
+    stream: str  # the lane or offer stream holding its entry
     entry_id: str
     attempt: int = 0
     started_at: float = field(default_factory=time.time)
@@ -22,6 +22,7 @@ class ActiveRequest:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     first_token_at: float | None = None
+    share: float = 0.0  # its tenant's virtual time when pulled (the fair part of its urgency)
     steps_survived: int = 0  # engine steps since it was added; 0 makes it a suspect if a step fails
 
     @property

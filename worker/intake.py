@@ -1,13 +1,13 @@
-"""Pulling work: a model's priority streams, read in strict priority order, as much as the policy allows.
+"""Pulling work: a model's queue, read in strict priority order, as much as the policy allows.
 
-For each priority from 0 (most urgent) down, the intake peeks at the entries no worker has taken
-yet and reads with XREADGROUP exactly as many as ``Capacity.how_many_to_take`` (``policy``) allows;
-a less urgent stream is only read once every more urgent one is drained, and what is not taken
-stays in Redis for any other worker. (A blocking read over several streams would not give strict
-priority, hence the peeks.) With room but nothing to read, it blocks on the model's notify list,
+For each priority from 0 (most urgent) down, the intake peeks (``PEEK``) at the entries the fair
+pick would hand it next, across the tenants' lanes and the offer streams (``shared.work_queue``),
+and takes (``PULL``) exactly as many as ``Capacity.how_many_to_take`` (``policy``) allows; a less
+urgent priority is only read once every more urgent one is drained, and what is not taken stays in
+Redis for any other worker. With room but nothing to read, it blocks on the model's notify list,
 never busy-polling.
 
-A full worker keeps reading, every ``urgent_poll_s``, the streams whose entries would displace
+A full worker keeps reading, every ``urgent_poll_s``, the priorities whose entries would displace
 work it runs (``Capacity.displacing_levels``), and takes those. A free slot elsewhere in the pool
 wins first: while another live worker of the model advertises one, an urgent entry is left for it
 until ``how_many_to_steal`` lets this worker take it, ``urgent_handoff_s`` after it first saw it
@@ -26,13 +26,14 @@ from typing import Literal
 import redis
 
 from shared.client_core import filter_heartbeats
-from shared.keys import CONSUMER_GROUP, Keys
+from shared.keys import Keys
 from shared.settings import Settings
+from shared.work_queue import PULL, pull_args, pull_keys
 from worker.acceptance import Acceptance
 from worker.engine.core.policy import Capacity, EngineLoad, how_many_to_steal
 from worker.reconnect import ResilientLoop
 from worker.run_state import RunState
-from worker.streams import ensure_groups, is_missing_group, priority_streams
+from worker.streams import ensure_groups, is_missing_group, priority_streams, steal_after_ms
 
 log = logging.getLogger("inflightq.worker")
 
@@ -78,6 +79,8 @@ class Intake(ResilientLoop):
         self.consumer = name  # not `name`: that is the thread's, which the logs show
         self.model = model
         self.streams = priority_streams(self.keys, model, settings.priority_levels)
+        self._pull = connection.register_script(PULL)
+        self.steal_after_ms = steal_after_ms(settings)
         self._first_seen: dict[str, float] = {}  # urgent entries left for a free worker, by entry id
         self._pool_free: tuple[float, bool] = (0.0, False)  # (when asked, another worker has a free slot)
 
@@ -109,30 +112,50 @@ class Intake(ResilientLoop):
         if not streams:
             return "blocked"
         took = False
-        for priority, (stream, start) in enumerate(zip(streams, self._first_undelivered(streams), strict=True)):
-            peek = max(room, 1)
-            waiting = self.redis.xrange(stream, min=start, max="+", count=peek)
+        idle = self.load.is_idle()
+        for priority in range(len(streams)):
+            waiting = self.pull(priority, max(room, 1), idle=idle, peek=True)
             if not waiting:
                 continue
-            lengths = [self.acceptance.prompt_length(fields) for _, fields in waiting]
+            lengths = [self.acceptance.prompt_length(fields) for _, _, fields, _ in waiting]
             # Fresh: what a more urgent stream just handed over claims its victims.
             in_transit = self.load.in_transit()
-            take = self.capacity.how_many_to_take(load, in_transit, priority, lengths, idle=self.load.is_idle())
+            take = self.capacity.how_many_to_take(load, in_transit, priority, lengths, idle=idle)
             count = take.fit + self._urgent_share(waiting[take.fit : take.total])
             if count:
-                replies = self.redis.xreadgroup(CONSUMER_GROUP, self.consumer, {stream: ">"}, count=count)
-                for _, entries in replies or []:
-                    for entry_id, fields in entries:
-                        took = self.acceptance.accept(stream, entry_id, fields) or took
+                for stream, entry_id, fields, share in self.pull(priority, count, idle=idle, peek=False):
+                    took = self.acceptance.accept(stream, entry_id, fields, share) or took
                 if take.displace:
-                    log.info("took %d urgent entries of %s to displace less urgent work", count - take.fit, stream)
+                    log.info(
+                        "took %d urgent entries of priority %d to displace less urgent work", count - take.fit, priority
+                    )
             room -= count
             if count < len(waiting) or room <= 0:
                 # Strict priority: less urgent streams wait while this one still has work.
                 return "took" if count else "blocked"
         return "took" if took else "empty"
 
-    def _urgent_share(self, urgent: list[tuple[str, dict[str, str]]]) -> int:
+    def pull(
+        self, priority: int, count: int, *, idle: bool, peek: bool
+    ) -> list[tuple[str, str, dict[str, str], float]]:
+        """``PULL`` (or ``PEEK``) at ``priority``: (stream, entry id, fields, tenant's virtual time) of each pick."""
+        keys = pull_keys(self.keys, self.model, priority, self.consumer)
+        args = pull_args(
+            self.keys,
+            self.model,
+            priority,
+            self.consumer,
+            count,
+            idle=idle,
+            steal_after_ms=self.steal_after_ms,
+            peek=peek,
+        )
+        return [
+            (str(stream), str(entry_id), dict(zip(flat[::2], flat[1::2], strict=True)), float(share))
+            for stream, entry_id, flat, share, _tenant in self._pull(keys=keys, args=args)
+        ]
+
+    def _urgent_share(self, urgent: list[tuple[str, str, dict[str, str], float]]) -> int:
         """How many of the entries that would displace work here to take now: all of them, unless
         another worker has a free slot and has not had ``urgent_handoff_s`` to take them."""
         if not urgent:
@@ -141,7 +164,7 @@ class Intake(ResilientLoop):
         self._first_seen = {e: t for e, t in self._first_seen.items() if now - t < 60}
         if not self._free_slot_elsewhere(now):
             return len(urgent)
-        first_seen = (self._first_seen.setdefault(entry_id, now) for entry_id, _ in urgent)
+        first_seen = (self._first_seen.setdefault(entry_id, now) for _, entry_id, _, _ in urgent)
         return how_many_to_steal(first_seen, now, self.settings.urgent_handoff_s)
 
     def _free_slot_elsewhere(self, now: float) -> bool:
@@ -154,20 +177,3 @@ class Intake(ResilientLoop):
         free = any(b.running < b.max_num_seqs and not b.draining for b in beats)
         self._pool_free = (now, free)
         return free
-
-    def _first_undelivered(self, streams: list[str]) -> list[str]:
-        pipe = self.redis.pipeline(transaction=False)
-        for stream in streams:
-            pipe.xinfo_groups(stream)
-        starts = []
-        for reply in pipe.execute(raise_on_error=False):
-            group = (
-                None
-                if isinstance(reply, Exception)
-                else next((g for g in reply if g.get("name") == CONSUMER_GROUP), None)
-            )
-            if group is None:
-                ensure_groups(self.redis, self.streams)
-                return ["-"] * len(streams)
-            starts.append("(" + str(group["last-delivered-id"]))
-        return starts

@@ -9,12 +9,13 @@ followed by the final-status scripts. On a Cluster, redis-py's pipeline sends ea
 share of the calls and reads the replies of all, so a step costs one round trip per node, in
 parallel.
 
-A finished request's queue entry is XACKed only once its final status is written (the two live
-in different slots): on a single Redis in the same round trip, after it; on a Cluster, where a
-pipeline's nodes answer in any order, tokens, final statuses and acks go in three round trips,
-each once the one before fully reached Redis. A failed round trip (Redis restarting, a failover,
-a node that stayed unreachable: on a Cluster its error comes back as a reply, not raised) is
-sent again after a backoff: clients drop repeated indexes, so at-least-once is enough."""
+A finished request's queue entry is settled (``SETTLE``: its tenant charged what it used, the
+entry XACKed and XDELed) only once its final status is written (the two live in different slots):
+on a single Redis in the same round trip, after it; on a Cluster, where a pipeline's nodes answer
+in any order, tokens, final statuses and acks go in three round trips, each once the one before
+fully reached Redis. A failed round trip (Redis restarting, a failover, a node that stayed
+unreachable: on a Cluster its error comes back as a reply, not raised) is sent again after a
+backoff: clients drop repeated indexes, so at-least-once is enough."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from shared.redis_connect import load_script
 from shared.request_lifecycle import FINISH
 from shared.schemas import DeadLetter, DoneEvent, ErrorEvent, FinalResult
 from shared.settings import Settings
+from shared.work_queue import SETTLE, settle_keys
 from worker.reconnect import TRANSIENT, ResilientLoop
 
 log = logging.getLogger("inflightq.worker")
@@ -108,7 +110,7 @@ class Publisher(ResilientLoop):
         self.by_slot = settings.redis_cluster
         # Called by EVALSHA in the pipeline; loaded up front and again after a NOSCRIPT (a Redis
         # restart). redis-py's Script objects would add a SCRIPT EXISTS round trip to every send.
-        self._scripts = {FINISH: "", PUBLISH_TOKENS: ""}
+        self._scripts = {FINISH: "", PUBLISH_TOKENS: "", SETTLE: ""}
         self._writes: deque[Write] = deque()
         self._acks: deque[Write] = deque()  # sent after the writes they follow
         self._settled: deque[Callable[[], None]] = deque()  # called once the acks reached Redis
@@ -143,7 +145,8 @@ class Publisher(ResilientLoop):
         given up as unsendable): until then the entry is still this worker's to keep fresh."""
         event = DoneEvent(request_id=result.request_id, result=result)
         final = self._final(result.request_id, "done", event.to_json(), "result", result.to_json())
-        self._put(final, self._ack(stream, entry_id) if entry_id else None, settled)
+        used = result.usage.total_tokens
+        self._put(final, self._ack(stream, entry_id, used) if entry_id else None, settled)
 
     def finish_error(
         self,
@@ -155,25 +158,28 @@ class Publisher(ResilientLoop):
         message: str,
         index: int | None,
         settled: Callable[[], None] | None = None,
+        *,
+        used: int | None = 0,
     ) -> None:
+        """``used``: the tokens the request used (prompt + generated), charged to its tenant;
+        None charges what its pull charged."""
         event = ErrorEvent(request_id=request_id, error_type=error_type, message=message, index=index).to_json()
-        ack = self._ack(stream, entry_id) if entry_id else None
+        ack = self._ack(stream, entry_id, used) if entry_id else None
         self._put(self._final(request_id, status, event, "error", event), ack, settled)
 
     def dead_letter(self, model: str, letter: DeadLetter) -> None:
         key = self.keys.dead_letters(model)
         self._put(lambda pipe: pipe.xadd(key, {"letter": letter.to_json()}, maxlen=10_000, approximate=True), None)
 
-    def ack(self, stream: str, entry_id: str) -> None:
-        self._put(None, self._ack(stream, entry_id))
+    def ack(self, stream: str, entry_id: str, used: int | None = 0) -> None:
+        """Ends the entry: its tenant is charged ``used`` tokens (None: what its pull charged)."""
+        self._put(None, self._ack(stream, entry_id, used))
 
-    @staticmethod
-    def _ack(stream: str, entry_id: str) -> Write:
-        def write(pipe: Any) -> None:
-            pipe.xack(stream, CONSUMER_GROUP, entry_id)
-            pipe.xdel(stream, entry_id)
-
-        return write
+    def _ack(self, stream: str, entry_id: str, used: int | None) -> Write:
+        # SETTLE: the tenant's charge and the XACK + XDEL at once, so it runs once per entry.
+        keys = settle_keys(self.keys, stream)
+        args = [CONSUMER_GROUP, entry_id, "" if used is None else used]
+        return lambda pipe: self._evalsha(pipe, SETTLE, keys, args)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Waits until everything handed over so far has reached Redis."""

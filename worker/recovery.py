@@ -4,9 +4,10 @@ A live worker keeps the entries it is running fresh (XCLAIM ... JUSTID to itself
 ``reclaim_after_s / 3``, only for entries it still owns), so a long generation is never stolen.
 
 Every worker looks at the group's consumers every ``LOOK_EVERY_S``: one whose heartbeat stopped
-(``heartbeat_watch``: SIGKILL, an OOM kill, a lost host) has its pending entries taken over at
-once, most urgent stream first, as many as this worker has room for. Behind that, XAUTOCLAIM with
-``min-idle = reclaim_after_s`` on each priority stream takes what went idle with a live owner (a
+(``heartbeat_watch``: SIGKILL, an OOM kill, a lost host) loses its held prefixes (``held_blocks``)
+and has its pending entries taken over at once, most urgent stream first, as many as this worker
+has room for. Behind that, XAUTOCLAIM with
+``min-idle = reclaim_after_s`` on each lane and offer stream (the lanes set) takes what went idle with a live owner (a
 worker whose heartbeat goes on but whose refresh stopped) and what was handed back. The new owner
 resumes each from its replay log (see ``acceptance``).
 
@@ -31,7 +32,7 @@ from worker.heartbeat_watch import HeartbeatWatch, dead_after_s
 from worker.inbox import OwnedEntries
 from worker.reconnect import ResilientLoop
 from worker.run_state import RunState
-from worker.streams import ensure_groups, is_missing_group, priority_streams
+from worker.streams import ensure_groups, is_missing_group, model_streams, priority_streams
 
 log = logging.getLogger("inflightq.worker")
 
@@ -63,6 +64,7 @@ class Recovery(ResilientLoop):
         self.worker_name = name
         self.room = room
         self.on_lost = on_lost
+        self.model = model
         self.streams = priority_streams(self.keys, model, settings.priority_levels)
         self._refresh = connection.register_script(REFRESH)
         self._claim_from_dead = connection.register_script(CLAIM_FROM_DEAD)
@@ -101,8 +103,9 @@ class Recovery(ResilientLoop):
         self.watch.forget()
 
     def take_over(self) -> None:
-        room = self.take_over_dead(self.room())
-        for stream in self.streams:
+        lanes = model_streams(self.redis, self.keys, self.model, self.settings.priority_levels)
+        room = self.take_over_dead(self.room(), lanes)
+        for stream in lanes:
             if room <= 0:
                 return
             try:
@@ -123,18 +126,20 @@ class Recovery(ResilientLoop):
                 if self.acceptance.accept(stream, entry_id, fields):
                     room -= 1
 
-    def take_over_dead(self, room: int) -> int:
-        """Takes over dead workers' entries, as many as ``room``, and forgets dead consumers left
-        holding none; returns the room left."""
+    def take_over_dead(self, room: int, lanes: list[str]) -> int:
+        """Takes over dead workers' entries of ``lanes``, as many as ``room``, and forgets dead
+        consumers left holding none; returns the room left."""
         held: dict[str, dict[str, int]] = {}  # consumer -> {stream: its entries pending there}
-        for stream in self.streams:
+        for stream in lanes:
             try:
                 consumers = self.redis.xinfo_consumers(stream, CONSUMER_GROUP)
             except redis.ResponseError as error:
                 if not is_missing_group(error) and "no such key" not in str(error):
                     raise
-                ensure_groups(self.redis, self.streams)
-                return room
+                if stream in self.streams:
+                    ensure_groups(self.redis, self.streams)
+                    return room
+                continue  # an offer stream deleted meanwhile (its dead worker's, emptied)
             for consumer in consumers:
                 if consumer["name"] != self.worker_name:
                     held.setdefault(str(consumer["name"]), {})[stream] = int(consumer["pending"])
@@ -142,7 +147,9 @@ class Recovery(ResilientLoop):
             return room
         beats = dict(self.redis.zrange(self.keys.workers(), 0, -1, withscores=True))
         dead = self.watch.look(time.monotonic(), held, beats)
-        for stream in self.streams:  # most urgent first
+        if dead:  # their offers become stealable at once, and the API offers them nothing more
+            self.redis.delete(*(self.keys.held(self.model, name) for name in dead))
+        for stream in lanes:  # most urgent first
             for name in dead:
                 pending = held[name].get(stream)
                 if pending is None or (pending and room <= 0):

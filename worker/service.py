@@ -318,7 +318,7 @@ class WorkerService:
         index = len(active.prior_token_ids) + len(active.token_ids)
         self.publisher.finish_error(
             active.id, active.stream, active.entry_id, status, error_type, message, index,
-            lambda: self.owned.discard(active.id),
+            lambda: self.owned.discard(active.id), used=len(active.request.prompt_token_ids) + index,
         )  # fmt: skip
 
     def _drop(self, request_id: str, *, keep_entry: bool = False) -> None:

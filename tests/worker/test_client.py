@@ -15,7 +15,7 @@ from shared.client import QueueClient
 from shared.client_core import IDLE_CHECK_MAX_S, IDLE_CHECK_S, QUEUED_CHECK_MAX_S, IdleBackoff, QueueCore
 from shared.errors import CancelledError, ConflictError, NotFoundError, OverloadedError, ValidationError
 from shared.event_delivery import LOG_FIELD, EventSequencer
-from shared.keys import CONSUMER_GROUP, Keys
+from shared.keys import Keys
 from shared.request_lifecycle import RequestStatus
 from shared.schemas import (
     DoneEvent,
@@ -29,7 +29,7 @@ from shared.schemas import (
 )
 from shared.settings import Settings
 from shared.subscriptions import ChannelHub
-from shared.work_queue import STREAM_FIELD
+from shared.work_queue import PULL, STREAM_FIELD, pull_args, pull_keys
 from tests.conftest import RedisBackend
 
 MODEL = "m"
@@ -129,12 +129,18 @@ def test_a_create_sent_again_by_a_retry_is_its_own_not_a_duplicate(redis_client,
     assert create(1000.25) == ["duplicate", "running"], "once it has moved on, even the same one is refused"
 
 
+def take_one(redis_client: redis.Redis, keys: Keys, priority: int) -> None:
+    """What a worker's intake does to take an entry (``PULL``)."""
+    args = pull_args(keys, MODEL, priority, "w", 1, idle=True, steal_after_ms=0, peek=False)
+    assert len(redis_client.eval(PULL, 8, *pull_keys(keys, MODEL, priority, "w"), *args)) == 1
+
+
 def test_submit_past_the_queue_depth_is_overloaded_but_taken_work_does_not_count(client, redis_client, keys) -> None:
     for _ in range(3):
         client.submit(MODEL, [1], priority=1)
     with pytest.raises(OverloadedError):
         client.submit(MODEL, [1], priority=0)
-    redis_client.xreadgroup(CONSUMER_GROUP, "w", {keys.stream(MODEL, 1): ">"}, count=1)
+    take_one(redis_client, keys, 1)
     assert client.queue_depth(MODEL)[1] == 2
     client.submit(MODEL, [1], priority=0)
 
@@ -155,7 +161,7 @@ def test_a_reused_request_id_is_refused_and_the_original_is_untouched(client, re
     with pytest.raises(OverloadedError):
         client.submit(MODEL, [1], priority=0, request_id="refused-1")
     assert client.status("refused-1") is None
-    redis_client.xreadgroup(CONSUMER_GROUP, "w", {keys.stream(MODEL, 1): ">"}, count=1)
+    take_one(redis_client, keys, 1)
     assert client.submit(MODEL, [1], priority=0, request_id="refused-1") == "refused-1"
 
 
