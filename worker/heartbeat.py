@@ -1,7 +1,8 @@
 """A worker's advertisement: model, capacity and load, refreshed well inside its TTL.
 
 The document lives in ``keys.worker(name)`` with a TTL, and the name in the ``keys.workers()``
-sorted set scored by time, so readers find live workers without scanning keys."""
+sorted set scored by time, so readers find live workers without scanning keys. The same round trip
+refreshes the TTL of the worker's held prefixes (``held_blocks``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -16,6 +18,9 @@ from shared.keys import Keys
 from shared.schemas import WorkerHeartbeat
 from shared.settings import Settings
 from worker.reconnect import ResilientLoop
+
+if TYPE_CHECKING:
+    from worker.held_blocks import HeldBlocks
 
 
 def beat_interval(settings: Settings) -> float:
@@ -31,6 +36,7 @@ class Heartbeat(ResilientLoop):
         name: str,
         advertisement: Callable[[], WorkerHeartbeat],
         stopping: threading.Event,
+        held: HeldBlocks | None = None,
     ) -> None:
         super().__init__("heartbeat", stopping)
         self.settings = settings
@@ -38,6 +44,7 @@ class Heartbeat(ResilientLoop):
         self.redis = connection
         self.worker_name = name
         self.advertisement = advertisement
+        self.held = held
         self.every = beat_interval(settings)
         self._beat_due = 0.0
 
@@ -58,7 +65,10 @@ class Heartbeat(ResilientLoop):
         pipe.zremrangebyscore(self.keys.workers(), "-inf", now - 60 * self.settings.heartbeat_ttl_s)
         # ... and so the set itself goes once no worker has beaten for that long.
         pipe.expire(self.keys.workers(), max(1, math.ceil(60 * self.settings.heartbeat_ttl_s)))
-        pipe.execute()
+        held = self.held.refresh(pipe) if self.held is not None else 0
+        replies = pipe.execute()
+        if held and self.held is not None:
+            self.held.refreshed(replies[-held:])
 
     def remove(self) -> None:
         try:

@@ -171,6 +171,10 @@ class Publisher(ResilientLoop):
         key = self.keys.dead_letters(model)
         self._put(lambda pipe: pipe.xadd(key, {"letter": letter.to_json()}, maxlen=10_000, approximate=True), None)
 
+    def mirror(self, write: Write) -> None:
+        """A write of the worker's own state (its held prefixes: ``held_blocks``), in the next round trip."""
+        self._put(write, None)
+
     def ack(self, stream: str, entry_id: str, used: int | None = 0) -> None:
         """Ends the entry: its tenant is charged ``used`` tokens (None: what its pull charged)."""
         self._put(None, self._ack(stream, entry_id, used))

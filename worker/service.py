@@ -6,7 +6,8 @@ The engine loop runs on the main thread and never waits on Redis. Beside it:
   ``engine/core/policy.py``), and ``Acceptance`` turns each entry into work or a final status,
 - ``Recovery`` keeps this worker's entries fresh and takes over dead workers' (``recovery.py``),
 - ``Publisher`` writes each step's tokens in one round trip, and every final status (``publisher.py``),
-- ``CancelListener`` and ``Heartbeat``.
+- ``CancelListener`` and ``Heartbeat``,
+- ``HeldBlocks``: the prefix blocks the engine holds, mirrored into Redis after each step (``held_blocks.py``).
 
 They hand work to the loop through one inbox (start / cancel / lost), drained between steps.
 
@@ -37,6 +38,7 @@ from worker.cancel_listener import CancelListener
 from worker.engine.core.policy import Capacity
 from worker.engine_port import Engine
 from worker.heartbeat import Heartbeat
+from worker.held_blocks import HeldBlocks
 from worker.inbox import Inbox, InboxItem, OwnedEntries
 from worker.intake import Intake, WorkerLoad
 from worker.priority_latency import PriorityLatency
@@ -115,7 +117,10 @@ class WorkerService:
             settings, self.redis, self.acceptance, self.owned, self.state,
             name=self.name, model=self.model, room=self.room, on_lost=self.lost,
         )  # fmt: skip
-        self.heartbeat_thread = Heartbeat(settings, self.redis, self.name, self.heartbeat, self.stopping)
+        self.held = HeldBlocks(
+            settings, self.redis, self.publisher, engine, name=self.name, model=self.model, draining=self.draining
+        )
+        self.heartbeat_thread = Heartbeat(settings, self.redis, self.name, self.heartbeat, self.stopping, self.held)
         self.cancel_listener = CancelListener(settings, self.redis, self.cancel, self.stopping)
         self.loop_progress_at = time.monotonic()  # stamped by the engine loop; read by the watchdog
         self.watchdog = EngineWatchdog(self, settings.engine_stall_s) if settings.engine_stall_s > 0 else None
@@ -186,6 +191,7 @@ class WorkerService:
                     break
                 if self.engine.has_unfinished():
                     self._step()
+                self.held.sync()  # what the step cached and evicted goes out with its tokens
         finally:
             self._shut_down()
         return 0
@@ -357,6 +363,7 @@ class WorkerService:
         for thread in (self.recovery, self.cancel_listener, self.heartbeat_thread):
             thread.join(timeout=5)
         self.heartbeat_thread.remove()
+        self.held.remove()
         self.publisher.stop(timeout=5)
         self.redis.close()
         stats = self.engine.stats

@@ -1,0 +1,146 @@
+"""A worker's held prefixes in Redis (worker/held_blocks.py) against its engine's prefix cache: a real
+engine on the tiny model with a KV pool small enough that blocks are evicted all the time, the real
+publisher and heartbeat, a real Redis. After every step the set in Redis is what the engine's cache
+holds; a set that went missing is written again whole; drain and stop remove it."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from shared.affinity import LIVE
+from shared.keys import Keys
+from shared.prefix_hash import chain, to_hex
+from shared.settings import Settings
+from worker.engine import EngineConfig, LLMEngine, SamplingParams
+from worker.engine.model.model_loader import load_model
+from worker.heartbeat import Heartbeat
+from worker.held_blocks import HeldBlocks
+from worker.publisher import Publisher
+from worker.run_state import RunState
+
+BLOCK = 4
+MODEL = "m"
+
+
+@pytest.fixture
+def parts(redis_url: str, key_prefix: str, tiny_model_dir: Path) -> Iterator[tuple[LLMEngine, HeldBlocks, Settings]]:
+    settings = Settings(redis_url=redis_url, key_prefix=key_prefix, model=MODEL)
+    model, tokenizer = load_model(str(tiny_model_dir), torch.float64, "cpu")
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=24, block_size=BLOCK, max_num_seqs=4))
+    connection = redis.Redis.from_url(redis_url, decode_responses=True)
+    publisher = Publisher(settings, connection, "w")
+    publisher.start()
+    state = RunState()
+    held = HeldBlocks(settings, connection, publisher, engine, name="w", model=MODEL, draining=state.draining)
+    yield engine, held, settings
+    publisher.stop(timeout=5)
+    connection.close()
+
+
+def in_redis(settings: Settings) -> set[str]:
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    try:
+        return set(client.smembers(Keys.for_prefix(settings.key_prefix).held(MODEL, "w")))
+    finally:
+        client.close()
+
+
+def cached(engine: LLMEngine) -> set[str]:
+    """What the engine's prefix cache can match now: its hash -> block table."""
+    return {to_hex(h) for h in engine.block_manager._cached}
+
+
+def step_and_sync(engine: LLMEngine, held: HeldBlocks) -> None:
+    engine.step()
+    held.sync()
+    assert held.publisher.flush(timeout=10)
+
+
+def test_the_set_follows_the_cache_through_evictions(parts: tuple[LLMEngine, HeldBlocks, Settings]) -> None:
+    engine, held, settings = parts
+    held.sync()  # the first sync creates the set, empty but live
+    assert held.publisher.flush(timeout=10)
+    assert in_redis(settings) == {LIVE}
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(3, 200) for _ in range(12)] for _ in range(4)]
+    evicted = 0
+    for i in range(24):  # 24 requests of ~4-6 blocks each through a 24-block pool: most blocks are reused
+        prompt = rng.choice(prefixes) + [rng.randrange(3, 200) for _ in range(rng.randrange(1, 12))]
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=3, ignore_eos=True))
+        if i % 3 == 2:
+            while engine.has_unfinished():
+                before = cached(engine)
+                step_and_sync(engine, held)
+                evicted += len(before - cached(engine))
+                assert in_redis(settings) == cached(engine) | {LIVE}
+    assert evicted > 10  # the pool was small enough to evict, many times
+    assert held.rewrites == 1  # the first sync only: every other change went as a delta
+
+
+def test_the_engine_and_the_api_name_blocks_alike(parts: tuple[LLMEngine, HeldBlocks, Settings]) -> None:
+    engine, held, settings = parts
+    prompt = list(range(10, 23))  # 3 full blocks and one token
+    engine.add_request("r", prompt, SamplingParams(max_new_tokens=1), tenant="acme")
+    while engine.has_unfinished():
+        step_and_sync(engine, held)
+    expected = {to_hex(h) for h in chain(prompt, BLOCK, tenant="acme")}
+    assert len(expected) == 3 and expected <= in_redis(settings)
+
+
+def test_a_set_gone_missing_is_written_whole_after_the_next_heartbeat(
+    parts: tuple[LLMEngine, HeldBlocks, Settings],
+) -> None:
+    engine, held, settings = parts
+    engine.add_request("a", list(range(10, 30)), SamplingParams(max_new_tokens=2))
+    while engine.has_unfinished():
+        step_and_sync(engine, held)
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    key = Keys.for_prefix(settings.key_prefix).held(MODEL, "w")
+    client.delete(key)  # as when it expired during an outage, or a recovery took this worker for dead
+    engine.add_request("b", list(range(50, 62)), SamplingParams(max_new_tokens=2))
+    step_and_sync(engine, held)
+    assert LIVE not in in_redis(settings)  # a delta alone: part of the cache, not live
+    beat = Heartbeat(settings, client, "w", lambda: _heartbeat(engine), threading.Event(), held)
+    beat.beat()
+    assert 0 < client.ttl(key) <= settings.heartbeat_ttl_s
+    held.sync()
+    assert held.publisher.flush(timeout=10)
+    assert in_redis(settings) == cached(engine) | {LIVE}
+    while engine.has_unfinished():
+        step_and_sync(engine, held)
+    client.close()
+
+
+def test_drain_removes_the_set_and_nothing_writes_it_again(parts: tuple[LLMEngine, HeldBlocks, Settings]) -> None:
+    engine, held, settings = parts
+    engine.add_request("a", list(range(10, 30)), SamplingParams(max_new_tokens=4))
+    step_and_sync(engine, held)
+    assert LIVE in in_redis(settings)
+    held.draining.set()
+    while engine.has_unfinished():  # still running what it has, caching its blocks
+        step_and_sync(engine, held)
+    assert in_redis(settings) == set()
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    beat = Heartbeat(settings, client, "w", lambda: _heartbeat(engine), threading.Event(), held)
+    beat.beat()
+    held.sync()
+    assert held.publisher.flush(timeout=10)
+    assert in_redis(settings) == set()
+    client.close()
+
+
+def _heartbeat(engine: LLMEngine) -> object:
+    from shared.schemas import WorkerHeartbeat
+
+    return WorkerHeartbeat(
+        name="w", model=MODEL, device="cpu", dtype="float64", threads=1, max_num_seqs=engine.max_num_seqs,
+        num_kv_blocks=engine.num_total_blocks, running=0, waiting=0, free_kv_blocks=engine.num_free_blocks,
+        engine_steps=0, preemptions=0, started_at=0.0, draining=False,
+    )  # fmt: skip

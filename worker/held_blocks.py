@@ -1,0 +1,124 @@
+"""The worker's advertisement of its prefix cache: ``Keys.held(model, worker)``, a SET of the block
+hashes its engine holds (``shared.prefix_hash``, hex) plus ``shared.affinity.LIVE``, which the API
+reads to offer a request to the worker holding its longest prefix (``shared.affinity``).
+
+After each step the engine loop takes what the engine cached and evicted (``prefix_cache_changes``)
+and hands it to the publisher, which sends it in the step's round trip (SADD, SREM, EXPIRE). The
+heartbeat refreshes the TTL and checks ``LIVE``: a set that is gone or lacks it (it expired during an
+outage, or another worker's recovery took this one for dead) is written again whole at the next
+step. On drain the set is deleted first thing (this worker's offers become stealable at once, and no
+new ones come), and nothing is written after."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+
+from shared.affinity import LIVE
+from shared.keys import Keys
+from shared.prefix_hash import to_hex
+from shared.settings import Settings
+from worker.engine_port import Engine
+from worker.publisher import Publisher
+
+# Members per SADD: a whole cache (tens of thousands of blocks) goes in several commands.
+MEMBERS_PER_COMMAND = 4096
+
+
+class HeldBlocks:
+    def __init__(
+        self,
+        settings: Settings,
+        connection: redis.Redis,
+        publisher: Publisher,
+        engine: Engine,
+        *,
+        name: str,
+        model: str,
+        draining: threading.Event,
+    ) -> None:
+        self.redis = connection
+        self.publisher = publisher
+        self.engine = engine
+        self.key = Keys.for_prefix(settings.key_prefix).held(model, name)
+        self.ttl = max(1, math.ceil(settings.heartbeat_ttl_s))
+        self.draining = draining
+        self._rewrite = threading.Event()  # set by the heartbeat; the engine loop writes the whole set
+        self._rewrite.set()  # the first write creates it
+        self._withdrawn = False
+        self.rewrites = 0
+
+    # The engine loop ---------------------------------------------------------------------
+    def sync(self) -> None:
+        """Hands the publisher what the engine cached and evicted since the last call."""
+        if self._withdrawn:
+            return
+        if self.draining.is_set():
+            self._withdrawn = True
+            key = self.key
+            self.publisher.mirror(lambda pipe: pipe.delete(key))
+            return
+        full = self._rewrite.is_set()
+        self._rewrite.clear()
+        changes = self.engine.prefix_cache_changes(full)
+        if changes.full:
+            self.rewrites += 1
+            self.publisher.mirror(self._whole([to_hex(h) for h in changes.cached]))
+        elif changes.cached or changes.evicted:
+            self.publisher.mirror(
+                self._delta([to_hex(h) for h in changes.cached], [to_hex(h) for h in changes.evicted])
+            )
+
+    def _whole(self, members: list[str]) -> Any:
+        key, ttl = self.key, self.ttl
+
+        def write(pipe: Any) -> None:
+            pipe.delete(key)
+            pipe.sadd(key, LIVE)
+            for chunk in _chunks(members):
+                pipe.sadd(key, *chunk)
+            pipe.expire(key, ttl)
+
+        return write
+
+    def _delta(self, cached: list[str], evicted: list[str]) -> Any:
+        key, ttl = self.key, self.ttl
+
+        def write(pipe: Any) -> None:
+            for chunk in _chunks(evicted):
+                pipe.srem(key, *chunk)
+            for chunk in _chunks(cached):
+                pipe.sadd(key, *chunk)
+            pipe.expire(key, ttl)  # a set re-created here (it had expired) goes again if never rewritten
+
+        return write
+
+    # The heartbeat -----------------------------------------------------------------------
+    def refresh(self, pipe: Any) -> int:
+        """Adds the TTL refresh to the heartbeat's pipeline; the number of commands it added."""
+        if self.draining.is_set():
+            return 0
+        pipe.sismember(self.key, LIVE)
+        pipe.expire(self.key, self.ttl)
+        return 2
+
+    def refreshed(self, replies: list[Any]) -> None:
+        """The replies of ``refresh``'s commands: a set without ``LIVE`` is written again whole."""
+        if not replies[0]:
+            self._rewrite.set()
+
+    # Stopping ----------------------------------------------------------------------------
+    def remove(self) -> None:
+        try:
+            self.redis.delete(self.key)
+        except redis.RedisError:
+            pass  # it expires after its TTL
+
+
+def _chunks(members: list[str]) -> Iterator[list[str]]:
+    for i in range(0, len(members), MEMBERS_PER_COMMAND):
+        yield members[i : i + MEMBERS_PER_COMMAND]
