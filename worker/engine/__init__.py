@@ -8,6 +8,16 @@ from worker.engine.core.config import EngineConfig
 from worker.engine.core.llm_engine import LLMEngine
 from worker.engine.core.outputs import EngineEvent, EngineStats, RequestOutput
 from worker.engine.llm import LLM
+from worker.engine.model.lora import LoRARequest
 from worker.engine.sampling.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "EngineEvent", "EngineStats", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "EngineConfig",
+    "EngineEvent",
+    "EngineStats",
+    "LLMEngine",
+    "LoRARequest",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -11,6 +11,7 @@ import torch
 from worker.engine.core.config import EngineConfig
 from worker.engine.core.llm_engine import LLMEngine
 from worker.engine.core.outputs import RequestOutput
+from worker.engine.model.lora import LoRARequest
 from worker.engine.model.model_loader import Resolve
 from worker.engine.sampling.sampling_params import SamplingParams
 
@@ -78,19 +79,28 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         priorities: Sequence[int] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """``lora_request``: the LoRA adapter every prompt runs with, or one (or None: the base model) per prompt;
+        the engine must be built with ``max_loras`` > 0."""
         batch = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(batch)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(batch)
         if len(params) != len(batch) or (priorities is not None and len(priorities) != len(batch)):
             raise ValueError("params and priorities must match the number of prompts")
+        if len(lora_request) != len(batch):
+            raise ValueError("lora_request must match the number of prompts")
         outputs: dict[str, RequestOutput] = {}
         order: list[str] = []
         for i, prompt in enumerate(batch):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             request_id = str(self._next_id)
             self._next_id += 1
-            self.engine.add_request(request_id, ids, params[i], priority=priorities[i] if priorities else 0)
+            self.engine.add_request(
+                request_id, ids, params[i], priority=priorities[i] if priorities else 0, lora=lora_request[i]
+            )
             wants_logprobs = params[i].logprobs is not None
             outputs[request_id] = RequestOutput(
                 request_id,

@@ -51,6 +51,10 @@ class EngineConfig:
     cpu_threads: int | None = None
     cpu_share: float = 1.0  # with cpu_threads=0: this engine's share of those CPUs (engines sharing a host)
 
+    # LoRA adapters held at once (least recently used dropped beyond, never one a request in the engine uses);
+    # 0: the engine serves no adapters and its forward is the base model's alone (worker/engine/model/lora.py).
+    max_loras: int = 0
+
     @property
     def name(self) -> str:
         return self.served_model_name or self.model

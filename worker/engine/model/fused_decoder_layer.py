@@ -146,7 +146,8 @@ class FusedDecoderLayer:
         **kwargs: Any,
     ) -> torch.Tensor:
         meta = kwargs.get("inflightq_meta")
-        if meta is None or position_embeddings is None or hidden_states.dtype != self.dtype:
+        # A step with adapter rows runs the layer's own code, whose projections add the deltas (lora.py).
+        if meta is None or position_embeddings is None or hidden_states.dtype != self.dtype or meta.lora is not None:
             return self.module_forward(
                 hidden_states,
                 attention_mask=attention_mask,

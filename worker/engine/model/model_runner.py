@@ -29,6 +29,7 @@ from worker.engine.model.fast_linear import (
 from worker.engine.model.fused_decoder_layer import fuse_decoder_layers
 from worker.engine.model.fused_norms import fuse_rms_norms
 from worker.engine.model.fused_projections import fuse_sibling_projections
+from worker.engine.model.lora import AdapterSet, LoraStep
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,9 @@ class ModelRunner:
             self._reroute_eager(model, config, prepack_weights=prepack_weights, fuse_projections=fuse_projections)
             self.decode_forward = DecodeForward.build(model)
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
+        # After the reroutes: the LoRA forwards wrap the rerouted linears (a step without adapters never calls them
+        # on the fused paths).
+        self.adapters = AdapterSet(model, config.max_loras) if config.max_loras > 0 else None
         self.warmup_s = self.compiled.warmup(self._warmup_step) if self.compiled is not None else 0.0
         if graphs is not None:
             assert config.max_model_len is not None  # the engine sets it before building the runner
@@ -151,7 +155,9 @@ class ModelRunner:
         the sequences flagged in ``sample`` (in their order), at their last position only. With
         ``interrupt``, each layer may raise ``StepInterrupted`` (a decode step replayed from a CUDA graph
         or run as one op of all layers cannot stop: it is the shortest kind of step anyway)."""
-        graphs = self.decode_graphs
+        # A step with adapter rows runs transformers' forward, whose LoRA linears add each row's delta (lora.py).
+        adapters = self.adapters is not None and self.adapters.begin_step(seqs)
+        graphs = None if adapters else self.decode_graphs
         if graphs is not None and graphs.fits(len(seqs)) and all(n == 1 for n in num_new_tokens):
             logits = graphs.run(seqs)
             return logits if all(sample) else logits[[i for i, s in enumerate(sample) if s]]
@@ -160,14 +166,16 @@ class ModelRunner:
             [seqs[i] for i in order], [num_new_tokens[i] for i in order]
         )
         meta.interrupt = interrupt
+        if adapters:
+            meta.lora = self._lora_step([seqs[i] for i in order], last_rows)
         row_of = dict(zip(order, last_rows, strict=True))
         keep = torch.tensor([row_of[i] for i in range(len(seqs)) if sample[i]], dtype=torch.long, device=self.device)
-        if self.compiled is not None:
+        if self.compiled is not None and meta.lora is None:
             with step_metadata(meta):
                 hidden = self.compiled(input_ids, positions)
             if hidden is not None:
                 return self.model.get_output_embeddings()(hidden[keep])
-        if self.decode_forward is not None:
+        if self.decode_forward is not None and meta.lora is None:
             logits = self.decode_forward(meta, input_ids, positions, keep)
             if logits is not None:
                 return logits
@@ -179,6 +187,18 @@ class ModelRunner:
             inflightq_meta=meta,
         )
         return out.logits[0]
+
+    def _lora_step(self, seqs: list[Sequence], last_rows: list[int]) -> LoraStep:
+        """The step's rows grouped by adapter (``seqs`` in row order, each ending at its ``last_rows``), made the
+        one the LoRA linears read."""
+        assert self.adapters is not None
+        entries: list[tuple[int, int, str | None]] = []
+        first = 0
+        for seq, last in zip(seqs, last_rows, strict=True):
+            entries.append((first, last + 1 - first, seq.adapter))
+            first = last + 1
+        self.adapters.step = step = self.adapters.step_for(entries)
+        return step
 
     @torch.inference_mode()
     def _warmup_step(self, num_tokens: int) -> None:

@@ -7,7 +7,7 @@ multi-token entries (prefill chunks), each sequence's tokens contiguous.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -41,6 +41,7 @@ class AttentionMetadata:
     max_query_len: int = 0
     max_context_len: int = 0
     interrupt: StepInterrupt | None = None  # the engine's; None: the step always runs to its end
+    lora: Any = None  # the step's ``lora.LoraStep`` when some row runs an adapter: fused paths then step aside
 
     def stop_if_interrupted(self, layer: int) -> None:
         """Every layer, before its attention: raises ``StepInterrupted`` when an urgent arrival asked

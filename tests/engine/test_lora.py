@@ -1,0 +1,141 @@
+"""LoRA adapters: greedy output with an adapter equals PEFT's model ``generate`` token for token
+(float64), with several adapters and the base model mixed in one batch, through prefill chunks and
+decodes alike; the prefix cache never shares blocks across adapters; the adapters held stay bounded.
+The adapters are made with ``peft`` at test time (random A and B)."""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.engine.conftest import reference
+from worker.engine import LLM, LoRARequest, SamplingParams
+from worker.engine.model.lora import AdapterError
+
+MAX_NEW = 10
+
+# name -> (rank, alpha, targets, rslora): every projection, attention only with rsLoRA, the MLP and o_proj.
+ADAPTERS: dict[str, tuple[int, int, list[str], bool]] = {
+    "all": (4, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False),
+    "attn": (8, 16, ["q_proj", "k_proj", "v_proj"], True),
+    "mlp": (2, 4, ["o_proj", "gate_proj", "up_proj", "down_proj"], False),
+}
+
+
+def make_adapter(base: Any, target: Path, seed: int, rank: int, alpha: int, modules: list[str], rslora: bool) -> Path:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=modules, use_rslora=rslora, init_lora_weights=False, lora_dropout=0.0
+    )
+    # init_lora_weights=False: B random too (PEFT's default zeroes it), so each adapter changes the output.
+    get_peft_model(copy.deepcopy(base), config).save_pretrained(target)
+    return target
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_ref: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoRARequest]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: LoRARequest(name, str(make_adapter(tiny_ref, root / name, seed, *spec)))
+        for seed, (name, spec) in enumerate(ADAPTERS.items())
+    }
+
+
+@pytest.fixture(scope="module")
+def peft_references(tiny_ref: Any, adapters: dict[str, LoRARequest]) -> Any:
+    """``refs(adapter name or None, prompt)``: PEFT's model's greedy ``generate`` (the base model's for None)."""
+    from peft import PeftModel
+
+    models = {name: PeftModel.from_pretrained(copy.deepcopy(tiny_ref), r.path).eval() for name, r in adapters.items()}
+    cache: dict[tuple[str | None, tuple[int, ...]], list[int]] = {}
+
+    def refs(name: str | None, prompt: list[int]) -> list[int]:
+        key = (name, tuple(prompt))
+        if key not in cache:
+            cache[key] = reference(models[name] if name else tiny_ref, prompt, MAX_NEW)
+        return cache[key]
+
+    return refs
+
+
+def prompts(n: int, seed: int, low: int = 2, high: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 40_000) for _ in range(rng.randrange(low, high))] for _ in range(n)]
+
+
+def make_llm(make_engine: Any, **kwargs: Any) -> LLM:
+    kwargs.setdefault("max_loras", 4)
+    llm = LLM.__new__(LLM)
+    llm.engine, llm._next_id = make_engine(**kwargs), 0
+    return llm
+
+
+def check_mixed(llm: LLM, batch: list[list[int]], names: list[str | None], adapters: Any, refs: Any) -> None:
+    requests = [adapters[n] if n else None for n in names]
+    outs = llm.generate(batch, SamplingParams(max_new_tokens=MAX_NEW), lora_request=requests)
+    for prompt, name, out in zip(batch, names, outs, strict=True):
+        assert out.token_ids == refs(name, prompt), f"adapter {name} diverged from PEFT on {len(prompt)} tokens"
+
+
+def test_adapters_and_base_mixed_in_one_batch_match_peft(make_engine: Any, adapters: Any, peft_references: Any) -> None:
+    llm = make_llm(make_engine, max_num_batched_tokens=4096)
+    batch = prompts(16, seed=11)
+    names: list[str | None] = [[None, "all", "attn", "mlp"][i % 4] for i in range(len(batch))]
+    check_mixed(llm, batch, names, adapters, peft_references)
+    assert llm.engine.stats.steps <= MAX_NEW + 1  # all prefilled in one step, then decoded together
+    # Each adapter changes what the model says: the comparison above is not the base model's against itself.
+    for name in ("all", "attn", "mlp"):
+        assert any(peft_references(name, p) != peft_references(None, p) for p in batch)
+
+
+def test_prefill_chunks_beside_decodes_of_other_adapters_match_peft(
+    make_engine: Any, adapters: Any, peft_references: Any
+) -> None:
+    llm = make_llm(make_engine, max_num_batched_tokens=9)  # prompts split into chunks, decodes of others beside
+    batch = prompts(8, seed=12, low=12)
+    names: list[str | None] = [["all", None, "mlp", "attn"][i % 4] for i in range(len(batch))]
+    check_mixed(llm, batch, names, adapters, peft_references)
+
+
+def test_the_prefix_cache_keeps_adapters_apart(make_engine: Any, adapters: Any, peft_references: Any) -> None:
+    llm = make_llm(make_engine, block_size=4)
+    prompt = prompts(1, seed=13, low=30, high=31)[0]
+    for name in (None, "all", "attn", None, "all"):
+        check_mixed(llm, [prompt], [name], adapters, peft_references)
+    # The second base and "all" runs reuse their own first run's full blocks (tokens counted); no run found
+    # another adapter's.
+    assert llm.engine.stats.prefix_cache_hits == 2 * ((len(prompt) - 1) // 4 * 4)
+
+
+def test_held_adapters_are_bounded_least_recently_used_first(
+    make_engine: Any, adapters: Any, peft_references: Any
+) -> None:
+    llm = make_llm(make_engine, max_loras=2)
+    held = llm.engine.adapters
+    assert held is not None
+    batch = prompts(3, seed=14)
+    for name in ("all", "attn", "mlp", "all"):
+        check_mixed(llm, batch, [name] * 3, adapters, peft_references)
+        assert len(held) <= 2
+    assert held.loaded() == ["mlp", "all"]
+    assert (held.loads, held.evictions) == (4, 2)
+    # A batch using more adapters than the bound holds them all while it runs, then drops back to the bound.
+    check_mixed(llm, batch, ["all", "attn", "mlp"], adapters, peft_references)
+    assert len(held) == 2
+
+
+def test_an_adapter_the_engine_cannot_serve_is_refused(make_engine: Any, tmp_path: Path) -> None:
+    llm = make_llm(make_engine)
+    with pytest.raises(AdapterError, match="adapter_config.json"):
+        llm.generate([[5, 6, 7]], lora_request=LoRARequest("missing", str(tmp_path)))
+    base_only = make_llm(make_engine, max_loras=0)
+    with pytest.raises(ValueError, match="serves none"):
+        base_only.generate([[5, 6, 7]], lora_request=LoRARequest("missing", str(tmp_path)))
+    assert not llm.engine.has_unfinished()

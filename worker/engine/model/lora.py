@@ -1,0 +1,354 @@
+"""LoRA adapters in PEFT's format, several of them and the base model mixed in one batch.
+
+An adapter is a directory holding ``adapter_config.json`` and ``adapter_model.safetensors``, as
+PEFT's ``save_pretrained`` writes it. For each linear layer it targets it holds ``A`` [r, in] and
+``B`` [out, r], and the layer's output becomes ``y + scale * B(A x)`` (PEFT's order of operations,
+so float64 results match PEFT's model).
+
+A step may hold rows of several adapters and rows of none. ``LoraStep`` groups them: the decode
+rows (one per sequence) in one grouped op per layer, ``((x @ A_cat.T) * mask) @ B_cat.T``, where
+``A_cat`` / ``B_cat`` concatenate the step's adapters along the rank and the mask keeps each row's
+own adapter's columns (zeros elsewhere add nothing, so a row without an adapter keeps the base
+output exactly); each prefill chunk, many rows of one adapter, with its own A and B.
+
+Where it hooks in: every linear layer inside the decoder's layers gets a ``LoraLinear`` forward
+(only when the engine serves adapters, ``EngineConfig.max_loras``) that adds the step's delta
+when the step has adapter rows and is the old forward otherwise. A step with adapter rows takes
+transformers' layer forward (the fused decoder layers and the one-op decode step check
+``meta.lora``), which calls those forwards; a step without keeps every fast path untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+MAX_COMBINATIONS = 8  # concatenated weights kept for this many distinct sets of a step's adapters
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter a request runs with: its ``name`` (what requests call it) and the directory it loads from."""
+
+    name: str
+    path: str
+
+    @property
+    def key(self) -> str:
+        """Names the adapter's weights: the prefix cache keeps blocks of different keys apart."""
+        return f"{self.name}@{self.path}"
+
+
+@dataclass
+class LoraWeights:
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [out, r]
+    scale: float
+
+
+@dataclass
+class Adapter:
+    request: LoRARequest
+    layers: dict[str, LoraWeights]  # module name (``model.layers.0.self_attn.q_proj``) -> its weights
+    pins: int = 0  # sequences in the engine using it; a pinned adapter is never evicted
+
+    @property
+    def key(self) -> str:
+        return self.request.key
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served: missing files, a format or a feature this engine does not run."""
+
+
+def _pattern_value(patterns: dict[str, Any], name: str, default: Any) -> Any:
+    # PEFT's rule: a pattern key matches a module whose name ends with it (after a dot or in full).
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?{key}$", name):
+            return value
+    return default
+
+
+def read_adapter(path: str | Path, targets: dict[str, nn.Linear]) -> tuple[dict[str, Any], dict[str, LoraWeights]]:
+    """The adapter's config and its weights per module (on the CPU, as stored), checked against ``targets``
+    (the model's linears that may carry an adapter, by name)."""
+    from safetensors.torch import load_file
+
+    directory = Path(path).expanduser()
+    config_file, weights_file = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    if not config_file.is_file() or not weights_file.is_file():
+        raise AdapterError(f"{directory} does not hold {CONFIG_FILE} and {WEIGHTS_FILE}")
+    config = json.loads(config_file.read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{directory}: peft_type {config.get('peft_type')!r} (only LORA is served)")
+    unsupported = {
+        "use_dora": bool(config.get("use_dora")),
+        "modules_to_save": bool(config.get("modules_to_save")),
+        "bias": config.get("bias", "none") != "none",
+        "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
+    }
+    if any(unsupported.values()):
+        raise AdapterError(f"{directory}: {', '.join(k for k, v in unsupported.items() if v)} not supported")
+    alpha, rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora"))
+    alpha_pattern = config.get("alpha_pattern") or {}
+    tensors = load_file(str(weights_file))
+    layers: dict[str, LoraWeights] = {}
+    for key, a in tensors.items():
+        if not key.endswith(".lora_A.weight"):
+            if not key.endswith(".lora_B.weight"):
+                raise AdapterError(f"{directory}: unexpected tensor {key} (only LoRA A/B weights are served)")
+            continue
+        name = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
+        b = tensors.get(key.replace(".lora_A.", ".lora_B."))
+        linear = targets.get(name)
+        if linear is None:
+            raise AdapterError(f"{directory}: targets {name}, not a linear layer of the model's decoder layers")
+        if b is None or a.dim() != 2 or b.shape != (linear.out_features, a.shape[0]):
+            raise AdapterError(f"{directory}: {name}'s A/B shapes do not fit its layer")
+        if a.shape[1] != linear.in_features:
+            raise AdapterError(f"{directory}: {name}'s A/B shapes do not fit its layer")
+        rank = a.shape[0]
+        module_alpha = float(_pattern_value(alpha_pattern, name, alpha))
+        scale = module_alpha / (rank**0.5 if rslora else rank)
+        layers[name] = LoraWeights(a, b, scale)
+    if not layers:
+        raise AdapterError(f"{directory}: no LoRA weights")
+    return config, layers
+
+
+class LoraStep:
+    """One step's rows grouped by adapter: ``entries`` is the runner's row layout, each entry
+    (first row, rows, adapter or None) in the flattened batch's order."""
+
+    def __init__(self, entries: Sequence[tuple[int, int, Adapter | None]], combination: Callable[..., Any]) -> None:
+        self.num_rows = sum(n for _, n, _ in entries)
+        # Single-row entries (decodes) go through the grouped op; longer ones (prefill chunks) one by one.
+        singles = [(row, adapter) for row, n, adapter in entries if n == 1 and adapter is not None]
+        self.chunks = [(row, row + n, adapter) for row, n, adapter in entries if n > 1 and adapter is not None]
+        self.group: tuple[torch.Tensor, list[Adapter]] | None = None
+        self._combination = combination
+        self._masks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if singles:
+            adapters = list({a.key: a for _, a in singles}.values())
+            rows = torch.tensor([row for row, _ in singles], dtype=torch.long)
+            self.group = (rows, adapters)
+            self._slot = {a.key: i for i, a in enumerate(adapters)}
+            self._single_adapters = [a for _, a in singles]
+
+    def __call__(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` (the base layer's output for ``x``) with the adapters' deltas of layer ``name`` added."""
+        if self.group is None and not any(name in a.layers for _, _, a in self.chunks):
+            return y
+        x2, out = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]).clone()
+        for lo, hi, adapter in self.chunks:
+            weights = adapter.layers.get(name)
+            if weights is not None:
+                out[lo:hi] += (x2[lo:hi] @ weights.a.T) @ weights.b.T * weights.scale
+        if self.group is not None:
+            rows, adapters = self.group
+            combined = self._combination(name, adapters)
+            if combined is not None:
+                a_cat, b_cat, bounds, scales = combined
+                mask, row_scale = self._mask(name, bounds, scales, x2.dtype, x2.device)
+                rows = rows.to(x2.device)
+                out[rows] += ((x2[rows] @ a_cat.T) * mask) @ b_cat.T * row_scale
+        return out.view(y.shape)
+
+    def _mask(
+        self, name: str, bounds: list[tuple[int, int]], scales: list[float], dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per single row: 1 on its adapter's rank columns (0 elsewhere), and its adapter's scale for ``name``."""
+        cache_key = f"{bounds}{scales}"
+        cached = self._masks.get(cache_key)
+        if cached is not None:
+            return cached
+        width = bounds[-1][1]
+        mask = torch.zeros(len(self._single_adapters), width, dtype=dtype)
+        row_scale = torch.zeros(len(self._single_adapters), 1, dtype=dtype)
+        for i, adapter in enumerate(self._single_adapters):
+            slot = self._slot[adapter.key]
+            lo, hi = bounds[slot]
+            mask[i, lo:hi] = 1
+            row_scale[i, 0] = scales[slot]
+        self._masks[cache_key] = cached = (mask.to(device), row_scale.to(device))
+        return cached
+
+
+@dataclass
+class _Combination:
+    """A set of adapters' weights of one layer, concatenated along the rank (absent ones take no columns)."""
+
+    a_cat: torch.Tensor
+    b_cat: torch.Tensor
+    bounds: list[tuple[int, int]] = field(default_factory=list)
+    scales: list[float] = field(default_factory=list)
+
+
+class AdapterSet:
+    """The adapters an engine holds, at most ``max_loaded`` of them unless more are pinned (LRU
+    beyond), in the model's dtype and on its device, and the ``LoraLinear`` forwards reading the
+    step in progress."""
+
+    def __init__(self, model: nn.Module, max_loaded: int) -> None:
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.max_loaded = max_loaded
+        self.targets = lora_targets(model)
+        self._adapters: OrderedDict[str, Adapter] = OrderedDict()  # by key, least recently used first
+        self._combinations: OrderedDict[tuple[str, ...], dict[str, _Combination | None]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.step: LoraStep | None = None  # set by the runner around a forward with adapter rows
+        self.loads = 0
+        self.evictions = 0
+        for name, linear in self.targets.items():
+            forward = linear.__dict__.get("forward")
+            if isinstance(forward, LoraLinear):
+                forward.adapters = self  # a second engine over the same model object takes the forwards over
+            else:
+                linear.forward = LoraLinear(self, name, linear.forward)  # type: ignore[method-assign]
+
+    def __len__(self) -> int:
+        return len(self._adapters)
+
+    def loaded(self) -> list[str]:
+        """Names of the adapters held, least recently used first."""
+        with self._lock:
+            return [a.request.name for a in self._adapters.values()]
+
+    def acquire(self, request: LoRARequest) -> Adapter:
+        """The adapter of ``request``, pinned (``release`` unpins it); loaded from disk if not held, without
+        holding the set's lock (a step never waits on a load)."""
+        with self._lock:
+            adapter = self._adapters.get(request.key)
+            if adapter is not None:
+                adapter.pins += 1
+                self._adapters.move_to_end(request.key)
+                return adapter
+        _, raw = read_adapter(request.path, self.targets)
+        layers = {
+            name: LoraWeights(
+                w.a.to(self.device, self.dtype).contiguous(), w.b.to(self.device, self.dtype).contiguous(), w.scale
+            )
+            for name, w in raw.items()
+        }
+        with self._lock:
+            adapter = self._adapters.get(request.key)  # another thread may have loaded it meanwhile
+            if adapter is None:
+                adapter = self._adapters[request.key] = Adapter(request, layers)
+                self.loads += 1
+            adapter.pins += 1
+            self._adapters.move_to_end(request.key)
+            self._evict()
+            return adapter
+
+    def release(self, adapter: Adapter) -> None:
+        with self._lock:
+            adapter.pins -= 1
+            self._evict()
+
+    def get(self, key: str) -> Adapter | None:
+        with self._lock:
+            return self._adapters.get(key)
+
+    def _evict(self) -> None:
+        """With the lock held: drop least recently used unpinned adapters past ``max_loaded``."""
+        for key in list(self._adapters):
+            if len(self._adapters) <= self.max_loaded:
+                return
+            if self._adapters[key].pins <= 0:
+                del self._adapters[key]
+                self.evictions += 1
+                for combo in [c for c in self._combinations if key in c]:
+                    del self._combinations[combo]
+
+    def begin_step(self, seqs: Sequence[Any]) -> bool:
+        """Clears the last step's rows; whether any of ``seqs`` (the engine's sequences) runs an adapter."""
+        self.step = None
+        return any(s.adapter is not None for s in seqs)
+
+    def step_for(self, entries: Sequence[tuple[int, int, str | None]]) -> LoraStep | None:
+        """The step's LoRA rows (entries: first row, rows, adapter key or None), or None where it has none."""
+        if all(key is None for _, _, key in entries):
+            return None
+        with self._lock:
+            grouped = [(row, n, self._adapters[key] if key is not None else None) for row, n, key in entries]
+        return LoraStep(grouped, self._combination)
+
+    def _combination(self, name: str, adapters: list[Adapter]) -> tuple[Any, ...] | None:
+        combo = tuple(a.key for a in adapters)
+        with self._lock:
+            layers = self._combinations.get(combo)
+            if layers is None:
+                layers = self._combinations[combo] = {}
+                while len(self._combinations) > MAX_COMBINATIONS:
+                    self._combinations.popitem(last=False)
+            else:
+                self._combinations.move_to_end(combo)
+        if name not in layers:
+            layers[name] = _concatenate(name, adapters)
+        found = layers[name]
+        return None if found is None else (found.a_cat, found.b_cat, found.bounds, found.scales)
+
+
+def _concatenate(name: str, adapters: list[Adapter]) -> _Combination | None:
+    present = [a.layers.get(name) for a in adapters]
+    if all(w is None for w in present):
+        return None
+    a_parts, b_parts, bounds, scales = [], [], [], []
+    start = 0
+    for weights in present:
+        rank = weights.a.shape[0] if weights is not None else 0
+        if weights is not None:
+            a_parts.append(weights.a)
+            b_parts.append(weights.b)
+        bounds.append((start, start + rank))
+        scales.append(weights.scale if weights is not None else 0.0)
+        start += rank
+    return _Combination(torch.cat(a_parts).contiguous(), torch.cat(b_parts, dim=1).contiguous(), bounds, scales)
+
+
+class LoraLinear:
+    """A linear layer's forward: its old forward, plus the step's adapter deltas where the step has adapter rows."""
+
+    def __init__(self, adapters: AdapterSet, name: str, base: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.adapters, self.name, self.base = adapters, name, base
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        step = self.adapters.step
+        return y if step is None else step(self.name, x, y)
+
+    def __getattr__(self, name: str) -> Any:
+        # The rerouted pieces' attributes (a fused sibling's ``group``) stay readable through the wrapper.
+        base = self.__dict__.get("base")
+        if base is None:
+            raise AttributeError(name)
+        return getattr(base, name)
+
+
+def lora_targets(model: nn.Module) -> dict[str, nn.Linear]:
+    """The linear layers an adapter may target: those inside the decoder's layers, by their module names."""
+    layers = model.get_decoder().layers if hasattr(model, "get_decoder") else None
+    if layers is None:
+        raise AdapterError("the model has no decoder layers LoRA can target")
+    layer_ids = {id(layer) for layer in layers}
+    prefix_of = {id(m): name for name, m in model.named_modules() if id(m) in layer_ids}
+    targets: dict[str, nn.Linear] = {}
+    for layer in layers:
+        prefix = prefix_of[id(layer)]
+        for name, module in layer.named_modules():
+            if isinstance(module, nn.Linear):
+                targets[f"{prefix}.{name}"] = module
+    return targets
