@@ -81,8 +81,9 @@ def chat_body(model: str, sample: ChatSample) -> dict[str, Any]:
 
 
 def chat_sender(http: httpx.AsyncClient, headers: dict[str, str], model: str, priority: int | None = None) -> Sender:
-    async def send(sample: ChatSample) -> RequestResult:
-        result = RequestResult(sample.prompt_len, sample.output_len)
+    async def send(sample: ChatSample, result: RequestResult | None = None) -> RequestResult:
+        # ``result``: the caller's record, which keeps the tokens that came when the caller cancels the request.
+        result = RequestResult(sample.prompt_len, sample.output_len) if result is None else result
         body = chat_body(model, sample)
         if priority is not None:
             body["priority"] = priority

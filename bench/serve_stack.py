@@ -44,6 +44,7 @@ class Stack:
     # Where the children run: ``python -m`` imports from its working directory first, so another
     # checkout (a worktree of an older commit) runs that code under this harness. None: here.
     cwd: Path | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)  # more INFLIGHTQ_* settings for every child
 
     @property
     def base_url(self) -> str:
@@ -53,6 +54,7 @@ class Stack:
         s = self.settings
         env = {
             "INFLIGHTQ_REDIS_URL": s.redis_url,
+            "INFLIGHTQ_REDIS_CLUSTER": "true" if s.redis_cluster else "false",
             "INFLIGHTQ_KEY_PREFIX": s.key_prefix,
             "INFLIGHTQ_MODEL": s.model,
             "INFLIGHTQ_DTYPE": s.dtype,
@@ -65,7 +67,7 @@ class Stack:
         }
         if s.num_kv_blocks is not None:
             env["INFLIGHTQ_NUM_KV_BLOCKS"] = str(s.num_kv_blocks)
-        return {**os.environ, **env}
+        return {**os.environ, **env, **self.extra_env}
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = (self.logs / f"{name}.log").open("wb")

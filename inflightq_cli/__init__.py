@@ -410,6 +410,8 @@ BENCHMARKS = {
     "offline engine and transformers' continuous batching on the same prompts.",
     "priority": "Urgent requests while background work saturates the pool: TTFT vs the idle stack, FCFS and "
     "transformers' continuous batching, same run.",
+    "fairness": "A tenant flooding the pool beside a light one, and weights 3:1: the light tenant's TTFT vs the "
+    "idle stack and throughput vs FCFS, same run, on one and two workers and a Redis Cluster.",
     "streams": "What idle-waiting streams cost one API process: Redis connections, RSS and CPU at 100 / 1,000 / "
     "10,000 open streams, on Redis and on a private Redis Cluster.",
 }
