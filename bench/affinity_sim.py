@@ -1,0 +1,466 @@
+"""A simulation of the pool, to project ``inflightq bench affinity`` past the workers one box can run.
+
+Each worker is an engine of ``max_num_seqs`` slots stepping its batch: a step prefills up to
+``max_num_batched_tokens`` prompt tokens and decodes one token per decoding sequence, and lasts
+``prefill_s`` x tokens prefilled + ``decode_s`` x tokens decoded, the per-token costs fitted on the
+benchmark's own workers. Its KV cache is an LRU of block hashes (``num_kv_blocks``, the blocks of running
+sequences pinned); a request reuses the longest cached run of its prompt's blocks. Placement:
+
+- plain pull: one FIFO; a worker with a free slot takes the oldest entry (which of several such workers
+  pulls a new entry first is drawn at random: a race between them);
+- affinity: a request goes to the offer lane of the worker whose cache holds the longest prefix of it
+  (ties: the least loaded; no block held anywhere: the shared lane); a worker with a free slot takes the
+  its own offers first, then the oldest of the shared lane and of other workers' offers that have waited
+  past the steal bound (any of them when it runs nothing), as the queue's pull script does for one tenant.
+
+The workloads are the benchmark's, scaled with the pool (conversations, prefixes and clients per
+worker held as measured). Redis is projected apart: commands and Redis CPU per request fitted
+linearly in the worker count from the benchmark's runs, and the summaries' size from the bytes a
+summary member took there.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+MULTI_TURN, SHARED_PREFIX = "multi_turn", "shared_prefix"
+
+
+@dataclass(frozen=True)
+class Costs:
+    prefill_s: float  # per prompt token prefilled
+    decode_s: float  # per token generated
+
+
+@dataclass(frozen=True)
+class Engine:
+    max_num_seqs: int
+    max_batched_tokens: int
+    max_prefill_beside_decodes: int  # 0: up to max_batched_tokens
+    num_kv_blocks: int
+    block_size: int
+
+
+@dataclass
+class Req:
+    client: int  # the conversation, or the closed-loop client
+    blocks: list[tuple[Any, ...]]  # the full blocks' keys of prompt and answer, in order
+    prompt: int
+    answer: int
+    turn: int = 0
+    enqueued: float = 0.0
+    first_token: float = math.nan
+    prefill_left: int = 0
+    decode_left: int = 0
+    hit_blocks: int = 0
+    private: int = 0  # blocks it holds that are not (yet) in the cache
+    pinned: list[tuple[Any, ...]] = field(default_factory=list)
+
+
+class Worker:
+    """An engine: slots, a batch stepped at the fitted per-token costs, and a paged KV cache whose
+    free blocks keep their contents (an LRU of block keys), as the engine's BlockManager does."""
+
+    def __init__(self, index: int, engine: Engine, costs: Costs) -> None:
+        self.index, self.engine, self.costs = index, engine, costs
+        self.cache: OrderedDict[tuple[Any, ...], int] = OrderedDict()  # block key -> pins; LRU first
+        self.pinned = 0  # cache entries with pins
+        self.private = 0  # blocks running requests hold outside the cache
+        self.running: list[Req] = []
+        self.waiting: deque[Req] = deque()  # taken from Redis, waiting for KV blocks
+        self.stepping = False
+        self.queries = self.hits = self.prefilled = self.generated = 0
+
+    @property
+    def load(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def held_prefix(self, blocks: list[tuple[Any, ...]]) -> int:
+        n = 0
+        for b in blocks:
+            if b not in self.cache:
+                break
+            n += 1
+        return n
+
+    def _pin(self, b: tuple[Any, ...]) -> None:
+        pins = self.cache.get(b, 0)
+        self.pinned += pins == 0
+        self.cache[b] = pins + 1
+        self.cache.move_to_end(b)
+
+    def _unpin(self, b: tuple[Any, ...]) -> None:
+        self.cache[b] -= 1
+        self.pinned -= self.cache[b] == 0
+
+    def _evict(self) -> None:
+        excess = len(self.cache) + self.private - self.engine.num_kv_blocks
+        for key in [k for k, pins in self.cache.items() if pins == 0][: max(0, excess)]:
+            del self.cache[key]
+
+    def admit(self, req: Req) -> bool:
+        """Starts ``req`` when its blocks fit beside the pinned and private ones (free cached blocks
+        are reused, least recently used first); a lone request always starts."""
+        bs = self.engine.block_size
+        hit = self.held_prefix(req.blocks[: (req.prompt - 1) // bs])  # one token is always computed
+        need = math.ceil((req.prompt + req.answer) / bs) - hit
+        if self.pinned + self.private + need > self.engine.num_kv_blocks and self.running:
+            return False
+        self.queries += req.prompt
+        self.hits += hit * bs
+        req.hit_blocks, req.private = hit, need
+        req.prefill_left, req.decode_left = req.prompt - hit * bs, req.answer
+        req.pinned = list(req.blocks[:hit])
+        for b in req.pinned:
+            self._pin(b)
+        self.private += need
+        self.running.append(req)
+        self._evict()
+        return True
+
+    def _publish(self, req: Req, upto: int) -> None:
+        """The request's full blocks up to ``upto`` join the cache (pinned while it runs)."""
+        for b in req.blocks[len(req.pinned) : upto]:
+            self._pin(b)
+            req.pinned.append(b)
+            req.private -= 1
+            self.private -= 1
+        self._evict()
+
+    def finish(self, req: Req) -> None:
+        self._publish(req, len(req.blocks))
+        for b in req.pinned:
+            self._unpin(b)
+        self.private -= req.private
+        self.running.remove(req)
+
+    def step(self) -> tuple[float, list[Req], list[Req]]:
+        """One engine step: its duration, the requests whose first token it sampled, those it finished."""
+        decoding = [r for r in self.running if r.prefill_left == 0]
+        cap = self.engine.max_prefill_beside_decodes if decoding else 0
+        budget = min(self.engine.max_batched_tokens - len(decoding), cap or self.engine.max_batched_tokens)
+        prefill, first = 0, []
+        for r in self.running:
+            if r.prefill_left > 0 and budget > 0:
+                n = min(r.prefill_left, budget)
+                r.prefill_left -= n
+                budget -= n
+                prefill += n
+                if r.prefill_left == 0:
+                    first.append(r)  # the step that ends a prompt samples its first token
+                    self._publish(r, r.prompt // self.engine.block_size)
+        for r in decoding + first:
+            r.decode_left -= 1
+        done = [r for r in self.running if r.prefill_left == 0 and r.decode_left <= 0]
+        self.prefilled += prefill
+        sampled = len(decoding) + len(first)
+        self.generated += sampled
+        return prefill * self.costs.prefill_s + sampled * self.costs.decode_s, first, done
+
+
+class Pool:
+    def __init__(self, workers: int, engine: Engine, costs: Costs, affinity: bool, steal_after_s: float) -> None:
+        self.workers = [Worker(i, engine, costs) for i in range(workers)]
+        self.affinity, self.steal_after_s = affinity, steal_after_s
+        self.lane: deque[Req] = deque()
+        self.offers: list[deque[Req]] = [deque() for _ in range(workers)]
+        self.steals = 0
+
+    def enqueue(self, req: Req, now: float) -> None:
+        req.enqueued = now
+        if self.affinity:
+            best, target = 0, None
+            for w in self.workers:
+                held = w.held_prefix(req.blocks)
+                if held > best or (held == best and held and target is not None and w.load < target.load):
+                    best, target = held, w
+            if target is not None:
+                self.offers[target.index].append(req)
+                return
+        self.lane.append(req)
+
+    def pull(self, w: Worker, now: float) -> list[Req]:
+        taken = []
+        while w.load < w.engine.max_num_seqs:
+            # (rank, age, whose): its own offers first, then the oldest of the lane and stealable offers.
+            heads = [(1, self.lane[0].enqueued, -1, self.lane)] if self.lane else []
+            for v, q in enumerate(self.offers):
+                if not q:
+                    continue
+                if v == w.index or not w.load or now - q[0].enqueued >= self.steal_after_s:
+                    heads.append((0 if v == w.index else 1, q[0].enqueued, v, q))
+            if not heads:
+                break
+            _, _, v, q = min(heads, key=lambda h: h[:3])
+            self.steals += v not in (-1, w.index)
+            taken.append(q.popleft())
+        return taken
+
+    @property
+    def queued(self) -> int:
+        return len(self.lane) + sum(len(q) for q in self.offers)
+
+
+def multi_turn_requests(
+    conversations: int, prompt_by_turn: list[int], answer: int, block_size: int
+) -> list[list[tuple[int, list[tuple[Any, ...]]]]]:
+    """Per conversation, per turn: the prompt length and the full blocks of prompt and answer. A turn's
+    prompt is the previous turn's prompt and answer and more, so block i of a conversation has one key
+    in every turn; block 0 is the chat template's default system prompt, the same in every conversation."""
+    return [
+        [(p, [("sys", 0)] + [("c", c, i) for i in range(1, (p + answer) // block_size)]) for p in prompt_by_turn]
+        for c in range(conversations)
+    ]
+
+
+def simulate(
+    kind: str,
+    workers: int,
+    affinity: bool,
+    costs: Costs,
+    engine: Engine,
+    wl: dict[str, Any],
+    steal_after_s: float,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """One simulated run; the figures the benchmark reports for a real one."""
+    rng = random.Random(seed)
+    pool = Pool(workers, engine, costs, affinity, steal_after_s)
+    bs = engine.block_size
+    events: list[tuple[float, int, str, Any]] = []  # (time, seq, kind, payload)
+    seq = 0
+
+    def push(t: float, what: str, payload: Any) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (t, seq, what, payload))
+
+    finished: list[Req] = []
+    if kind == MULTI_TURN:
+        convs = multi_turn_requests(wl["conversations"], wl["prompt_by_turn"], wl["answer_len"], bs)
+        spread = wl.get("start_spread", 0.0)
+        for c, turns in enumerate(convs):
+            p, blocks = turns[0]
+            push(spread * c / len(convs), "submit", Req(c, blocks, p, wl["answer_len"], 0))
+    else:
+        shared, prompt = wl["shared_prefix_tokens"], wl["prompt_tokens"]
+        order = [rng.randrange(wl["prefixes"]) for _ in range(wl["requests"])]
+        counter = iter(range(len(order)))
+
+        def next_request(client: int) -> Req | None:
+            i = next(counter, None)
+            if i is None:
+                return None
+            own = range(shared // bs, (prompt + wl["answer_len"]) // bs)
+            blocks = [("p", order[i], j) for j in range(shared // bs)] + [("u", i, j) for j in own]
+            return Req(client, blocks, prompt, wl["answer_len"])
+
+        for client in range(wl["clients"]):
+            if (r := next_request(client)) is not None:
+                push(0.0, "submit", r)
+
+    def kick(w: Worker, now: float) -> None:
+        for r in pool.pull(w, now):
+            w.waiting.append(r)
+        while w.waiting and w.admit(w.waiting[0]):
+            w.waiting.popleft()
+        if not w.stepping and w.running:
+            w.stepping = True
+            push(now, "step", w.index)
+
+    now = 0.0
+    while events:
+        now, _, what, payload = heapq.heappop(events)
+        if what == "submit":
+            pool.enqueue(payload, now)
+            # Which worker with a free slot pulls first is a race: a random order stands for it.
+            for w in rng.sample(pool.workers, len(pool.workers)):
+                kick(w, now)
+        elif what == "step":
+            w = pool.workers[payload]
+            dt, first, done = w.step()
+            for r in first:
+                r.first_token = now + dt
+            push(now + dt, "stepped", (w.index, done))
+        else:  # stepped
+            index, done = payload
+            w = pool.workers[index]
+            w.stepping = False
+            for r in done:
+                w.finish(r)
+                finished.append(r)
+                if kind == MULTI_TURN and r.turn + 1 < len(wl["prompt_by_turn"]):
+                    p, blocks = convs[r.client][r.turn + 1]
+                    push(now, "submit", Req(r.client, blocks, p, wl["answer_len"], r.turn + 1))
+                elif kind == SHARED_PREFIX and (nxt := next_request(r.client)) is not None:
+                    push(now, "submit", nxt)
+            kick(w, now)
+            if pool.queued:  # a stealable offer may be waiting for an idle worker
+                for v in pool.workers:
+                    if not v.running:
+                        kick(v, now)
+    return summary(pool, finished, now)
+
+
+def summary(pool: Pool, finished: list[Req], duration: float) -> dict[str, Any]:
+    queries = sum(w.queries for w in pool.workers)
+    hits = sum(w.hits for w in pool.workers)
+    ttft = sorted(r.first_token - r.enqueued for r in finished)
+    generated = sum(w.generated for w in pool.workers)
+
+    def pct(p: float) -> float:
+        return round(1000 * ttft[min(len(ttft) - 1, int(p / 100 * len(ttft)))], 1) if ttft else math.nan
+
+    return {
+        "requests": len(finished),
+        "hit_rate": round(hits / queries, 4) if queries else None,
+        "prefilled_tokens": sum(w.prefilled for w in pool.workers),
+        "ttft_ms": {"p50": pct(50), "p99": pct(99)},
+        "output_throughput": round(generated / duration, 2) if duration else math.nan,
+        "steals": pool.steals,
+        "duration_s": round(duration, 2),
+    }
+
+
+def linear_in_workers(points: dict[int, float]) -> tuple[float, float] | None:
+    """(intercept, slope) through the measured (workers, value) points; None with fewer than two."""
+    if len(points) < 2:
+        return None
+    xs, ys = list(points), list(points.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    return my - slope * mx, slope
+
+
+def redis_projection(report: dict[str, Any], sim_workers: list[int]) -> dict[str, Any]:
+    """Redis commands and CPU per request at each worker count (linear fits on the measured affinity
+    runs), the request rate one Redis core then sustains for the model (all its keys share one slot, so
+    one shard's core serves them), and the summaries' size."""
+    out: dict[str, Any] = {}
+    for workload in (MULTI_TURN, SHARED_PREFIX):
+        runs = [r for r in report["runs"] if r["workload"] == workload and r["mode"] == "affinity"]
+        plain = [r for r in report["runs"] if r["workload"] == workload and r["mode"] == "plain"]
+        if not runs:
+            continue
+        cmds = linear_in_workers({r["workers"]: r["redis"]["commands_per_request"] for r in runs})
+        cpu = linear_in_workers({r["workers"]: r["redis"]["cpu_ms_per_request"] for r in runs})
+        summary_bytes = held_member_bytes(runs)
+        rows = []
+        for n in sim_workers:
+            row: dict[str, Any] = {"workers": n}
+            if cmds:
+                row["commands_per_request"] = round(cmds[0] + cmds[1] * n, 1)
+            if cpu:
+                ms = max(1e-6, cpu[0] + cpu[1] * n)
+                row["redis_cpu_ms_per_request"] = round(ms, 3)
+                row["max_requests_per_s_one_redis_core"] = round(1000 / ms)
+            if summary_bytes:
+                row["summaries_mb"] = round(n * report["engine"]["num_kv_blocks"] * summary_bytes / 1e6, 1)
+            rows.append(row)
+        out[workload] = {
+            "fit_commands": cmds,
+            "fit_cpu_ms": cpu,
+            "plain_commands_per_request": {r["workers"]: r["redis"]["commands_per_request"] for r in plain},
+            "bytes_per_summary_member": summary_bytes,
+            "rows": rows,
+        }
+    return out
+
+
+def held_member_bytes(runs: list[dict[str, Any]]) -> float | None:
+    """Bytes a summary member took in Redis: the set-typed keys named for what a worker holds."""
+    total_bytes = total_members = 0.0
+    for r in runs:
+        for kind, row in r["redis"]["keys_after"].items():
+            if "held" in kind and row["set_members"]:
+                total_bytes += row["bytes"]
+                total_members += row["set_members"]
+    return round(total_bytes / total_members, 1) if total_members else None
+
+
+def project(report: dict[str, Any], sim_workers: list[int], seed: int = 0) -> dict[str, Any]:
+    """The simulation at each worker count, both placements, on the benchmark's workloads scaled with the
+    pool; beside it the simulation of the measured worker counts, to compare with the measurements."""
+    c = report.get("costs") or {}
+    if not c:
+        return {"skipped": "no per-token costs were fitted"}
+    costs = Costs(c["prefill_ms_per_token"] / 1000, c["decode_ms_per_token"] / 1000)
+    e = report["engine"]
+    base_workers = c["from_runs_with_workers"]
+    steal = (report.get("steal_after_ms") or 0.0) / 1000
+    out: dict[str, Any] = {"costs": c, "steal_after_s": steal, "workloads": {}}
+    for kind, wl in report["workloads"].items():
+        measured = [r for r in report["runs"] if r["workload"] == kind and r["mode"] == "plain"]
+        if not measured:
+            continue
+        wl = dict(wl)
+        scale_keys = ("conversations",) if kind == MULTI_TURN else ("prefixes", "requests", "clients")
+        if kind == MULTI_TURN:
+            wl["prompt_by_turn"] = [int(v) for v in measured[0]["prompt_tokens_by_turn"].values()]
+        engine = Engine(
+            e["max_num_seqs"],
+            e["max_num_batched_tokens"],
+            e["max_prefill_tokens_beside_decodes"],
+            wl["num_kv_blocks"],
+            e["block_size"],
+        )
+        rows = []
+        for n in sorted(set(sim_workers)):
+            scaled = dict(wl)
+            for k in scale_keys:
+                scaled[k] = max(1, round(wl[k] * n / base_workers))
+            row: dict[str, Any] = {"workers": n}
+            for mode in ("plain", "affinity"):
+                row[mode] = simulate(kind, n, mode == "affinity", costs, engine, scaled, steal, seed)
+            p, a = row["plain"], row["affinity"]
+            row["affinity_vs_plain"] = {
+                "prefilled": round(a["prefilled_tokens"] / max(1, p["prefilled_tokens"]), 3),
+                "ttft_p50": round(a["ttft_ms"]["p50"] / p["ttft_ms"]["p50"], 3) if p["ttft_ms"]["p50"] else None,
+                "ttft_p99": round(a["ttft_ms"]["p99"] / p["ttft_ms"]["p99"], 3) if p["ttft_ms"]["p99"] else None,
+                "throughput": round(a["output_throughput"] / p["output_throughput"], 3),
+            }
+            rows.append(row)
+            print(
+                f"sim {kind}, {n} workers: hit rate plain {p['hit_rate']} / affinity {a['hit_rate']}, "
+                f"affinity/plain: {row['affinity_vs_plain']}",
+                flush=True,
+            )
+        out["workloads"][kind] = {
+            "scaled_with_workers": list(scale_keys),
+            "per_worker_base": base_workers,
+            "rows": rows,
+        }
+    out["redis"] = redis_projection(report, sim_workers)
+    out["limits"] = limits(out)
+    return out
+
+
+def limits(projection: dict[str, Any]) -> list[str]:
+    """Where the design stops scaling, in sentences built from the projection's own figures."""
+    lines = []
+    for kind, r in projection.get("redis", {}).items():
+        rows = r["rows"]
+        if r.get("fit_commands"):
+            c0, c1 = r["fit_commands"]
+            lines.append(
+                f"{kind}: Redis commands per request = {c0:.1f} + {c1:.2f} x workers (fit on the measured affinity "
+                f"runs); {rows[-1].get('commands_per_request')} at {rows[-1]['workers']} workers."
+            )
+        if r.get("fit_cpu_ms") and rows[-1].get("max_requests_per_s_one_redis_core"):
+            lines.append(
+                f"{kind}: one Redis core (the model's keys share one slot, so one shard's core) serves at most "
+                f"{rows[0]['max_requests_per_s_one_redis_core']} requests/s at {rows[0]['workers']} workers and "
+                f"{rows[-1]['max_requests_per_s_one_redis_core']} at {rows[-1]['workers']}."
+            )
+        if r.get("bytes_per_summary_member"):
+            lines.append(
+                f"{kind}: a summary member takes {r['bytes_per_summary_member']} bytes; at {rows[-1]['workers']} "
+                f"workers the summaries take {rows[-1].get('summaries_mb')} MB, all in the model's one slot."
+            )
+    return lines
