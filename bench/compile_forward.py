@@ -48,6 +48,7 @@ def decoding(batch: int, context: int, block_size: int = 16) -> list[SimpleNames
             num_computed_tokens=context,
             token_ids=[5] * (context + 1),
             block_table=list(range(i * blocks, (i + 1) * blocks)),
+            draft=[],
         )
         for i in range(batch)
     ]

@@ -51,6 +51,15 @@ class EngineConfig:
     cpu_threads: int | None = None
     cpu_share: float = 1.0  # with cpu_threads=0: this engine's share of those CPUs (engines sharing a host)
 
+    # Speculative decoding from the sequence's own n-grams (worker/engine/core/speculation.py): tokens proposed
+    # per step at most (0: never), the n-gram lengths looked up, the share of proposed tokens kept below which
+    # a sequence pauses proposing, and whether a request that does not say (SamplingParams.speculate None) speculates.
+    speculative_tokens: int = 4
+    speculative_ngram_max: int = 3
+    speculative_ngram_min: int = 2
+    speculative_min_acceptance: float = 0.3
+    speculate_by_default: bool = True
+
     # LoRA adapters held at once (least recently used dropped beyond, never one a request in the engine uses);
     # 0: the engine serves no adapters and its forward is the base model's alone (worker/engine/model/lora.py).
     max_loras: int = 0

@@ -86,7 +86,12 @@ class LLMEngine:
         self.speculator: Speculator | None = None
         if config.speculative_tokens > 0:
             self.speculator = Speculator(
-                SpeculationConfig(config.speculative_tokens, config.speculative_ngram_max, config.speculative_ngram_min)
+                SpeculationConfig(
+                    config.speculative_tokens,
+                    config.speculative_ngram_max,
+                    config.speculative_ngram_min,
+                    config.speculative_min_acceptance,
+                )
             )
             self.scheduler.propose = self._propose
         self._seqs: dict[str, Sequence] = {}

@@ -46,7 +46,9 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached (counted in tokens, not blocks)
     preemptions: int = 0
-    preemptions_by_reason: dict[str, int] = field(default_factory=lambda: {"kv_blocks": 0, "urgency": 0})
+    preemptions_by_reason: dict[str, int] = field(
+        default_factory=lambda: {"kv_blocks": 0, "urgency": 0, "fair_share": 0}
+    )
     recomputed_tokens: int = 0  # tokens whose KV a preemption threw away (computed again on resume)
     expired: int = 0
     forward_time_s: float = 0.0  # model forward incl. logits, summed over steps
@@ -63,6 +65,10 @@ class EngineStats:
     warmup_s: float = 0.0  # compiling the forward at start (0 when the forward runs eager)
     interrupted_steps: int = 0  # steps stopped between layers for an urgent arrival (their work thrown away)
     interrupted_time_s: float = 0.0  # forward time those steps had spent: the cost of stopping them
+    token_steps: int = 0  # (sequence, step) pairs that produced tokens; generated_tokens / token_steps: tokens per step
+    draft_steps: int = 0  # of those, pairs that checked a draft (speculation.py)
+    draft_tokens: int = 0  # draft tokens checked
+    draft_accepted_tokens: int = 0  # of those, tokens kept
 
     @property
     def forward_share(self) -> float:

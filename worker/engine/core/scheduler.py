@@ -42,22 +42,26 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)  # tokens to compute this step, per sequence
     expired: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    num_tokens: int = 0  # sum of num_new_tokens, kept as they change: the budget is read per sequence
+    # Tokens the step computes (drafts included), kept as they change: the budget is read per sequence.
+    num_tokens: int = 0
     is_decode: list[bool] = field(default_factory=list)  # for its next output token (else a prompt chunk)
     num_decodes: int = 0
+    num_draft_tokens: int = 0  # proposed tokens checked beside the decodes (each decode's ``seq.draft``)
 
     def add(self, seq: Sequence, n: int, *, decode: bool = False) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(n)
         self.is_decode.append(decode)
-        self.num_tokens += n
+        self.num_tokens += n + len(seq.draft)
         self.num_decodes += decode
+        self.num_draft_tokens += len(seq.draft)
 
     def drop(self, seq: Sequence) -> None:
         if seq in self.seqs:
             i = self.seqs.index(seq)
-            self.num_tokens -= self.num_new_tokens[i]
+            self.num_tokens -= self.num_new_tokens[i] + len(seq.draft)
             self.num_decodes -= self.is_decode[i]
+            self.num_draft_tokens -= len(seq.draft)
             del self.seqs[i], self.num_new_tokens[i], self.is_decode[i]
 
 
@@ -80,6 +84,8 @@ class Scheduler:
         self.policy = policy
         self.max_prefill_tokens_beside_decodes = max_prefill_tokens_beside_decodes
         self.clock = clock
+        # A decode's proposed next tokens (at most the int given), or none; set by the engine when it speculates.
+        self.propose: Callable[[Sequence, int], list[int]] | None = None
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.step_count = 0
@@ -153,7 +159,7 @@ class Scheduler:
         cap = self.max_prefill_tokens_beside_decodes
         if cap is None or batch.num_decodes == 0:
             return self._budget(batch)
-        return min(self._budget(batch), cap - (batch.num_tokens - batch.num_decodes))
+        return min(self._budget(batch), cap - (batch.num_tokens - batch.num_decodes - batch.num_draft_tokens))
 
     def _continue(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """A running sequence's next tokens (one for a decode, a chunk of its prompt for a prefill)."""
@@ -162,6 +168,9 @@ class Scheduler:
         if seq.status is SequenceStatus.WAITING or budget <= 0:
             return  # preempted earlier this step, or no budget left: it sits this step out
         n = min(remaining, budget)
+        seq.draft = self.propose(seq, budget - 1) if remaining == 1 and self.propose is not None else []
+        if seq.draft and not self.blocks.allocate(seq, n + len(seq.draft)):
+            seq.draft = []  # a proposal never preempts anyone: the decode goes on without it
         while not self.blocks.allocate(seq, n):
             taken = victim((s for s in self.running if s not in batch.seqs), self.urgency)
             self._preempt(taken, batch, "kv_blocks")
@@ -218,6 +227,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch, reason: str) -> None:
         batch.drop(seq)
+        seq.draft = []
         self.running.remove(seq)
         self.stats.recomputed_tokens += seq.num_computed_tokens  # an upper bound: the prefix cache may keep some
         self.blocks.free(seq)  # tokens are kept; their KV is recomputed (or found in the prefix cache)

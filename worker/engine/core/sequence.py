@@ -57,6 +57,8 @@ class Sequence:
         self.detokenizer = detokenizer
         self.finish_reason: str | None = None
         self.matcher: Any = None  # llguidance matcher of a constrained sequence, in step with its output
+        self.speculation: Any = None  # its n-gram index and acceptance record (speculation.py); None: never proposes
+        self.draft: list[int] = []  # tokens proposed to follow it, checked by this step beside its next token
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -152,13 +152,16 @@ class ModelRunner:
         interrupt: StepInterrupt | None = None,
     ) -> torch.Tensor:
         """Computes K/V for each sequence's next ``num_new_tokens`` tokens; returns logits [S, V] for
-        the sequences flagged in ``sample`` (in their order), at their last position only. With
-        ``interrupt``, each layer may raise ``StepInterrupted`` (a decode step replayed from a CUDA graph
-        or run as one op of all layers cannot stop: it is the shortest kind of step anyway)."""
+        the sequences flagged in ``sample`` (in their order), at their last position only. A decode
+        with a ``draft`` also computes its draft tokens (each one more decode row of the same
+        sequence) and gets 1 + len(draft) rows of logits, in position order. With ``interrupt``,
+        each layer may raise ``StepInterrupted`` (a decode step replayed from a CUDA graph or run as
+        one op of all layers cannot stop: it is the shortest kind of step anyway)."""
         # A step with adapter rows runs transformers' forward, whose LoRA linears add each row's delta (lora.py).
         adapters = self.adapters is not None and self.adapters.begin_step(seqs)
         graphs = None if adapters else self.decode_graphs
-        if graphs is not None and graphs.fits(len(seqs)) and all(n == 1 for n in num_new_tokens):
+        drafts = any(s.draft for s, n in zip(seqs, num_new_tokens, strict=True) if n == 1)
+        if graphs is not None and graphs.fits(len(seqs)) and all(n == 1 for n in num_new_tokens) and not drafts:
             logits = graphs.run(seqs)
             return logits if all(sample) else logits[[i for i, s in enumerate(sample) if s]]
         order = sorted(range(len(seqs)), key=lambda i: num_new_tokens[i] != 1)  # decodes first, stable
@@ -169,7 +172,15 @@ class ModelRunner:
         if adapters:
             meta.lora = self._lora_step([seqs[i] for i in order], last_rows)
         row_of = dict(zip(order, last_rows, strict=True))
-        keep = torch.tensor([row_of[i] for i in range(len(seqs)) if sample[i]], dtype=torch.long, device=self.device)
+        rows = [row_of[i] for i in range(len(seqs)) if sample[i]]
+        if drafts:  # a draft's rows end at its decode's last row
+            rows = [
+                r
+                for i in range(len(seqs))
+                if sample[i]
+                for r in range(row_of[i] - (len(seqs[i].draft) if num_new_tokens[i] == 1 else 0), row_of[i] + 1)
+            ]
+        keep = torch.tensor(rows, dtype=torch.long, device=self.device)
         if self.compiled is not None and meta.lora is None:
             with step_metadata(meta):
                 hidden = self.compiled(input_ids, positions)
@@ -205,7 +216,7 @@ class ModelRunner:
         """One compiled step of ``num_tokens`` one-token sequences, all at block 0 slot 0: the slot is
         written before any real sequence could read it, since a sequence writes each slot it reads."""
         assert self.compiled is not None
-        dummy = SimpleNamespace(num_computed_tokens=0, token_ids=[0], block_table=[0])
+        dummy = SimpleNamespace(num_computed_tokens=0, token_ids=[0], block_table=[0], draft=[])
         meta, input_ids, positions, _ = self._prepare([dummy] * num_tokens, [1] * num_tokens)  # type: ignore[list-item]
         with step_metadata(meta):
             self.compiled(input_ids, positions)
@@ -220,17 +231,26 @@ class ModelRunner:
         last_rows: list[int] = []
         prefills: list[PrefillChunk] = []
         num_decodes = 0
+        # Per decode row: its block table and context length. A decode's draft tokens are decode rows
+        # of their own, each seeing the context up to itself (the step writes all their K/V first).
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         dev = self.device
         for seq, n in zip(seqs, num_new_tokens, strict=True):
             start, ctx = seq.num_computed_tokens, seq.num_computed_tokens + n
             row = len(ids)
             ids.extend(seq.token_ids[start:ctx])
-            pos.extend(range(start, ctx))
             table = seq.block_table
+            if n == 1 and seq.draft:
+                ids.extend(seq.draft)
+                ctx = start + 1 + len(seq.draft)
+            pos.extend(range(start, ctx))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, ctx))
-            last_rows.append(row + n - 1)
+            last_rows.append(row + ctx - start - 1)
             if n == 1:
-                num_decodes += 1
+                num_decodes += ctx - start
+                decode_tables.extend([table] * (ctx - start))
+                decode_lens.extend(range(start + 1, ctx + 1))
             elif start == 0:
                 prefills.append(PrefillChunk(row, row + n, ctx, None, None))
             else:
@@ -247,19 +267,23 @@ class ModelRunner:
             prefills=prefills,
         )
         if num_decodes and not self.backend.needs_flat_views:
-            self._decode_views(meta, seqs[:num_decodes])
+            self._decode_views(meta, decode_tables, decode_lens)
         if self.backend.needs_flat_views:
-            self._flat_views(meta, seqs, num_new_tokens)
+            entries = [(t, c, 1) for t, c in zip(decode_tables, decode_lens, strict=True)]
+            for s, n in zip(seqs, num_new_tokens, strict=True):
+                if n != 1:
+                    entries.append((s.block_table, s.num_computed_tokens + n, n))
+            self._flat_views(meta, entries)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         return meta, input_ids, positions, last_rows
 
-    def _decode_views(self, meta: AttentionMetadata, seqs: list[Sequence]) -> None:
+    def _decode_views(self, meta: AttentionMetadata, block_tables: list[list[int]], lens: list[int]) -> None:
+        """``block_tables`` and ``lens``: each decode row's blocks and context length (its own token included)."""
         bs = self.block_size
-        lens = [s.num_computed_tokens + 1 for s in seqs]
         max_blocks = -(-max(lens) // bs)
         # Padding points at block 0: real memory, masked out by the bias (the kernel never reads it).
-        tables = [s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks])) for s in seqs]
+        tables = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in block_tables]
         meta.decode_blocks = torch.tensor(tables, dtype=torch.long, device=self.device).view(-1)
         meta.decode_context_lens = torch.tensor(lens, dtype=torch.long, device=self.device)
         if not self.backend.needs_decode_bias:
@@ -269,20 +293,20 @@ class ModelRunner:
         # Scores are summed in fp32 (fp64 for fp64 models), so the bias is in that dtype.
         acc = torch.float64 if self.dtype == torch.float64 else torch.float32
         bias = torch.zeros(padding.shape, dtype=acc, device=self.device).masked_fill_(padding, float("-inf"))
-        meta.decode_bias = bias.view(1, len(seqs), 1, -1)
+        meta.decode_bias = bias.view(1, len(lens), 1, -1)
 
-    def _flat_views(self, meta: AttentionMetadata, seqs: list[Sequence], num_new_tokens: list[int]) -> None:
-        lens = [s.num_computed_tokens + n for s, n in zip(seqs, num_new_tokens, strict=True)]
-        max_blocks = max(len(s.block_table) for s in seqs)
-        rows = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
+    def _flat_views(self, meta: AttentionMetadata, entries: list[tuple[list[int], int, int]]) -> None:
+        """``entries``: (block table, context length, query tokens) of each query of the step, in row order."""
+        max_blocks = max(len(table) for table, _, _ in entries)
+        rows = [table + [0] * (max_blocks - len(table)) for table, _, _ in entries]
         meta.block_tables = torch.tensor(rows, dtype=torch.int32, device=self.device)
-        meta.context_lens = torch.tensor(lens, dtype=torch.int32, device=self.device)
+        meta.context_lens = torch.tensor([c for _, c, _ in entries], dtype=torch.int32, device=self.device)
         cu = [0]
-        for n in num_new_tokens:
+        for _, _, n in entries:
             cu.append(cu[-1] + n)
         meta.cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=self.device)
-        meta.max_query_len = max(num_new_tokens)
-        meta.max_context_len = max(lens)
+        meta.max_query_len = max(n for _, _, n in entries)
+        meta.max_context_len = max(c for _, c, _ in entries)
 
 
 def decode_graphs_mode(setting: bool | str, device: torch.device) -> str | None:

@@ -33,6 +33,7 @@ class SamplingParams:
     logprobs: int | None = None  # top logprobs per token; 0 = only the sampled token's; None = none
     constraint: Constraint | None = None  # the output must match it (structured.py); the wire's dict works too
     watermark: bool = False  # TGI's green-list watermark (watermark.py)
+    speculate: bool | None = None  # n-gram speculation (core/speculation.py); None: the engine's default
 
     def __post_init__(self) -> None:
         # Accept the shapes callers naturally write (a single stop string, tuples), store lists.
@@ -65,6 +66,8 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if not isinstance(self.watermark, bool):
             raise ValueError(f"watermark must be a bool, got {self.watermark!r}")
+        if self.speculate is not None and not isinstance(self.speculate, bool):
+            raise ValueError(f"speculate must be a bool, got {self.speculate!r}")
         if self.logprobs is not None:
             _int_in("logprobs", self.logprobs, 0, MAX_LOGPROBS)
 

@@ -132,24 +132,41 @@ class StructuredOutput:
             raise ValueError(f"the output so far does not match the constraint: {matcher.get_error()}")
         return matcher
 
-    def fill(self, matchers: Sequence[Any]) -> MaskFill:
+    def fill(self, matchers: Sequence[Any], drafts: Sequence[Sequence[int]] | None = None) -> MaskFill:
+        """One mask row per matcher; with ``drafts`` (tokens proposed to follow each matcher's state,
+        all of them allowed: ``allowed_prefix``), 1 + len(draft) rows per matcher: the mask at its
+        state, then after each draft token (the matchers end where they started)."""
         started = time.perf_counter()
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         # llguidance.torch wraps the same call but imports torch.compile's machinery (seconds) for a
         # kernel we do not use.
         words = (self.vocab_size + 31) // 32
-        bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
-        targets = [(m, i) for i, m in enumerate(matchers)]
-        self._executor.unsafe_compute_mask_ptr(targets, bitmask.data_ptr(), words * 4, len(matchers))
+        if drafts is None or not any(drafts):
+            bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
+            targets = [(m, i) for i, m in enumerate(matchers)]
+            self._executor.unsafe_compute_mask_ptr(targets, bitmask.data_ptr(), words * 4, len(matchers))
+            return MaskFill(bitmask, time.perf_counter() - started)
+        rows = sum(1 + len(d) for d in drafts)
+        bitmask = torch.full((rows, words), -1, dtype=torch.int32)
+        drafted, first = [], 0
+        for m, d in zip(matchers, drafts, strict=True):
+            drafted.append((m, first, list(d)))
+            first += 1 + len(d)
+        self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, bitmask.data_ptr(), words * 4, rows)
         return MaskFill(bitmask, time.perf_counter() - started)
 
-    def fill_async(self, matchers: Sequence[Any]) -> Future[MaskFill]:
+    def fill_async(self, matchers: Sequence[Any], drafts: Sequence[Sequence[int]] | None = None) -> Future[MaskFill]:
         """Fills the masks on a helper thread (llguidance drops the GIL), so the caller can run
         the model's forward meanwhile."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="inflightq-masks")
-        return self._pool.submit(self.fill, list(matchers))
+        return self._pool.submit(self.fill, list(matchers), drafts)
+
+
+def allowed_prefix(matcher: Any, tokens: list[int]) -> list[int]:
+    """The longest prefix of ``tokens`` that ``matcher`` accepts from its state (which it keeps)."""
+    return tokens[: matcher.validate_tokens(tokens)] if tokens else tokens
 
 
 def banned_tokens(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
