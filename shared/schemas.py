@@ -129,6 +129,9 @@ class QueuedRequest(WireModel):
     deadline: float | None = Field(None, description="Unix time after which the request is dropped.")
     tenant: str | None = Field(None, description="Keeps prefix caches of tenants apart; the fair share's unit.")
     tenant_weight: float = Field(1.0, gt=0, description="The tenant's fair-share weight: its share of the level.")
+    adapter: str | None = Field(
+        None, min_length=1, max_length=128, description="The LoRA adapter it runs with, by its registered name."
+    )
     attempt: int = Field(0, ge=0, description="Raised by a worker that takes the request over.")
     submitted_at: float = Field(default_factory=time.time)
 
