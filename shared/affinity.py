@@ -3,11 +3,11 @@ offers the request to that worker (``offer_to`` of the queue's enqueue).
 
 Each worker mirrors its prefix cache into ``Keys.held(model, worker)``: a SET of the block hashes
 (``shared.prefix_hash``, hex) it holds, plus the member ``LIVE`` while the worker is live (so the
-key exists, as long as the worker does, even with an empty cache), with a TTL its heartbeat
-refreshes. ``LONGEST_PREFIX`` looks in every candidate's set, in one script call in the model's
-slot: a worker's cache keeps a prefix's head blocks longest (tail blocks are freed first), so
-whether it holds the first k blocks is a binary search over the chain. Affinity only decides where
-a request is offered; the queue lets any worker take it once the offer waited past the steal
+key exists, as long as the worker does, even with an empty cache) and ``IDLE`` while it runs
+nothing, with a TTL its heartbeat refreshes. ``LONGEST_PREFIX`` looks in every candidate's set, in
+one script call in the model's slot: a worker's cache keeps a prefix's head blocks longest (tail
+blocks are freed first), so whether it holds the first k blocks is a binary search over the chain.
+Affinity only decides where a request is offered; the queue lets any worker take it once the offer waited past the steal
 bound, or its worker is gone or idle."""
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from shared.prefix_hash import chain, to_hex
 
 # Never a hex hash: present while the worker is live, whatever its cache holds.
 LIVE = "live"
+# Never a hex hash: present while the worker runs nothing (an offer to it needs no stealing to start now).
+IDLE = "idle"
 
 # KEYS: the candidates' held sets, most preferred first (ties go to the earlier one).
 # ARGV: the request's block hashes (hex), first block first.

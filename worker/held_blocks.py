@@ -1,6 +1,7 @@
 """The worker's advertisement of its prefix cache: ``Keys.held(model, worker)``, a SET of the block
-hashes its engine holds (``shared.prefix_hash``, hex) plus ``shared.affinity.LIVE``, which the API
-reads to offer a request to the worker holding its longest prefix (``shared.affinity``).
+hashes its engine holds (``shared.prefix_hash``, hex) plus ``shared.affinity.LIVE`` (and ``IDLE``
+while the worker runs nothing), which the API reads to offer a request to the worker holding its
+longest prefix (``shared.affinity``).
 
 After each step the engine loop takes what the engine cached and evicted (``prefix_cache_changes``)
 and hands it to the publisher, which sends it in the step's round trip (SADD, SREM, EXPIRE). The
@@ -13,12 +14,12 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import redis
 
-from shared.affinity import LIVE
+from shared.affinity import IDLE, LIVE
 from shared.keys import Keys
 from shared.prefix_hash import to_hex
 from shared.settings import Settings
@@ -40,6 +41,7 @@ class HeldBlocks:
         name: str,
         model: str,
         draining: threading.Event,
+        is_idle: Callable[[], bool],
     ) -> None:
         self.redis = connection
         self.publisher = publisher
@@ -47,6 +49,8 @@ class HeldBlocks:
         self.key = Keys.for_prefix(settings.key_prefix).held(model, name)
         self.ttl = max(1, math.ceil(settings.heartbeat_ttl_s))
         self.draining = draining
+        self.is_idle = is_idle
+        self._idle: bool | None = None  # as last written
         self._rewrite = threading.Event()  # set by the heartbeat; the engine loop writes the whole set
         self._rewrite.set()  # the first write creates it
         self._withdrawn = False
@@ -65,13 +69,18 @@ class HeldBlocks:
         full = self._rewrite.is_set()
         self._rewrite.clear()
         changes = self.engine.prefix_cache_changes(full)
+        idle = self.is_idle()
+        cached, evicted = [to_hex(h) for h in changes.cached], [to_hex(h) for h in changes.evicted]
+        if idle and (changes.full or not self._idle):
+            cached.append(IDLE)
+        elif not idle and self._idle:
+            evicted.append(IDLE)
+        self._idle = idle
         if changes.full:
             self.rewrites += 1
-            self.publisher.mirror(self._whole([to_hex(h) for h in changes.cached]))
-        elif changes.cached or changes.evicted:
-            self.publisher.mirror(
-                self._delta([to_hex(h) for h in changes.cached], [to_hex(h) for h in changes.evicted])
-            )
+            self.publisher.mirror(self._whole(cached))
+        elif cached or evicted:
+            self.publisher.mirror(self._delta(cached, evicted))
 
     def _whole(self, members: list[str]) -> Any:
         key, ttl = self.key, self.ttl

@@ -118,8 +118,9 @@ class WorkerService:
             name=self.name, model=self.model, room=self.room, on_lost=self.lost,
         )  # fmt: skip
         self.held = HeldBlocks(
-            settings, self.redis, self.publisher, engine, name=self.name, model=self.model, draining=self.draining
-        )
+            settings, self.redis, self.publisher, engine,
+            name=self.name, model=self.model, draining=self.draining, is_idle=self.is_idle,
+        )  # fmt: skip
         self.heartbeat_thread = Heartbeat(settings, self.redis, self.name, self.heartbeat, self.stopping, self.held)
         self.cancel_listener = CancelListener(settings, self.redis, self.cancel, self.stopping)
         self.loop_progress_at = time.monotonic()  # stamped by the engine loop; read by the watchdog
@@ -250,6 +251,7 @@ class WorkerService:
                 deadline=request.deadline,
                 tenant=request.tenant,
                 prior_output_token_ids=active.prior_token_ids,
+                share=active.share,
             )
         except Exception as error:  # the engine refuses this request (too long, bad token ids, ...)
             self._drop(active.id)

@@ -14,7 +14,7 @@ import pytest
 import redis
 import torch
 
-from shared.affinity import LIVE
+from shared.affinity import IDLE, LIVE
 from shared.keys import Keys
 from shared.prefix_hash import chain, to_hex
 from shared.settings import Settings
@@ -38,7 +38,10 @@ def parts(redis_url: str, key_prefix: str, tiny_model_dir: Path) -> Iterator[tup
     publisher = Publisher(settings, connection, "w")
     publisher.start()
     state = RunState()
-    held = HeldBlocks(settings, connection, publisher, engine, name="w", model=MODEL, draining=state.draining)
+    held = HeldBlocks(
+        settings, connection, publisher, engine,
+        name="w", model=MODEL, draining=state.draining, is_idle=lambda: not engine.has_unfinished(),
+    )  # fmt: skip
     yield engine, held, settings
     publisher.stop(timeout=5)
     connection.close()
@@ -57,6 +60,11 @@ def cached(engine: LLMEngine) -> set[str]:
     return {to_hex(h) for h in engine.block_manager._cached}
 
 
+def advertised(engine: LLMEngine) -> set[str]:
+    """What the held set must be: the cache, live, and idle while the engine runs nothing."""
+    return cached(engine) | {LIVE} | (set() if engine.has_unfinished() else {IDLE})
+
+
 def step_and_sync(engine: LLMEngine, held: HeldBlocks) -> None:
     engine.step()
     held.sync()
@@ -67,7 +75,7 @@ def test_the_set_follows_the_cache_through_evictions(parts: tuple[LLMEngine, Hel
     engine, held, settings = parts
     held.sync()  # the first sync creates the set, empty but live
     assert held.publisher.flush(timeout=10)
-    assert in_redis(settings) == {LIVE}
+    assert in_redis(settings) == {LIVE, IDLE}
     rng = random.Random(7)
     prefixes = [[rng.randrange(3, 200) for _ in range(12)] for _ in range(4)]
     evicted = 0
@@ -79,7 +87,7 @@ def test_the_set_follows_the_cache_through_evictions(parts: tuple[LLMEngine, Hel
                 before = cached(engine)
                 step_and_sync(engine, held)
                 evicted += len(before - cached(engine))
-                assert in_redis(settings) == cached(engine) | {LIVE}
+                assert in_redis(settings) == advertised(engine)
     assert evicted > 10  # the pool was small enough to evict, many times
     assert held.rewrites == 1  # the first sync only: every other change went as a delta
 
@@ -112,7 +120,7 @@ def test_a_set_gone_missing_is_written_whole_after_the_next_heartbeat(
     assert 0 < client.ttl(key) <= settings.heartbeat_ttl_s
     held.sync()
     assert held.publisher.flush(timeout=10)
-    assert in_redis(settings) == cached(engine) | {LIVE}
+    assert in_redis(settings) == advertised(engine)
     while engine.has_unfinished():
         step_and_sync(engine, held)
     client.close()
@@ -122,7 +130,7 @@ def test_drain_removes_the_set_and_nothing_writes_it_again(parts: tuple[LLMEngin
     engine, held, settings = parts
     engine.add_request("a", list(range(10, 30)), SamplingParams(max_new_tokens=4))
     step_and_sync(engine, held)
-    assert LIVE in in_redis(settings)
+    assert LIVE in in_redis(settings) and IDLE not in in_redis(settings)
     held.draining.set()
     while engine.has_unfinished():  # still running what it has, caching its blocks
         step_and_sync(engine, held)
