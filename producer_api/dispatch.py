@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 
 from producer_api import metrics
+from producer_api.affinity import Affinity
 from producer_api.api_keys import ApiKey, RateLimiter
 from producer_api.tenants import Tenants
 from shared.errors import CancelledError, ExpiredError, LimitError, OverloadedError, UnavailableError, error_from_type
@@ -64,6 +65,7 @@ class Dispatcher:
         self._live: dict[str, tuple[float, list[WorkerHeartbeat]]] = {}
         self._served: dict[str, tuple[float, asyncio.Future[bool]]] = {}
         self._watches: dict[str, WorkerWatch] = {}
+        self._affinity: Affinity | None = None
 
     async def live_workers(self, model: str | None = None) -> list[WorkerHeartbeat]:
         workers = await self.client.live_workers(model)
@@ -114,21 +116,33 @@ class Dispatcher:
         tenant's weight and queued limit; charges ``key``'s tokens per minute (``key=None``: none,
         or already charged). Its id."""
         if need_worker:
-            await self.wait_for_worker(request.model)
+            workers = await self.wait_for_worker(request.model)
+        else:  # affinity picks among the workers seen last (none: no offer)
+            workers = self._live.get(request.model, (0.0, []))[1]
         terms = self.tenants.terms(request.tenant)
         request.tenant_weight = terms.weight
         try:
             if key is not None and self.limiter is not None:
                 await self.limiter.charge_tokens(key, submitted_tokens([request]))
             # Only when set: the tenant's queued limit is the enqueue script's argument.
-            limit = {} if terms.max_queued is None else {"tenant_max_queued": terms.max_queued}
-            request_id: str = await self.client.enqueue(request, **limit)
+            options: dict[str, Any] = {} if terms.max_queued is None else {"tenant_max_queued": terms.max_queued}
+            if (offer_to := await self.offer_to(request, workers)) is not None:
+                options["offer_to"] = offer_to
+            request_id: str = await self.client.enqueue(request, **options)
         except (LimitError, OverloadedError) as error:
             metrics.TENANT_REJECTIONS.labels(self.tenants.labels(request.tenant), error.code).inc()
             raise
         metrics.SUBMITTED.labels(request.model, str(request.priority)).inc()
         metrics.PROMPT_TOKENS.labels(request.model).inc(len(request.prompt_token_ids))
         return request_id
+
+    async def offer_to(self, request: QueuedRequest, workers: list[WorkerHeartbeat]) -> str | None:
+        """The live worker holding the longest prefix of ``request`` (``producer_api.affinity``), if any."""
+        if not self.settings.affinity:
+            return None
+        if self._affinity is None:
+            self._affinity = Affinity(self.settings, self.client.redis)
+        return await self._affinity.offer_to(request, workers)
 
     async def submit_all(self, requests: list[QueuedRequest], *, key: ApiKey | None = None) -> list[str]:
         """All or nothing: if one of n choices is refused (429), the accepted ones are cancelled.

@@ -82,3 +82,16 @@ STREAMS_IN_FLIGHT = Gauge(
 REQUESTS_IN_FLIGHT = Gauge(
     "inflightq_api_requests_in_flight", "HTTP requests being answered right now.", registry=REGISTRY
 )
+AFFINITY_LOOKUPS = Counter(
+    "inflightq_api_affinity_lookups_total",
+    "Prefix-affinity lookups at dispatch, by model and outcome: offered (to the live worker holding the longest "
+    "prefix) or none (no worker holds its first block, or every worker holds as much).",
+    ["model", "outcome"],
+    registry=REGISTRY,
+)
+AFFINITY_OFFERED_TOKENS = Counter(
+    "inflightq_api_affinity_offered_tokens_total",
+    "Prompt tokens of offered requests that the worker they were offered to held cached when they were offered.",
+    ["model"],
+    registry=REGISTRY,
+)

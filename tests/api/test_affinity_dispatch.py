@@ -1,0 +1,107 @@
+"""Prefix affinity at dispatch, against a real Redis: the lookup script (shared/affinity.py) finds the
+live worker holding a request's longest prefix, and the dispatcher offers the request to it (the
+entry lands on that worker's offer stream). Workers here are heartbeats and held sets written by
+hand, so every case is exact; tests/worker/test_affinity_workers.py runs real workers."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+import redis
+
+from producer_api.dispatch import Dispatcher
+from shared.affinity import IDLE, LIVE, LONGEST_PREFIX, holder, lookup
+from shared.async_client import AsyncQueueClient
+from shared.keys import Keys
+from shared.prefix_hash import chain, to_hex
+from shared.request_builder import build_request
+from shared.schemas import SamplingSpec, WorkerHeartbeat
+from shared.settings import Settings
+
+MODEL = "m"
+BLOCK = 16
+
+
+def hold(client: redis.Redis, keys: Keys, worker: str, tokens: list[int], blocks: int) -> None:
+    """``worker`` advertises the first ``blocks`` blocks of ``tokens`` (live, as a worker's set is)."""
+    hashes = [to_hex(h) for h in chain(tokens, BLOCK)[:blocks]]
+    client.sadd(keys.held(MODEL, worker), LIVE, *hashes)
+
+
+def test_the_lookup_finds_the_longest_held_prefix(redis_url: str, key_prefix: str) -> None:
+    """Random pools: the script's answer (binary search per worker) equals a scan of every set."""
+    keys = Keys.for_prefix(key_prefix)
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    script = client.register_script(LONGEST_PREFIX)
+    rng = random.Random(3)
+    for case in range(40):
+        tokens = [rng.randrange(50_000) for _ in range(BLOCK * rng.randrange(1, 40))]
+        workers = [f"c{case}-w{i}" for i in range(rng.randrange(1, 6))]
+        held = {w: rng.randrange(0, len(tokens) // BLOCK + 1) for w in workers}
+        for w, blocks in held.items():
+            if rng.random() < 0.8:  # the rest are gone: no set at all
+                hold(client, keys, w, tokens, blocks)
+            else:
+                held[w] = 0
+        best = max(held.values())
+        args = lookup(keys, MODEL, workers, tokens, BLOCK)
+        index, blocks, holders = script(keys=args[0], args=args[1])
+        assert blocks == best
+        if best:
+            assert workers[index - 1] == next(w for w in workers if held[w] == best)  # the first of the longest
+            assert holders == sum(1 for b in held.values() if b == best)
+        else:
+            assert index == 0
+    client.close()
+
+
+def test_no_offer_when_every_worker_holds_as_much_or_nobody_holds_the_first_block() -> None:
+    assert holder([2, 5, 1], ["a", "b"]) == ("b", 5)
+    assert holder([1, 5, 2], ["a", "b"]) == (None, 5)  # a prefix every worker holds says nothing
+    assert holder([0, 0, 0], ["a", "b"]) == (None, 0)
+
+
+def heartbeat(name: str, running: int = 0) -> WorkerHeartbeat:
+    return WorkerHeartbeat(
+        name=name, model=MODEL, device="cpu", dtype="float32", max_num_seqs=4, num_kv_blocks=100,
+        running=running, waiting=0, free_kv_blocks=100, started_at=time.time(),
+    )  # fmt: skip
+
+
+async def advertise(client: AsyncQueueClient, *beats: WorkerHeartbeat) -> None:
+    for beat in beats:
+        await client.redis.set(client.keys.worker(beat.name), beat.model_dump_json())
+        await client.redis.zadd(client.keys.workers(), {beat.name: time.time()})
+
+
+@pytest.mark.parametrize("affinity", [True, False])
+def test_a_request_is_offered_to_the_worker_holding_its_prefix(redis_url: str, key_prefix: str, affinity: bool) -> None:
+    settings = Settings(redis_url=redis_url, key_prefix=key_prefix, model=MODEL, affinity=affinity)
+    keys = Keys.for_prefix(key_prefix)
+    history = list(range(100, 100 + 5 * BLOCK))
+    sync = redis.Redis.from_url(redis_url, decode_responses=True)
+    hold(sync, keys, "a", history, 1)  # the shared head only
+    hold(sync, keys, "b", history, 5)  # the whole history
+    sync.sadd(keys.held(MODEL, "b"), IDLE)
+
+    async def scenario() -> None:
+        async with AsyncQueueClient(settings) as client:
+            await advertise(client, heartbeat("a"), heartbeat("b", running=3))
+            dispatcher = Dispatcher(settings, client)
+            follow_up = build_request(settings, MODEL, [*history, 7, 8, 9], SamplingSpec(max_new_tokens=4))
+            await dispatcher.submit(follow_up)
+            other = build_request(settings, MODEL, list(range(5000, 5040)), SamplingSpec(max_new_tokens=4))
+            await dispatcher.submit(other)
+
+    asyncio.run(scenario())
+    offers = keys.offers(MODEL, settings.default_priority, "b")
+    lane = keys.stream(MODEL, settings.default_priority)
+    if affinity:
+        assert sync.xlen(offers) == 1  # the follow-up, although b is the busier worker
+        assert sync.xlen(lane) == 1  # the unrelated prompt: nobody holds its first block
+    else:
+        assert not sync.exists(offers) and sync.xlen(lane) == 2
+    sync.close()
