@@ -212,16 +212,6 @@ async def shared_prefix(
 # --- the stack --------------------------------------------------------------------------------------
 
 
-@dataclass
-class AffinityStack(Stack):
-    """The benchmark's stack, with settings the API and the workers both get from their environment."""
-
-    extra_env: dict[str, str] = field(default_factory=dict)
-
-    def _env(self) -> dict[str, str]:
-        return super()._env() | self.extra_env
-
-
 def scrape_text(text: str) -> dict[str, float]:
     """A worker's /metrics as {name less ``inflightq_worker_`` (with ``:label`` for a reason or priority): value}."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -341,7 +331,7 @@ def run_one(
     key, warm_key = f"bench-{uuid.uuid4().hex[:12]}", f"bench-{uuid.uuid4().hex[:12]}"
     extra = env | {AFFINITY_ENV: "true" if spec.mode == AFFINITY else "false"}
     cwd = Path(args.checkout) if args.checkout else None
-    stack = AffinityStack(run_settings, [key, warm_key], worker_metrics=True, cwd=cwd, extra_env=extra)
+    stack = Stack(run_settings, [key, warm_key], worker_metrics=True, cwd=cwd, extra_env=extra)
     client = redis.Redis.from_url(settings.redis_url)
     try:
         stack.start(workers=spec.workers)

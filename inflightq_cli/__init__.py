@@ -412,6 +412,8 @@ BENCHMARKS = {
     "transformers' continuous batching, same run.",
     "fairness": "A tenant flooding the pool beside a light one, and weights 3:1: the light tenant's TTFT vs the "
     "idle stack and throughput vs FCFS, same run, on one and two workers and a Redis Cluster.",
+    "affinity": "Prefix affinity against plain pull on 2 and 4 workers (multi-turn chat, shared system prompts): "
+    "prefix hit rate vs one worker, prefilled tokens, TTFT, throughput, same run; a simulation projects 16-64 workers.",
     "streams": "What idle-waiting streams cost one API process: Redis connections, RSS and CPU at 100 / 1,000 / "
     "10,000 open streams, on Redis and on a private Redis Cluster.",
 }
