@@ -9,9 +9,10 @@ sequences pinned); a request reuses the longest cached run of its prompt's block
 - plain pull: one FIFO; a worker with a free slot takes the oldest entry (which of several such workers
   pulls a new entry first is drawn at random: a race between them);
 - affinity: a request goes to the offer lane of the worker whose cache holds the longest prefix of it
-  (ties: the least loaded; no block held anywhere: the shared lane); a worker with a free slot takes the
-  its own offers first, then the oldest of the shared lane and of other workers' offers that have waited
-  past the steal bound (any of them when it runs nothing), as the queue's pull script does for one tenant.
+  (ties: the least loaded; the shared lane when no worker holds more than the others, as the API
+  decides); a worker with a free slot takes its own offers first, then the oldest of the shared lane
+  and of other workers' offers that have waited past the steal bound (any of them when it runs
+  nothing), as the queue's pull script does for one tenant.
 
 The workloads are the benchmark's, scaled with the pool (conversations, prefixes and clients per
 worker held as measured). Redis is projected apart: commands and Redis CPU per request fitted
@@ -174,12 +175,11 @@ class Pool:
     def enqueue(self, req: Req, now: float) -> None:
         req.enqueued = now
         if self.affinity:
-            best, target = 0, None
-            for w in self.workers:
-                held = w.held_prefix(req.blocks)
-                if held > best or (held == best and held and target is not None and w.load < target.load):
-                    best, target = held, w
-            if target is not None:
+            held = [w.held_prefix(req.blocks[: req.prompt // w.engine.block_size]) for w in self.workers]
+            best = max(held)
+            # No offer when every worker holds as much (a template's system prompt): the lane balances those.
+            if best and min(held) < best:
+                target = min((w for w, h in zip(self.workers, held, strict=True) if h == best), key=lambda w: w.load)
                 self.offers[target.index].append(req)
                 return
         self.lane.append(req)
