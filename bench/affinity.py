@@ -60,6 +60,7 @@ MULTI_TURN, SHARED_PREFIX = "multi_turn", "shared_prefix"
 PLAIN, AFFINITY, SINGLE = "plain", "affinity", "single"
 HIT_RATE_TARGET = 0.9  # the pool's hit rate within 10% of a single worker's
 AFFINITY_ENV = "INFLIGHTQ_AFFINITY"
+SLOT_COMMANDS = ("sadd", "srem")  # besides the scripts: the workers' summary updates
 QUICK = {"conversations": 16, "turns": 4, "prefixes": 8, "prefix_requests": 64}
 
 
@@ -442,18 +443,22 @@ def figures(
     }
     if out["prefix"]["usage_cached_tokens"] is not None:
         out["prefix"]["usage_prefilled_tokens"] = prompt - out["prefix"]["usage_cached_tokens"]
-    requests = len(results)
+    requests = max(1, len(results))
     calls = sum(rstats["calls"].values())
+    # The model's slot serves the queue's scripts (enqueue, pull, the prefix lookup) and the workers'
+    # summary updates; everything else (tokens, request hashes) spreads over the request shards.
+    slot_usec = sum(v for k, v in rstats["usec"].items() if k in SLOT_COMMANDS or k.startswith(("eval", "fcall")))
     out["redis"] = {
         "commands": calls,
-        "commands_per_request": round(calls / requests, 1) if requests else None,
-        "cpu_ms_per_request": round(1000 * rstats["cpu_s"] / requests, 3) if requests else None,
+        "commands_per_request": round(calls / requests, 1),
+        "cpu_ms_per_request": round(1000 * rstats["cpu_s"] / requests, 3),
+        "model_slot_ms_per_request": round(slot_usec / 1000 / requests, 4),
         "cpu_share": round(rstats["cpu_s"] / duration, 4),
-        "top_commands_per_request": {
-            k: round(v / requests, 2) for k, v in sorted(rstats["calls"].items(), key=lambda kv: -kv[1])[:12]
+        "commands_per_request_by_name": {
+            k: round(v / requests, 2) for k, v in sorted(rstats["calls"].items(), key=lambda kv: -kv[1])
         },
-        "usec_per_request": {
-            k: round(v / requests, 1) for k, v in sorted(rstats["usec"].items(), key=lambda kv: -kv[1])[:12]
+        "usec_per_request_by_name": {
+            k: round(v / requests, 1) for k, v in sorted(rstats["usec"].items(), key=lambda kv: -kv[1])
         },
         "keys_after": sizes,
     }

@@ -49,8 +49,8 @@ def _turns(report: dict[str, Any]) -> str:
 def runs_table(report: dict[str, Any], workload: str) -> list[str]:
     lines = [
         "| workers | placement | ok / n | prefix hit rate (per worker) | tokens prefilled | TTFT p50 / p99 ms "
-        "| follow-up turns' TTFT p50 / p99 ms | out tok/s | Redis commands / request | Redis CPU ms / request "
-        "| longest idle while queued s (worker idle share) |",
+        "| follow-up turns' TTFT p50 / p99 ms | out tok/s | Redis commands / request "
+        "| Redis CPU ms / request (model slot's) | longest idle while queued s (worker idle share) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
@@ -64,7 +64,8 @@ def runs_table(report: dict[str, Any], workload: str) -> list[str]:
             f"**{_f(p['hit_rate'], 3)}** ({per}) | {_f(p['prefilled_tokens'])} | "
             f"{_f(a['ttft_ms']['p50'])} / {_f(a['ttft_ms']['p99'])} | "
             f"{_f(follow['p50']) if follow else '-'} / {_f(follow['p99']) if follow else '-'} | "
-            f"{a['output_throughput']} | {r['redis']['commands_per_request']} | {r['redis']['cpu_ms_per_request']} | "
+            f"{a['output_throughput']} | {r['redis']['commands_per_request']} | {r['redis']['cpu_ms_per_request']} "
+            f"({r['redis']['model_slot_ms_per_request']}) | "
             f"{idle['longest_s']} ({', '.join(_f(x, 2) for x in idle['idle_share_by_worker'])}) |"
         )
     return lines

@@ -339,9 +339,10 @@ def linear_in_workers(points: dict[int, float]) -> tuple[float, float] | None:
 
 
 def redis_projection(report: dict[str, Any], sim_workers: list[int]) -> dict[str, Any]:
-    """Redis commands and CPU per request at each worker count (linear fits on the measured affinity
-    runs), the request rate one Redis core then sustains for the model (all its keys share one slot, so
-    one shard's core serves them), and the summaries' size."""
+    """Redis commands per request and the model slot's Redis time per request (its scripts and the
+    summary updates) at each worker count, linear fits on the measured affinity runs; the request rate
+    one Redis core then sustains for the model (all its queue keys share one slot, so one shard's core
+    serves them); and the summaries' size."""
     out: dict[str, Any] = {}
     for workload in (MULTI_TURN, SHARED_PREFIX):
         runs = [r for r in report["runs"] if r["workload"] == workload and r["mode"] == "affinity"]
@@ -349,7 +350,7 @@ def redis_projection(report: dict[str, Any], sim_workers: list[int]) -> dict[str
         if not runs:
             continue
         cmds = linear_in_workers({r["workers"]: r["redis"]["commands_per_request"] for r in runs})
-        cpu = linear_in_workers({r["workers"]: r["redis"]["cpu_ms_per_request"] for r in runs})
+        cpu = linear_in_workers({r["workers"]: r["redis"]["model_slot_ms_per_request"] for r in runs})
         summary_bytes = held_member_bytes(runs)
         rows = []
         for n in sim_workers:
@@ -358,14 +359,14 @@ def redis_projection(report: dict[str, Any], sim_workers: list[int]) -> dict[str
                 row["commands_per_request"] = round(cmds[0] + cmds[1] * n, 1)
             if cpu:
                 ms = max(1e-6, cpu[0] + cpu[1] * n)
-                row["redis_cpu_ms_per_request"] = round(ms, 3)
+                row["model_slot_ms_per_request"] = round(ms, 4)
                 row["max_requests_per_s_one_redis_core"] = round(1000 / ms)
             if summary_bytes:
                 row["summaries_mb"] = round(n * report["engine"]["num_kv_blocks"] * summary_bytes / 1e6, 1)
             rows.append(row)
         out[workload] = {
             "fit_commands": cmds,
-            "fit_cpu_ms": cpu,
+            "fit_model_slot_ms": cpu,
             "plain_commands_per_request": {r["workers"]: r["redis"]["commands_per_request"] for r in plain},
             "bytes_per_summary_member": summary_bytes,
             "rows": rows,
@@ -452,9 +453,11 @@ def limits(projection: dict[str, Any]) -> list[str]:
                 f"{kind}: Redis commands per request = {c0:.1f} + {c1:.2f} x workers (fit on the measured affinity "
                 f"runs); {rows[-1].get('commands_per_request')} at {rows[-1]['workers']} workers."
             )
-        if r.get("fit_cpu_ms") and rows[-1].get("max_requests_per_s_one_redis_core"):
+        if r.get("fit_model_slot_ms") and rows[-1].get("max_requests_per_s_one_redis_core"):
+            s0, s1 = r["fit_model_slot_ms"]
             lines.append(
-                f"{kind}: one Redis core (the model's keys share one slot, so one shard's core) serves at most "
+                f"{kind}: the model slot's Redis time per request (queue scripts, summary updates) = {s0:.3f} + "
+                f"{s1:.4f} x workers ms; one Redis core (the model's queue keys share one slot) serves at most "
                 f"{rows[0]['max_requests_per_s_one_redis_core']} requests/s at {rows[0]['workers']} workers and "
                 f"{rows[-1]['max_requests_per_s_one_redis_core']} at {rows[-1]['workers']}."
             )
