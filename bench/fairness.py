@@ -54,9 +54,9 @@ from shared.settings import Settings
 A, B, HEAVY, LIGHT = "A", "B", "weight3", "weight1"
 WEIGHTS = {HEAVY: 3.0, LIGHT: 1.0}
 TARGET_TTFT_RATIO, TARGET_THROUGHPUT_RATIO, TARGET_WEIGHT_ERROR = 2.0, 0.95, 0.10
-# The settings that turn fair share off for every process of a stack (today's FCFS pull). Empty: the
-# anchor sends every request under one tenant instead, which one FIFO lane serves in arrival order.
-FCFS_ENV: dict[str, str] = {}
+# The settings that turn fair share off for every process of a stack (today's FCFS pull: one stream per
+# priority). Empty: the anchor sends every request under one tenant instead, which one FIFO lane serves.
+FCFS_ENV: dict[str, str] = {"INFLIGHTQ_FAIR_SHARE": "false"}
 SETUPS = ("standalone:1", "standalone:2", "cluster:2")
 PARTIAL = Path("/tmp/inflightq-bench-fairness-partial.json")
 IDLE_WAIT_S = 180.0
@@ -64,7 +64,7 @@ IDLE_WAIT_S = 180.0
 
 def key_spec(secret: str, weight: float) -> str:
     """An INFLIGHTQ_API_KEYS entry: the key and its fair-share weight (no priority ceiling, no rate limit)."""
-    return secret if weight == 1.0 else f"{secret}:::{weight:g}"
+    return f"{secret}:weight={weight:g}"
 
 
 @dataclass
