@@ -31,6 +31,7 @@ from shared.settings import Settings
 from shared.work_queue import PULL, pull_args, pull_keys
 from worker.acceptance import Acceptance
 from worker.engine.core.policy import Capacity, EngineLoad, how_many_to_steal
+from worker.offer_stats import OfferStats
 from worker.reconnect import ResilientLoop
 from worker.run_state import RunState
 from worker.streams import ensure_groups, is_missing_group, priority_streams, steal_after_ms
@@ -81,6 +82,7 @@ class Intake(ResilientLoop):
         self.streams = priority_streams(self.keys, model, settings.priority_levels)
         self._pull = connection.register_script(PULL)
         self.steal_after_ms = steal_after_ms(settings)
+        self.offer_stats = OfferStats(self.keys, model, name, self.steal_after_ms)
         self._first_seen: dict[str, float] = {}  # urgent entries left for a free worker, by entry id
         self._pool_free: tuple[float, bool] = (0.0, False)  # (when asked, another worker has a free slot)
 
@@ -150,10 +152,14 @@ class Intake(ResilientLoop):
             steal_after_ms=self.steal_after_ms,
             peek=peek,
         )
-        return [
+        picks = [
             (str(stream), str(entry_id), dict(zip(flat[::2], flat[1::2], strict=True)), float(share))
             for stream, entry_id, flat, share, _tenant in self._pull(keys=keys, args=args)
         ]
+        if not peek:
+            for stream, entry_id, _, _ in picks:
+                self.offer_stats.pulled(stream, entry_id, idle=idle)
+        return picks
 
     def _urgent_share(self, urgent: list[tuple[str, str, dict[str, str], float]]) -> int:
         """How many of the entries that would displace work here to take now: all of them, unless

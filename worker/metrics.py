@@ -80,6 +80,39 @@ class WorkerCollector:
         for reason, count in stats.preemptions_by_reason.items():
             by_reason.add_metric([*values, reason], count)
         yield by_reason
+        yield from self._affinity(names, values)
+
+    def _affinity(self, names: list[str], values: list[str]) -> Iterator[Metric]:
+        """Prefix reuse and where pulls came from (``offer_stats``): the affinity panel's counters."""
+        stats, offers = self.service.engine.stats, self.service.intake.offer_stats
+        singles = {
+            "prefill_tokens": (
+                "Prompt tokens computed: looked up in the prefix cache and not found (the rest were reused).",
+                stats.prefix_cache_queries - stats.prefix_cache_hits,
+            ),
+            "affinity_offers_taken": (
+                "Requests offered to this worker (it held their prefix) and pulled by it.",
+                offers.offers_taken,
+            ),
+            "affinity_offers_timed_out": (
+                "Requests offered to another live, busy worker that this worker took once the offer had waited "
+                "affinity_steal_after_ms.",
+                offers.steals["timed_out"],
+            ),
+        }
+        for name, (doc, value) in singles.items():
+            family = CounterMetricFamily(f"inflightq_worker_{name}", doc, labels=names)
+            family.add_metric(values, value)
+            yield family
+        steals = CounterMetricFamily(
+            "inflightq_worker_affinity_steals",
+            "Requests offered to another worker that this one took: idle (this worker ran nothing), timed_out (the "
+            "offer waited affinity_steal_after_ms) or worker_gone (its worker died or drains).",
+            labels=[*names, "reason"],
+        )
+        for reason, count in offers.steals.items():
+            steals.add_metric([*values, reason], count)
+        yield steals
 
 
 def serve_metrics(service: WorkerService, port: int) -> None:
