@@ -14,7 +14,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
-from producer_api import errors, routes_ops
+from producer_api import adapters, errors, routes_ops
 from producer_api.api_keys import RateLimiter, limits_storage, load_keys
 from producer_api.batches import routes as batches
 from producer_api.batches.files import max_file_bytes
@@ -151,7 +151,9 @@ def create_app(
             {"name": "Operations", "description": "Health and Prometheus metrics."},
         ],
     )
-    routers = [tgi.router, openai.router, jobs.router, responses.router, batches.router, routes_ops.router]
+    routers = [
+        tgi.router, openai.router, adapters.router, jobs.router, responses.router, batches.router, routes_ops.router
+    ]  # fmt: skip
     errors.install(app, routers)
     for router in routers:
         app.include_router(router)

@@ -149,6 +149,7 @@ class SubmitOptions(TypedDict, total=False):
     tenant: str | None
     request_id: str | None
     check_depth: bool
+    adapter: str | None
 
 
 def cancelled_event(request_id: str) -> ErrorEvent:
@@ -253,10 +254,12 @@ class QueueCore:
         tenant: str | None = None,
         request_id: str | None = None,
         check_depth: bool = True,
+        adapter: str | None = None,
     ) -> Steps[str]:
         """A new request, normalised by ``shared.request_builder``: ``priority`` defaults to the
         settings' (0 = most urgent), ``deadline`` is a Unix time, ``check_depth=False`` skips the
-        queue-depth limit (batch work)."""
+        queue-depth limit (batch work), ``adapter`` names a LoRA adapter of ``model`` (``shared.adapters``;
+        the worker fails a request naming one it does not find)."""
         request = build_request(
             self.settings,
             model,
@@ -267,6 +270,7 @@ class QueueCore:
             tenant=tenant,
             request_id=request_id,
         )
+        request.adapter = adapter
         return (yield from self.enqueue(request, check_depth=check_depth))
 
     def enqueue(

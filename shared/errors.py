@@ -41,6 +41,12 @@ class ModelNotFoundError(ValidationError):
     subtype = "model_not_found"
 
 
+class AdapterNotFoundError(ModelNotFoundError):
+    """A LoRA adapter (an OpenAI ``model``, TGI's ``adapter_id``) the deployment does not have: 404 on every route."""
+
+    http_status = 404
+
+
 class MalformedBodyError(ValidationError):
     """A body that is not JSON (or none at all)."""
 

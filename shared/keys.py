@@ -157,6 +157,11 @@ class Keys:
         """Set of model names that ever had a queue (for status and /v1/models)."""
         return self._k("models")
 
+    def adapters(self) -> str:
+        """Hash: LoRA adapter name -> its record (JSON: base model, path), the deployment's adapters
+        (``shared.adapters``)."""
+        return self._k("adapters")
+
     # Per request -------------------------------------------------------------------
     def request(self, request_id: str) -> str:
         """Hash: status, model, priority, timestamps, worker, result (JSON) when final."""

@@ -195,6 +195,18 @@ class Settings(BaseSettings):
         "kernels built), else float32.",
     )
     max_num_seqs: int = Field(64, ge=1, description="Sequences one worker runs at once.")
+    lora_adapters: CommaList = Field(
+        default_factory=list,
+        description="LoRA adapters (PEFT's format) of the worker's model, name=path comma-separated: the worker "
+        "registers them in Redis at start, where every worker and API replica finds them; requests name one "
+        "as the OpenAI model or TGI's adapter_id. More are registered at run time (POST /v1/load_lora_adapter).",
+    )
+    max_loras: int = Field(
+        4,
+        ge=0,
+        description="LoRA adapters a worker holds loaded at once (least recently used dropped beyond; one a running "
+        "request uses is kept); 0 = the worker serves no adapters.",
+    )
     max_num_batched_tokens: int = Field(512, ge=1, description="Tokens one engine step processes at most.")
     max_prefill_tokens_beside_decodes: int = Field(
         128,
@@ -296,6 +308,13 @@ class Settings(BaseSettings):
     @field_validator("models", "api_keys", "tenant_metrics", mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("lora_adapters", mode="before")
+    @classmethod
+    def _split_adapters(cls, value: object) -> object:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value

@@ -38,6 +38,7 @@ def engine_config(settings: Settings, **overrides: Any) -> EngineConfig:
         # Workers sharing a host share its CPUs as they share its memory.
         "cpu_threads": settings.torch_threads,
         "cpu_share": 1 / settings.workers_per_host,
+        "max_loras": settings.max_loras,
     }
     return EngineConfig(**(fields | overrides))
 

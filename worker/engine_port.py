@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from worker.engine.core.block_manager import CacheChanges
 from worker.engine.core.outputs import EngineEvent, EngineStats
@@ -40,6 +40,7 @@ class Engine(Protocol):
         deadline: float | None = None,
         tenant: str | None = None,
         prior_output_token_ids: Sequence[int] = (),
+        lora: Any = None,  # a worker.engine.LoRARequest
     ) -> None: ...
 
     def interrupt_for(self, priority: int) -> bool: ...

@@ -34,6 +34,7 @@ from shared.settings import Settings
 from shared.tenant_labels import TenantLabels
 from worker.acceptance import Acceptance
 from worker.active import ActiveRequest, failure_suspects
+from worker.adapters import WorkerAdapters, preload
 from worker.cancel_listener import CancelListener
 from worker.engine.core.policy import Capacity
 from worker.engine_port import Engine
@@ -103,6 +104,9 @@ class WorkerService:
         # UTF-8 in a stream entry reach acceptance as lone surrogates (and are dead-lettered) instead of
         # raising in the intake's read, which stopped every worker.
         self.redis = connect(settings, **redis_kwargs(settings, encoding_errors="surrogateescape"))
+        self.adapters = WorkerAdapters(settings, self.redis, self.model)
+        self.adapters.register_configured()
+        preload(engine, self.adapters.of_model(), settings.max_loras)
         self.publisher = Publisher(settings, self.redis, self.name)
         self.acceptance = Acceptance(
             settings, self.redis, self.publisher, self.name, self.model, self._hand_over, self.counters
@@ -251,6 +255,7 @@ class WorkerService:
                 deadline=request.deadline,
                 tenant=request.tenant,
                 prior_output_token_ids=active.prior_token_ids,
+                lora=self.adapters.request_for(request.adapter) if request.adapter else None,
                 share=active.share,
             )
         except Exception as error:  # the engine refuses this request (too long, bad token ids, ...)

@@ -205,6 +205,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "inflightq"
+    parent: str | None = Field(None, description="A LoRA adapter's base model (vLLM's field); null for a model.")
 
 
 class ModelList(BaseModel):

@@ -12,6 +12,7 @@ import anyio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from producer_api.adapters import adapters_of, resolve_model_or_adapter
 from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
 from producer_api.models_common import OPENAI_ERRORS, OpenAIErrorBody
@@ -45,7 +46,7 @@ from producer_api.routing import OpenAIRoute
 from producer_api.state import AppState, arrival, state_of
 from producer_api.streaming import unless_disconnected
 from producer_api.tokenization import enforce_limits
-from producer_api.validation import check_stops, resolve_deadline, resolve_model, resolve_priority
+from producer_api.validation import check_stops, resolve_deadline, resolve_priority
 from shared.errors import ModelNotFoundError, UnsupportedParameterError, ValidationError
 from shared.request_builder import derived, new_request, sampling_spec
 from shared.schemas import Constraint, QueuedRequest
@@ -83,6 +84,7 @@ def build_plan(
     max_tokens_field: str,
     logprobs: int | None,
     constraint: Constraint | None = None,
+    adapter: str | None = None,
 ) -> Plan:
     settings = st.settings
     stops = check_stops(settings, body.stop_list)
@@ -115,6 +117,8 @@ def build_plan(
         for ids in limited
         for j in range(body.n)
     ]
+    for sub in subs:
+        sub.adapter = adapter
     return Plan(body.model, limited, subs, body.n)
 
 
@@ -158,7 +162,7 @@ async def completions(
     request: Request, body: CompletionRequest, key: ApiKey | None = Depends(authenticate)
 ) -> Response:
     st = state_of(request)
-    body.model = resolve_model(st.settings, body.model)
+    body.model, adapter = await resolve_model_or_adapter(st, body.model)
     st.tokenizers.get(body.model)  # unknown model -> 422 before any work
     reject_unsupported(suffix=body.suffix, logit_bias=body.logit_bias)
     constraint = response_format_constraint(body.response_format)
@@ -176,6 +180,7 @@ async def completions(
         max_tokens_field="max_tokens",
         logprobs=body.logprobs,
         constraint=constraint,
+        adapter=adapter,
     )
     ids = await st.dispatcher.submit_all(plan.submissions, key=key)
     echoes = [st.tokenizers.decode(body.model, p) if body.echo else "" for p in plan.prompts]
@@ -239,7 +244,7 @@ async def chat_completions(
     request: Request, body: ChatCompletionRequest, key: ApiKey | None = Depends(authenticate)
 ) -> Response:
     st = state_of(request)
-    body.model = resolve_model(st.settings, body.model)
+    body.model, adapter = await resolve_model_or_adapter(st, body.model)
     st.tokenizers.get(body.model)
     reject_unsupported(logit_bias=body.logit_bias)
     if body.top_logprobs is not None and not body.logprobs:
@@ -264,6 +269,7 @@ async def chat_completions(
         max_tokens_field=max_tokens_field,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         constraint=tools.constraint if calling and tools is not None else constraint,
+        adapter=adapter,
     )
     ids = await st.dispatcher.submit_all(plan.submissions, key=key)
     reply = reply_for(body, plan, "chat.completion.chunk", f"chatcmpl-{ids[0]}")
@@ -314,12 +320,17 @@ def chat_message(message: Any) -> dict[str, Any]:
 
 
 async def live_models(st: AppState) -> dict[str, ModelCard]:
-    """The served models that have a live worker, each dated by the start of one of them."""
+    """The served models that have a live worker, each dated by the start of one of them, and their LoRA
+    adapters (``parent``: the base model)."""
     served = set(st.settings.served_models)
     cards: dict[str, ModelCard] = {}
     for heartbeat in await st.dispatcher.live_workers():
         if heartbeat.model in served and heartbeat.model not in cards:
             cards[heartbeat.model] = ModelCard(id=heartbeat.model, created=int(heartbeat.started_at))
+    for name, record in (await adapters_of(st)).items():  # a LoRA adapter is listed while its base is
+        base = cards.get(record.base)
+        if base is not None and name not in cards:
+            cards[name] = ModelCard(id=name, created=base.created, parent=record.base)
     return cards
 
 

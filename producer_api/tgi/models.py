@@ -37,7 +37,9 @@ class GenerateParameters(RequestOptions, StrictModel):
     grammar: Grammar | None = Field(
         None, description="Structured output: {'type': 'json', 'value': schema} or {'type': 'regex', 'value': pattern}."
     )
-    adapter_id: str | None = Field(None, description="Not supported; must be null.")
+    adapter_id: str | None = Field(
+        None, description="A LoRA adapter of the model, by its registered name (POST /v1/load_lora_adapter)."
+    )
     max_new_tokens: int | None = Field(None, ge=1, examples=[32])
     repetition_penalty: float | None = Field(None, gt=0.0)
     return_full_text: bool = Field(False, description="Prepend the prompt to generated_text.")

@@ -11,6 +11,7 @@ import anyio
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from producer_api.adapters import resolve_adapter_id
 from producer_api.api_keys import ApiKey
 from producer_api.auth import authenticate
 from producer_api.dispatch import Dispatcher
@@ -30,7 +31,7 @@ from producer_api.validation import (
     resolve_deadline,
     resolve_priority,
 )
-from shared.errors import UnsupportedParameterError, ValidationError
+from shared.errors import ValidationError
 from shared.request_builder import derived, new_request, sampling_spec
 from shared.schemas import Constraint, QueuedRequest
 
@@ -59,13 +60,12 @@ async def plan(request: Request, body: GenerateRequest, key: ApiKey | None, *, s
     st = state_of(request)
     settings = st.settings
     p = body.parameters
-    if p.adapter_id is not None:
-        raise UnsupportedParameterError("adapters are not supported", field="parameters.adapter_id")
     best_of = p.best_of or 1
     check_stops(settings, p.stop, "parameters.stop")
     priority = resolve_priority(settings, p.priority, key)
     deadline = resolve_deadline(p)
     model = settings.model
+    adapter = await resolve_adapter_id(st, model, p.adapter_id, "parameters.adapter_id") if p.adapter_id else None
     ids = await anyio.to_thread.run_sync(st.tokenizers.encode, model, body.inputs)
     ids, max_new_tokens = enforce_limits(
         settings,
@@ -108,6 +108,8 @@ async def plan(request: Request, body: GenerateRequest, key: ApiKey | None, *, s
         new_request(model, ids, derived(spec, i), priority=priority, deadline=deadline, tenant=tenant)
         for i in range(best_of)
     ]
+    for submission in submissions:
+        submission.adapter = adapter
     return TgiPlan(submissions[0], body, time.perf_counter(), submissions)
 
 

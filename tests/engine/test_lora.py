@@ -133,7 +133,7 @@ def test_held_adapters_are_bounded_least_recently_used_first(
 
 def test_an_adapter_the_engine_cannot_serve_is_refused(make_engine: Any, tmp_path: Path) -> None:
     llm = make_llm(make_engine)
-    with pytest.raises(AdapterError, match="adapter_config.json"):
+    with pytest.raises(AdapterError, match=r"adapter_config\.json"):
         llm.generate([[5, 6, 7]], lora_request=LoRARequest("missing", str(tmp_path)))
     base_only = make_llm(make_engine, max_loras=0)
     with pytest.raises(ValueError, match="serves none"):

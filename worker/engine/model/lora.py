@@ -12,7 +12,7 @@ own adapter's columns (zeros elsewhere add nothing, so a row without an adapter 
 output exactly); each prefill chunk, many rows of one adapter, with its own A and B.
 
 Where it hooks in: every linear layer inside the decoder's layers gets a ``LoraLinear`` forward
-(only when the engine serves adapters, ``EngineConfig.max_loras``) that adds the step's delta
+(once the engine loads its first adapter) that adds the step's delta
 when the step has adapter rows and is the old forward otherwise. A step with adapter rows takes
 transformers' layer forward (the fused decoder layers and the one-op decode step check
 ``meta.lora``), which calls those forwards; a step without keeps every fast path untouched.
@@ -212,12 +212,17 @@ class AdapterSet:
         self.step: LoraStep | None = None  # set by the runner around a forward with adapter rows
         self.loads = 0
         self.evictions = 0
+        self._installed = False
+
+    def _install(self) -> None:
+        """Wraps the targets' forwards, at the first load: an engine that never loads an adapter runs unchanged."""
         for name, linear in self.targets.items():
             forward = linear.__dict__.get("forward")
             if isinstance(forward, LoraLinear):
                 forward.adapters = self  # a second engine over the same model object takes the forwards over
             else:
                 linear.forward = LoraLinear(self, name, linear.forward)  # type: ignore[method-assign]
+        self._installed = True
 
     def __len__(self) -> int:
         return len(self._adapters)
@@ -245,6 +250,8 @@ class AdapterSet:
         }
         with self._lock:
             adapter = self._adapters.get(request.key)  # another thread may have loaded it meanwhile
+            if not self._installed:
+                self._install()  # a step running now has no adapter rows: the wrappers pass its values through
             if adapter is None:
                 adapter = self._adapters[request.key] = Adapter(request, layers)
                 self.loads += 1
