@@ -139,3 +139,33 @@ def test_an_adapter_the_engine_cannot_serve_is_refused(make_engine: Any, tmp_pat
     with pytest.raises(ValueError, match="serves none"):
         base_only.generate([[5, 6, 7]], lora_request=LoRARequest("missing", str(tmp_path)))
     assert not llm.engine.has_unfinished()
+
+
+def test_the_fused_cpu_path_steps_aside_for_adapter_rows(
+    tiny_model_dir: Path, adapters: dict[str, LoRARequest]
+) -> None:
+    """float32 on the CPU kernels (fused decoder layers, packed matmuls): a step with adapter rows runs the
+    layers' own code with the deltas, the base rows beside them keep the fused path's values."""
+    from peft import PeftModel
+
+    from worker.engine import EngineConfig, LLMEngine
+    from worker.engine.model.fused_decoder_layer import FusedDecoderLayer
+    from worker.engine.model.model_loader import load_model
+
+    model, tokenizer = load_model(str(tiny_model_dir), torch.float32, "cpu")
+    ref_base, _ = load_model(str(tiny_model_dir), torch.float32, "cpu")
+    llm = LLM.__new__(LLM)
+    llm.engine, llm._next_id = (
+        LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=256, block_size=4, max_loras=4)),
+        0,
+    )
+    if not any(isinstance(layer.__dict__.get("forward"), FusedDecoderLayer) for layer in model.model.layers):
+        pytest.skip("the CPU kernels are not built here: no fused layers to step aside from")
+    batch = prompts(6, seed=15)
+    names = [None, "all", "mlp", None, "attn", "all"]
+    outs = llm.generate(
+        batch, SamplingParams(max_new_tokens=MAX_NEW), lora_request=[adapters[n] if n else None for n in names]
+    )
+    for prompt, name, out in zip(batch, names, outs, strict=True):
+        ref = PeftModel.from_pretrained(copy.deepcopy(ref_base), adapters[name].path).eval() if name else ref_base
+        assert out.token_ids == reference(ref, prompt, MAX_NEW), f"adapter {name} diverged on the fused path"
