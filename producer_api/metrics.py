@@ -71,6 +71,8 @@ TENANT_REJECTIONS = Counter(
     ["tenant", "limit"],
     registry=REGISTRY,
 )
+# The names TENANT_REJECTIONS' limit label takes.
+REJECTION_LIMITS = ("tenant_overloaded", "overloaded", "requests_per_minute", "tokens_per_minute")
 CANCELLED_ON_DISCONNECT = Counter(
     "inflightq_api_cancelled_on_disconnect_total",
     "Requests cancelled because their client went away before the end.",

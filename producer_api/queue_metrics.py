@@ -17,6 +17,7 @@ from producer_api.state import api_client_name
 from shared.client import QueueClient
 from shared.redis_connect import connect
 from shared.settings import Settings
+from shared.tenant_labels import TenantLabels
 
 
 class QueueCollector(Collector):
@@ -32,18 +33,22 @@ class QueueCollector(Collector):
             client_name=api_client_name(settings),  # counted with the API's pool (CLIENT LIST)
         )
         self.client = QueueClient(settings, client=connection)
+        self.labels = TenantLabels.from_settings(settings)
 
     def describe(self) -> list[GaugeMetricFamily]:
         return list(self._families())
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        up, depth, oldest, workers, dead = self._families()
+        up, depth, oldest, workers, dead, tenant_depth = self._families()
         try:
             models = sorted({*self.settings.served_models, *self.client.models()})
             beats = self.client.live_workers()
             for model in models:
                 for priority, waiting in self.client.queue_depth(model).items():
                     depth.add_metric([model, str(priority)], waiting)
+                by_tenant = self.labels.top(self.client.tenant_waiting(model), self.settings.tenant_metrics_max)
+                for tenant, waiting in by_tenant.items():
+                    tenant_depth.add_metric([model, tenant], waiting)
                 oldest.add_metric([model], self.client.oldest_waiting_age_s(model))
                 workers.add_metric([model], sum(1 for beat in beats if beat.model == model))
                 dead.add_metric([model], self.client.redis.xlen(self.client.keys.dead_letters(model)))
@@ -52,7 +57,7 @@ class QueueCollector(Collector):
             yield up
             return
         up.add_metric([], 1)
-        yield from (up, depth, oldest, workers, dead)
+        yield from (up, depth, oldest, workers, dead, tenant_depth)
 
     @staticmethod
     def _families() -> tuple[GaugeMetricFamily, ...]:
@@ -75,6 +80,12 @@ class QueueCollector(Collector):
                 "inflightq_queue_dead_letters",
                 "Entries in a model's dead-letter stream (requests given up after too many deliveries).",
                 labels=["model"],
+            ),
+            GaugeMetricFamily(
+                "inflightq_queue_tenant_depth",
+                "Requests waiting in Redis per model and tenant, every priority together: the tenant_metrics by name, "
+                "then the tenant_metrics_max deepest others, the rest as 'other' (none: requests without a tenant).",
+                labels=["model", "tenant"],
             ),
         )
 

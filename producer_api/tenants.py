@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from producer_api import metrics
 from producer_api.api_keys import ApiKey
 from shared.errors import ValidationError
 from shared.settings import Settings
-from shared.tenant_labels import TenantLabels
+from shared.tenant_labels import OTHER, TenantLabels
 
 MAX_TENANT_LENGTH = 128  # QueuedRequest ids' bound: a tenant is no longer than a request id
 
@@ -38,6 +39,9 @@ class Tenants:
                 # The message names the tenant, never a key: its entry holds the secret.
                 raise ValueError(f"the API keys of tenant {key.tenant!r} give it different weights or max_queued")
         self._default = TenantTerms(1.0, settings.tenant_max_queued)
+        for tenant in [*settings.tenant_metrics, OTHER]:  # at 0 from the start: a rate needs a series before a 429
+            for limit in metrics.REJECTION_LIMITS:
+                metrics.TENANT_REJECTIONS.labels(tenant, limit)
 
     def terms(self, tenant: str | None) -> TenantTerms:
         return self._terms.get(tenant or "", self._default)

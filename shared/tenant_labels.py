@@ -37,8 +37,10 @@ class TenantLabels:
 
     def top(self, counts: dict[str, int], n: int) -> dict[str, int]:
         """``counts`` (tenant -> count) folded into at most the configured tenants plus the ``n``
-        largest others plus ``other``: for values read whole at each scrape (queue depth)."""
-        folded: dict[str, int] = {}
+        largest others plus ``other``: for values read whole at each scrape (queue depth). The
+        configured tenants and ``other`` are always there, at 0 when nothing counts for them, so a
+        series never vanishes while its tenant is idle."""
+        folded: dict[str, int] = dict.fromkeys([*self._named, OTHER], 0)
         others = sorted(
             ((count, tenant) for tenant, count in counts.items() if tenant not in self._named and tenant),
             reverse=True,
