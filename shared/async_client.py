@@ -105,6 +105,10 @@ class AsyncQueueClient:
     async def queue_depth(self, model: str) -> dict[int, int]:
         return await self._run(self._core.queue_depth(model))
 
+    async def lanes(self, model: str) -> list[str]:
+        """Every lane and offer stream of the model, most urgent priority first."""
+        return await self._run(self._core.lanes(model))
+
     async def tenant_waiting(self, model: str) -> dict[str, int]:
         return await self._run(self._core.tenant_waiting(model))
 

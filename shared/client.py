@@ -110,6 +110,10 @@ class QueueClient:
         """Requests waiting (not yet taken by a worker), per priority."""
         return self._run(self._core.queue_depth(model))
 
+    def lanes(self, model: str) -> list[str]:
+        """Every lane and offer stream of the model, most urgent priority first."""
+        return self._run(self._core.lanes(model))
+
     def tenant_waiting(self, model: str) -> dict[str, int]:
         return self._run(self._core.tenant_waiting(model))
 

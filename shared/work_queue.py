@@ -12,7 +12,7 @@ them all. Every queue script names keys of the model's slot only, so each is ato
   least-served backlogged tenant's virtual time: no credit is banked while idle).
 - ``PULL`` (worker): the fair pick, ``count`` times: among the heads of the backlogged tenants'
   lanes, its own offers and the offers it may steal, the entry whose tenant has the lowest virtual
-  time (ties: its own offer, then the older entry); XREADGROUP it; charge the tenant
+  time (ties: the tenant with fewer waiting, then its own offer, then the older entry); XREADGROUP it; charge the tenant
   ``cost / weight``. ``PEEK`` is the same pick without taking (a full worker's displacement check).
 - ``SETTLE`` (worker): at the request's end, refunds ``(cost - used) / weight`` so the tenant is
   charged what it used, and XACKs and XDELs the entry in the same script: it runs once per entry.
@@ -217,10 +217,10 @@ for n = 1, count do
   local function consider(stream, e, rank)
     if not e then return end
     local tenant = field(e[2], 'tenant') or ''
-    local v = vtime(tenant)
-    if best == nil or v < best.v or (v == best.v and (rank < best.rank
-        or (rank == best.rank and older(e[1], best.e[1])))) then
-      best = {stream = stream, e = e, tenant = tenant, v = v, rank = rank}
+    local v, queued = vtime(tenant), waiting(tenant)
+    if best == nil or v < best.v or (v == best.v and (queued < best.queued or (queued == best.queued
+        and (rank < best.rank or (rank == best.rank and older(e[1], best.e[1])))))) then
+      best = {stream = stream, e = e, tenant = tenant, v = v, queued = queued, rank = rank}
     end
   end
   consider(KEYS[1], head(KEYS[1]), 1)

@@ -41,6 +41,7 @@ class Engine(Protocol):
         tenant: str | None = None,
         prior_output_token_ids: Sequence[int] = (),
         lora: Any = None,  # a worker.engine.LoRARequest
+        share: float = 0.0,
     ) -> None: ...
 
     def interrupt_for(self, priority: int) -> bool: ...

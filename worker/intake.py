@@ -28,9 +28,9 @@ import redis
 from shared.client_core import filter_heartbeats
 from shared.keys import Keys
 from shared.settings import Settings
-from shared.work_queue import PULL, pull_args, pull_keys
+from shared.work_queue import PULL, TENANT_FIELD, pull_args, pull_keys
 from worker.acceptance import Acceptance
-from worker.engine.core.policy import Capacity, EngineLoad, how_many_to_steal
+from worker.engine.core.policy import Capacity, EngineLoad, arriving, how_many_to_steal
 from worker.offer_stats import OfferStats
 from worker.reconnect import ResilientLoop
 from worker.run_state import RunState
@@ -120,9 +120,13 @@ class Intake(ResilientLoop):
             if not waiting:
                 continue
             lengths = [self.acceptance.prompt_length(fields) for _, _, fields, _ in waiting]
+            # As the engine will rank them: their tenant's share decides between tenants at a level.
+            urgencies = [
+                arriving(priority, share=share, tenant=fields.get(TENANT_FIELD, "")) for _, _, fields, share in waiting
+            ]
             # Fresh: what a more urgent stream just handed over claims its victims.
             in_transit = self.load.in_transit()
-            take = self.capacity.how_many_to_take(load, in_transit, priority, lengths, idle=idle)
+            take = self.capacity.how_many_to_take(load, in_transit, priority, lengths, idle=idle, urgencies=urgencies)
             count = take.fit + self._urgent_share(waiting[take.fit : take.total])
             if count:
                 for stream, entry_id, fields, share in self.pull(priority, count, idle=idle, peek=False):

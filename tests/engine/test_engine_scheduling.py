@@ -223,7 +223,7 @@ def test_preemptions_are_counted_by_reason_with_the_tokens_thrown_away(make_engi
     engine.add_request("urgent", prompt(5), GREEDY, priority=0)
     engine.step()
     stats = engine.stats
-    assert stats.preemptions_by_reason == {"kv_blocks": 0, "urgency": 1}
+    assert stats.preemptions_by_reason == {"kv_blocks": 0, "urgency": 1, "fair_share": 0}
     assert stats.recomputed_tokens == len(prompt(4)) + 2  # the prompt and all but the last sampled token
     run_to_end(engine)
 

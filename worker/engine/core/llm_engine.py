@@ -167,6 +167,7 @@ class LLMEngine:
         tenant: str | None = None,
         prior_output_token_ids: Seq[int] = (),
         lora: LoRARequest | None = None,
+        share: float = 0.0,
     ) -> None:
         """``lora``: the adapter the request runs with (loaded here if the engine does not hold it; raises
         ``lora.AdapterError`` for one it cannot serve, ``ValueError`` where the engine serves no adapters)."""
@@ -198,6 +199,7 @@ class LLMEngine:
                 detokenizer=detok,
             )  # fmt: skip
             seq.matcher = matcher
+            seq.share = share
             if self._speculates(params):
                 assert self.speculator is not None
                 seq.speculation = self.speculator.new_state()

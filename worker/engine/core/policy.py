@@ -23,17 +23,21 @@ The words, one meaning each:
 - *victim*: the one a preemption takes, whatever the reason (short of KV blocks, or displaced):
   the least urgent, the newest among equals.
 
-Where the next rules go:
+Fair share between tenants inside a level (VTC, a virtual token counter): each tenant's *share* is
+its virtual time, the tokens it was served over its weight (``charge`` at the pull, ``settle`` at
+the end to what it used, ``lift`` when it becomes backlogged, so an idle tenant banks no credit).
+The pull point picks the entry whose tenant's share is lowest (``fair_pick``); the queue's Lua
+(``shared.work_queue``) mirrors these functions, and a test checks the two agree. Inside the
+engine the share is a part of ``Urgency`` between the level and the rest, so within a level the
+tenant furthest under its share runs first; "a tenant under its share displaces one over it" is the
+fair clause of ``displaces`` (past ``FAIR_MARGIN``, once per request, at most once per
+``FAIR_DISPLACE_EVERY_STEPS`` steps: bounded, so it cannot thrash). ``runs_first`` compares levels
+only.
 
-- Fair share between tenants inside a priority: a part of ``Urgency`` between
-  ``effective_priority`` and ``arrival`` (the tenant's token-counted virtual time, so that within a
-  level the tenant furthest under its share runs before), filled by ``Policy.urgency`` and
-  ``arriving``; "a tenant under its share displaces one over it" is a clause of ``displaces``.
-  ``runs_first`` compares levels only and stays as it is.
-- Prefix and adapter affinity decide where, never what: among entries of equal standing a worker
-  prefers those whose prefix or adapter it holds, and an entry is left for the worker that holds
-  them until ``how_many_to_steal`` lets another take it, as an urgent entry is left for a worker
-  with a free slot.
+Prefix affinity decides where, never what: an entry offered to the worker that holds its prefix is
+left to it until ``offer_stealable`` lets another take it (as an urgent entry is left for a worker
+with a free slot until ``how_many_to_steal``); among entries of equal share a worker takes its own
+offers first.
 """
 
 from __future__ import annotations
@@ -52,10 +56,36 @@ T = TypeVar("T")
 
 
 class Urgency(NamedTuple):
-    """A request's place in the order, compared part by part: lower runs sooner."""
+    """A request's place in the order: lower runs sooner. Compared by its level (the effective
+    priority rounded up to a whole level), then its tenant's share, then the effective priority and
+    arrival: without tenants (one share), exactly by effective priority and arrival."""
 
     effective_priority: float  # priority less aging credit: the request's level
     arrival: float  # among equals, earlier first; ``math.inf`` for a request not yet in the engine
+    share: float = 0.0  # its tenant's virtual time when pulled: within a level, the lowest runs first
+    tenant: str = ""  # the fair clause of ``displaces`` is between tenants
+    shielded: bool = False  # displaced once for fair share: never again for it
+
+    @property
+    def key(self) -> tuple[int, float, float, float]:
+        return (level(self), self.share, self.effective_priority, self.arrival)
+
+    def __lt__(self, other: object) -> bool:
+        return self.key < other.key if isinstance(other, Urgency) else NotImplemented
+
+    def __le__(self, other: object) -> bool:
+        return self.key <= other.key if isinstance(other, Urgency) else NotImplemented
+
+    def __gt__(self, other: object) -> bool:
+        return self.key > other.key if isinstance(other, Urgency) else NotImplemented
+
+    def __ge__(self, other: object) -> bool:
+        return self.key >= other.key if isinstance(other, Urgency) else NotImplemented
+
+
+def level(urgency: Urgency) -> int:
+    """The whole level an urgency is at: a request aged part of the way to the next level is still at its own."""
+    return math.ceil(round(urgency.effective_priority, 9))
 
 
 @dataclass(frozen=True)
@@ -67,13 +97,13 @@ class Policy:
     def urgency(self, seq: Sequence, step: int) -> Urgency:
         """``seq``'s urgency at scheduler step ``step``."""
         age = (step - seq.arrival_step) / self.aging_steps if self.aging_steps else 0.0
-        return Urgency(seq.priority - age, seq.arrival)
+        return Urgency(seq.priority - age, seq.arrival, seq.share, seq.tenant or "", seq.fair_displaced)
 
 
-def arriving(priority: int, order: float = math.inf) -> Urgency:
+def arriving(priority: int, order: float = math.inf, share: float = 0.0, tenant: str = "") -> Urgency:
     """The urgency of a request not yet in the engine: no aging credit, behind everything already
     there, and ``order`` ranks those on their way among themselves."""
-    return Urgency(priority, order)
+    return Urgency(priority, order, share, tenant)
 
 
 def runs_before(first: Urgency, then: Urgency) -> bool:
@@ -81,8 +111,31 @@ def runs_before(first: Urgency, then: Urgency) -> bool:
 
 
 def displaces(challenger: Urgency, holder: Urgency) -> bool:
-    """Whether ``challenger`` may preempt ``holder`` to take its place: strictly more urgent."""
-    return runs_before(challenger, holder)
+    """Whether ``challenger`` may preempt ``holder`` to take its place: between tenants at one level,
+    the fair clause (``displaces_for_fairness``); otherwise strictly more urgent by effective priority
+    and arrival (the share never decides it, so a request displaced for fairness never wins its place back
+    by having come first)."""
+    if challenger.tenant != holder.tenant and level(challenger) == level(holder):
+        return displaces_for_fairness(challenger, holder)
+    return (challenger.effective_priority, challenger.arrival) < (holder.effective_priority, holder.arrival)
+
+
+# How far under a running request's tenant's share a waiting request's tenant must be to displace it
+# (tokens over weight): a request or two of difference is noise the queue's order settles by itself.
+FAIR_MARGIN = 512.0
+# The engine displaces for fair share at most once per this many steps: each costs a recompute.
+FAIR_DISPLACE_EVERY_STEPS = 4
+
+
+def displaces_for_fairness(challenger: Urgency, holder: Urgency) -> bool:
+    """The fair clause: ``challenger``'s tenant is under ``holder``'s tenant's share by more than
+    ``FAIR_MARGIN``, and ``holder`` was not displaced for fair share before."""
+    return not holder.shielded and challenger.share + FAIR_MARGIN < holder.share
+
+
+def fair_displacement_due(step: int, last_step: int | None) -> bool:
+    """Whether the engine may displace for fair share at ``step``, its last such displacement at ``last_step``."""
+    return last_step is None or step - last_step >= FAIR_DISPLACE_EVERY_STEPS
 
 
 def runs_first(urgent: Urgency, other: Urgency) -> bool:
@@ -126,6 +179,56 @@ class EngineLoad:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+
+# The fair pick (VTC) ------------------------------------------------------------------------------
+# Stated here; ``shared.work_queue``'s ENQUEUE, PULL and SETTLE do the same in Redis.
+
+
+def charge(share: float, cost: float, weight: float) -> float:
+    """A tenant's share once an entry of ``cost`` tokens is pulled for it (weights of 0 or less count as 1)."""
+    return share + cost / (weight if weight > 0 else 1.0)
+
+
+def settle(share: float, cost: float, used: float, weight: float) -> float:
+    """A tenant's share once a request it was charged ``cost`` for ends having used ``used`` tokens."""
+    return share - (cost - used) / (weight if weight > 0 else 1.0)
+
+
+def lift(own: float, backlogged: Iterable[float], clock: float) -> float:
+    """The share of a tenant that becomes backlogged: its own, raised to the least share among the
+    backlogged tenants (or, with none, to the share of the last pick): time idle banks no credit."""
+    floor = min(backlogged, default=clock)
+    return max(own, floor)
+
+
+class Candidate(NamedTuple):
+    """An entry the fair pick may take: the head of a backlogged tenant's lane or of an offer stream."""
+
+    share: float  # its tenant's
+    waiting: int  # its tenant's entries not yet pulled
+    own_offer: bool  # offered to the worker that picks
+    entry_ms: int  # its stream id, the enqueue time
+    entry_seq: int
+
+
+def fair_pick(candidates: Seq[Candidate]) -> int | None:
+    """Which candidate the pull takes: the lowest share; among equals the tenant with fewer waiting (a
+    tenant just lifted to a flooding one's share goes first), then the worker's own offer, then the
+    older entry."""
+    if not candidates:
+        return None
+    return min(range(len(candidates)), key=lambda i: _pick_key(candidates[i]))
+
+
+def _pick_key(c: Candidate) -> tuple[float, int, int, int, int]:
+    return (c.share, c.waiting, 0 if c.own_offer else 1, c.entry_ms, c.entry_seq)
+
+
+def offer_stealable(age_ms: float, steal_after_ms: float, *, owner_live: bool, idle: bool) -> bool:
+    """Whether a worker takes an entry offered to another: it waited ``steal_after_ms``, or the worker it
+    was offered to is gone (its held key expired), or the taker is idle."""
+    return idle or not owner_live or age_ms >= steal_after_ms
 
 
 def how_many_to_steal(first_seen: Iterable[float], now: float, wait_s: float) -> int:
@@ -173,27 +276,42 @@ class Capacity:
         """Free slots, prefetch included, less the starts not yet in the engine."""
         return load.max_num_seqs + self.prefetch - load.num_seqs - len(in_transit)
 
-    def displaceable(self, load: EngineLoad, priority: int, in_transit: Seq[int] = ()) -> list[int]:
+    def displaceable(
+        self, load: EngineLoad, priority: int, in_transit: Seq[int] = (), entry: Urgency | None = None
+    ) -> list[int]:
         """Blocks of each running sequence an entry of ``priority`` would displace, in preemption
         order, less those claimed by the requests that run before it (``in_transit``: the priorities
-        of the starts on their way, which arrive before it)."""
-        entry = arriving(priority)
+        of the starts on their way, which arrive before it). ``entry``: its urgency, with its tenant
+        and share where the pull point told them (the fair clause)."""
+        return [r.num_blocks for r in self._victims(load, entry or arriving(priority), in_transit)]
+
+    def _victims(self, load: EngineLoad, entry: Urgency, in_transit: Seq[int]) -> list[RunningLoad]:
         victims = [r for r in preemption_order(load.running, _urgency) if displaces(entry, r.urgency)]
         on_their_way = (arriving(p, order) for order, p in enumerate(in_transit))
         claimed = sum(1 for u in itertools.chain(load.waiting, on_their_way) if runs_before(u, entry))
-        return [r.num_blocks for r in victims[claimed:]]
+        return victims[claimed:]
 
     def displacing_levels(self, load: EngineLoad, levels: int) -> int:
         """How many priorities, most urgent first, of ``levels``, may hold entries that displace
-        running work: the streams a full worker still reads."""
+        running work (more urgent, or of a tenant far enough under a running one's share): the
+        priorities a full worker still reads."""
         if not load.running:
             return 0
-        least_urgent = victim(load.running, _urgency).urgency
-        return sum(1 for priority in range(levels) if displaces(arriving(priority), least_urgent))
+        # Shares are never negative: a share of 0 is the furthest under its share an entry can be.
+        best = [arriving(priority, share=0.0, tenant=ANY_OTHER_TENANT) for priority in range(levels)]
+        return sum(1 for entry in best if any(displaces(entry, r.urgency) for r in load.running))
 
     def how_many_to_take(
-        self, load: EngineLoad, in_transit: Seq[int], priority: int, prompt_lengths: list[int], *, idle: bool
+        self,
+        load: EngineLoad,
+        in_transit: Seq[int],
+        priority: int,
+        prompt_lengths: list[int],
+        *,
+        idle: bool,
+        urgencies: Seq[Urgency] | None = None,
     ) -> Take:
+        """``urgencies``: each entry's, as ``arriving`` with its tenant and share (default: no tenant)."""
         slots = self.room(load, in_transit)
         spare_blocks = load.spare_blocks
         tokens = 0  # what the entries taken so far will hold, each with up to a block wasted in its last one
@@ -207,17 +325,22 @@ class Capacity:
             fit += 1
         if fit == len(prompt_lengths):
             return Take(fit=fit)
+        entries = list(urgencies) if urgencies is not None else [arriving(priority)] * len(prompt_lengths)
         displace = 0
-        for victim_blocks in self.displaceable(load, priority, in_transit):
-            if fit + displace == len(prompt_lengths):
+        for taken in self._victims(load, entries[fit], in_transit):
+            if fit + displace == len(prompt_lengths) or not displaces(entries[fit + displace], taken.urgency):
                 break
-            spare_blocks += victim_blocks
+            spare_blocks += taken.num_blocks
             need = tokens + prompt_lengths[fit + displace]
             if load.blocks_for(need + 1) > spare_blocks:
                 break
             tokens = need + load.block_size
             displace += 1
         return Take(fit=fit, displace=displace)
+
+
+# A tenant no running request has: what the best entry of a level could displace.
+ANY_OTHER_TENANT = "\x00"
 
 
 def _urgency(running: RunningLoad) -> Urgency:

@@ -28,7 +28,10 @@ from worker.engine.core.policy import (
     Urgency,
     arriving,
     displaces,
+    displaces_for_fairness,
+    fair_displacement_due,
     joins_urgent_prefill,
+    level,
     runs_before,
     runs_first,
     victim,
@@ -90,6 +93,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.step_count = 0
         self._admission_stopped = False  # this step: a waiting request could not start
+        self._last_fair_step: int | None = None  # the step of the last displacement for fair share
 
     def urgency(self, seq: Sequence) -> Urgency:
         return self.policy.urgency(seq, self.step_count)
@@ -220,9 +224,16 @@ class Scheduler:
         if not self.running:
             return False
         taken = victim(self.running, self.urgency)
-        if not displaces(self.urgency(seq), self.urgency(taken)):
+        mine, theirs = self.urgency(seq), self.urgency(taken)
+        if not displaces(mine, theirs):
             return False
-        self._preempt(taken, batch, "urgency")
+        fair = mine.tenant != theirs.tenant and level(mine) == level(theirs) and displaces_for_fairness(mine, theirs)
+        if fair:
+            if not fair_displacement_due(self.step_count, self._last_fair_step):
+                return False
+            self._last_fair_step = self.step_count
+            taken.fair_displaced = True
+        self._preempt(taken, batch, "fair_share" if fair else "urgency")
         return True
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch, reason: str) -> None:

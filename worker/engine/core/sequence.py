@@ -54,6 +54,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks, computed lazily
         self.arrival_step = 0  # scheduler step at arrival, for aging
+        self.share = 0.0  # its tenant's virtual time when pulled (policy: the fair part of its urgency)
+        self.fair_displaced = False  # preempted once for fair share: never again for it
         self.detokenizer = detokenizer
         self.finish_reason: str | None = None
         self.matcher: Any = None  # llguidance matcher of a constrained sequence, in step with its output
