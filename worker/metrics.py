@@ -74,8 +74,7 @@ class WorkerCollector:
             yield family
         by_reason = CounterMetricFamily(
             "inflightq_worker_engine_preemptions_by_reason",
-            "Sequences preempted: kv_blocks (the cache ran short), urgency (more urgent work displaced them) or "
-            "fair_share (a tenant under its share displaced them).",
+            "Sequences preempted: kv_blocks (the cache ran short) or urgency (more urgent work displaced them).",
             labels=[*names, "reason"],
         )
         for reason, count in stats.preemptions_by_reason.items():
@@ -123,4 +122,5 @@ def serve_metrics(service: WorkerService, port: int) -> None:
     registry.register(service.latency.time_to_first_token)
     registry.register(service.tenant_usage.time_to_first_token)
     registry.register(service.tenant_usage)  # type: ignore[arg-type]
+    registry.register(service.adapters)  # type: ignore[arg-type]
     start_http_server(port, registry=registry)

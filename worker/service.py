@@ -107,6 +107,9 @@ class WorkerService:
         self.adapters = WorkerAdapters(settings, self.redis, self.model)
         self.adapters.register_configured()
         preload(engine, self.adapters.of_model(), settings.max_loras)
+        self.adapters = WorkerAdapters(settings, self.redis, self.model, worker=self.name, engine=engine)
+        self.adapters.register_configured()
+        preload(engine, self.adapters.of_model(), settings.max_loras)
         self.publisher = Publisher(settings, self.redis, self.name)
         self.acceptance = Acceptance(
             settings, self.redis, self.publisher, self.name, self.model, self._hand_over, self.counters
@@ -266,6 +269,8 @@ class WorkerService:
         if not active.prior_token_ids and active.attempt == 0:
             self.latency.started(request.priority, time.time() - request.submitted_at)
             self.tenant_usage.started(request.tenant, len(request.prompt_token_ids))
+            if request.adapter:
+                self.adapters.started(request.adapter, len(request.prompt_token_ids))
 
     def _cancel(self, request_id: str) -> None:
         active = self._active.get(request_id)
@@ -309,6 +314,8 @@ class WorkerService:
             if event.token_id >= 0:
                 self.counters["generated_tokens"] += 1
                 self.tenant_usage.generated(active.request.tenant)
+                if active.request.adapter:
+                    self.adapters.generated(active.request.adapter)
             if event.finish_reason == "expired":
                 self.counters["expired"] += 1
                 self._finish_error(active, "expired", "expired", "deadline passed during generation")

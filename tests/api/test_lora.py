@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from inflightq_cli.redis_server import free_port
 from shared.client import QueueClient
 from shared.schemas import SamplingSpec
 from shared.settings import Settings
@@ -24,6 +25,7 @@ from tests.engine.test_lora import ADAPTERS, make_adapter
 from worker.engine.model.model_loader import load_model
 
 PROMPT = "The adapters of one base model"
+METRICS_PORT = free_port()
 MAX_NEW = 8
 
 
@@ -72,7 +74,11 @@ def api(
         no_worker_wait_s=60,
     )
     log = tmp_path_factory.mktemp("worker") / "worker.log"
-    env = {"INFLIGHTQ_LORA_ADAPTERS": f"all={adapter_dirs['all']}", "INFLIGHTQ_MAX_LORAS": "2"}
+    env = {
+        "INFLIGHTQ_LORA_ADAPTERS": f"all={adapter_dirs['all']}",
+        "INFLIGHTQ_MAX_LORAS": "2",
+        "INFLIGHTQ_METRICS_PORT": str(METRICS_PORT),
+    }
     worker = WorkerProcess(tiny_model_dir, redis_backend.url, module_prefix, log, env, cluster=redis_backend.cluster)
     try:
         server = start_api(settings)
@@ -144,3 +150,22 @@ def test_the_python_client_takes_the_adapter(
     with QueueClient(api.settings) as client:
         request_id = client.submit(api.settings.model, ids, SamplingSpec(max_new_tokens=MAX_NEW), adapter="all")
         assert client.result(request_id, timeout=60).token_ids == expected["all"]
+
+
+def test_the_worker_counts_requests_and_tokens_per_adapter(api: ApiServer) -> None:
+    with api.client() as http:
+        assert generate(http, "all").status_code == 200
+    scrape = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in scrape.splitlines() if line[:1] != "#"}
+
+    def value(name: str, **labels: str) -> float:
+        return sum(
+            v
+            for k, v in samples.items()
+            if k.startswith(name + "{") and all(f'{a}="{b}"' in k for a, b in labels.items())
+        )
+
+    assert value("inflightq_worker_adapter_requests_total", adapter="all") >= 1
+    assert value("inflightq_worker_adapter_tokens_total", adapter="all", kind="generated") >= MAX_NEW
+    assert value("inflightq_worker_adapter_loads_total") >= 2  # "all" at start, "mlp" on first use
+    assert value("inflightq_worker_adapters_loaded") >= 1

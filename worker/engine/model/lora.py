@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -212,6 +213,7 @@ class AdapterSet:
         self.step: LoraStep | None = None  # set by the runner around a forward with adapter rows
         self.loads = 0
         self.evictions = 0
+        self.load_time_s = 0.0
         self._installed = False
 
     def _install(self) -> None:
@@ -241,6 +243,7 @@ class AdapterSet:
                 adapter.pins += 1
                 self._adapters.move_to_end(request.key)
                 return adapter
+        started = time.perf_counter()
         _, raw = read_adapter(request.path, self.targets)
         layers = {
             name: LoraWeights(
@@ -255,6 +258,7 @@ class AdapterSet:
             if adapter is None:
                 adapter = self._adapters[request.key] = Adapter(request, layers)
                 self.loads += 1
+                self.load_time_s += time.perf_counter() - started
             adapter.pins += 1
             self._adapters.move_to_end(request.key)
             self._evict()
