@@ -1,5 +1,5 @@
-"""API keys on a real Redis Cluster: the per-key rate limiter (INCR + EXPIRE of one key, in a
-MULTI on the Cluster client) and the key checks, with the API's Redis client a RedisCluster."""
+"""API keys on a real Redis Cluster: the per-key rate limiter (the ``limits`` library's sliding
+window on its Cluster client) and the key checks, with the API's Redis client a RedisCluster."""
 
 from __future__ import annotations
 
