@@ -287,3 +287,43 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_they_reach_the_batc
     while engine.has_unfinished():  # the batch it would have joined runs on untouched
         engine.step()
     assert engine.stats.steps > 0
+
+
+def test_a_tenant_under_its_share_displaces_one_over_it_once_and_never_thrashes(make_engine: Any) -> None:
+    engine = make_engine(max_num_seqs=1)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    engine.add_request("heavy", prompt(6), params, priority=1, tenant="heavy", share=5000.0)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("light", prompt(7), GREEDY, priority=1, tenant="light", share=0.0)
+    engine.step()
+    assert engine.stats.preemptions_by_reason["fair_share"] == 1, "the light tenant takes the heavy one's slot"
+    events = []
+    while "heavy" not in {s.request_id for s in engine.scheduler.running}:
+        events += engine.step()
+    # Displaced once for fair share, the heavy request is never displaced for it again.
+    engine.add_request("light-2", prompt(8), GREEDY, priority=1, tenant="light", share=0.0)
+    events += step_all(engine)
+    assert finish_order(events) == ["light", "heavy", "light-2"]
+    assert engine.stats.preemptions_by_reason == {"kv_blocks": 0, "urgency": 0, "fair_share": 1}
+
+
+def test_fair_displacement_needs_a_margin_and_a_few_steps_between(make_engine: Any) -> None:
+    engine = make_engine(max_num_seqs=2)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    engine.add_request("a-1", prompt(9), params, priority=1, tenant="a", share=4000.0)
+    engine.add_request("a-2", prompt(10), params, priority=1, tenant="a", share=5000.0)
+    engine.step()
+    engine.add_request("b-1", prompt(12), GREEDY, priority=1, tenant="b", share=4900.0)  # within the margin
+    engine.step()
+    assert engine.stats.preemptions_by_reason["fair_share"] == 0
+    engine.add_request("c-1", prompt(13), GREEDY, priority=1, tenant="c", share=0.0)
+    engine.add_request("d-1", prompt(14), GREEDY, priority=1, tenant="d", share=0.0)
+    engine.step()
+    assert engine.stats.preemptions_by_reason["fair_share"] == 1, "one displacement in a step"
+    running = {s.request_id for s in engine.scheduler.running}
+    assert "a-2" not in running, "the victim: the highest share"
+    engine.step()
+    engine.step()
+    assert engine.stats.preemptions_by_reason["fair_share"] == 1, "not again within FAIR_DISPLACE_EVERY_STEPS"
+    run_to_end(engine)

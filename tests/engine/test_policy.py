@@ -7,12 +7,16 @@ import math
 from collections.abc import Iterator
 
 from worker.engine.core.policy import (
+    FAIR_DISPLACE_EVERY_STEPS,
+    FAIR_MARGIN,
     Policy,
     Urgency,
     arriving,
     displaces,
+    fair_displacement_due,
     how_many_to_steal,
     joins_urgent_prefill,
+    level,
     preemption_order,
     runs_before,
     runs_first,
@@ -87,3 +91,22 @@ def test_an_entry_left_for_a_better_placed_worker_is_stolen_after_the_wait() -> 
 
     how_many_to_steal(seen(), now=1.0, wait_s=0.5)
     assert read == [0.0, 0.8], "entries after the first still left are not looked at (their clock has not started)"
+
+
+def test_within_a_level_the_tenant_under_its_share_runs_first_and_levels_still_decide_first() -> None:
+    light, heavy = arriving(2, share=10.0, tenant="l"), Urgency(1.5, 0, share=9000.0, tenant="h")
+    assert level(heavy) == 2 and runs_before(light, heavy), "a request aged part of a level is still at its own"
+    assert runs_before(Urgency(1.0, 5, share=9000.0, tenant="h"), light), "a whole level ahead wins whatever the share"
+    assert runs_before(arriving(2, share=10.0), arriving(2, share=20.0, order=0))
+
+
+def test_the_fair_clause_displaces_across_tenants_past_the_margin_once() -> None:
+    running = Urgency(1.75, 0, share=5000.0, tenant="heavy")
+    assert displaces(arriving(2, share=5000.0 - FAIR_MARGIN - 1, tenant="light"), running)
+    assert not displaces(arriving(2, share=5000.0 - FAIR_MARGIN + 1, tenant="light"), running), "within the margin"
+    assert not displaces(arriving(2, share=0.0, tenant="heavy"), running), "never within one tenant"
+    assert not displaces(arriving(2, share=0.0, tenant="light"), running._replace(shielded=True)), "once per request"
+    # A displaced request, waiting again, has the higher share: it never displaces back.
+    assert not displaces(Urgency(1.5, 0, share=5000.0, tenant="heavy"), Urgency(1.9, 3, share=0.0, tenant="light"))
+    assert fair_displacement_due(10, None) and not fair_displacement_due(10, 10 - FAIR_DISPLACE_EVERY_STEPS + 1)
+    assert fair_displacement_due(10, 10 - FAIR_DISPLACE_EVERY_STEPS)
