@@ -1,7 +1,8 @@
 """Prefix affinity at dispatch, against a real Redis: the lookup script (shared/affinity.py) finds the
 live worker holding a request's longest prefix, and the dispatcher offers the request to it (the
 entry lands on that worker's offer stream). Workers here are heartbeats and held sets written by
-hand, so every case is exact; tests/worker/test_affinity_workers.py runs real workers."""
+hand, so every case is exact; tests/worker/test_affinity_workers.py runs real workers. The same tests
+run on a Redis Cluster in test_affinity_on_cluster.py."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from shared.prefix_hash import chain, to_hex
 from shared.request_builder import build_request
 from shared.schemas import SamplingSpec, WorkerHeartbeat
 from shared.settings import Settings
+from tests.conftest import RedisBackend
 
 MODEL = "m"
 BLOCK = 16
@@ -31,10 +33,10 @@ def hold(client: redis.Redis, keys: Keys, worker: str, tokens: list[int], blocks
     client.sadd(keys.held(MODEL, worker), LIVE, *hashes)
 
 
-def test_the_lookup_finds_the_longest_held_prefix(redis_url: str, key_prefix: str) -> None:
+def test_the_lookup_finds_the_longest_held_prefix(redis_client: redis.Redis, key_prefix: str) -> None:
     """Random pools: the script's answer (binary search per worker) equals a scan of every set."""
     keys = Keys.for_prefix(key_prefix)
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client = redis_client
     script = client.register_script(LONGEST_PREFIX)
     rng = random.Random(3)
     for case in range(40):
@@ -55,7 +57,6 @@ def test_the_lookup_finds_the_longest_held_prefix(redis_url: str, key_prefix: st
             assert holders == sum(1 for b in held.values() if b == best)
         else:
             assert index == 0
-    client.close()
 
 
 def test_no_offer_when_every_worker_holds_as_much_or_nobody_holds_the_first_block() -> None:
@@ -78,11 +79,16 @@ async def advertise(client: AsyncQueueClient, *beats: WorkerHeartbeat) -> None:
 
 
 @pytest.mark.parametrize("affinity", [True, False])
-def test_a_request_is_offered_to_the_worker_holding_its_prefix(redis_url: str, key_prefix: str, affinity: bool) -> None:
-    settings = Settings(redis_url=redis_url, key_prefix=key_prefix, model=MODEL, affinity=affinity)
+def test_a_request_is_offered_to_the_worker_holding_its_prefix(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str, affinity: bool
+) -> None:
+    settings = Settings(
+        redis_url=redis_backend.url, redis_cluster=redis_backend.cluster, key_prefix=key_prefix, model=MODEL,
+        affinity=affinity,
+    )  # fmt: skip
     keys = Keys.for_prefix(key_prefix)
     history = list(range(100, 100 + 5 * BLOCK))
-    sync = redis.Redis.from_url(redis_url, decode_responses=True)
+    sync = redis_client
     hold(sync, keys, "a", history, 1)  # the shared head only
     hold(sync, keys, "b", history, 5)  # the whole history
     sync.sadd(keys.held(MODEL, "b"), IDLE)
@@ -104,4 +110,3 @@ def test_a_request_is_offered_to_the_worker_holding_its_prefix(redis_url: str, k
         assert sync.xlen(lane) == 1  # the unrelated prompt: nobody holds its first block
     else:
         assert not sync.exists(offers) and sync.xlen(lane) == 2
-    sync.close()
