@@ -42,6 +42,7 @@ class Engine(Protocol):
         prior_output_token_ids: Sequence[int] = (),
         lora: Any = None,  # a worker.engine.LoRARequest
         share: float = 0.0,
+        weight: float = 1.0,
     ) -> None: ...
 
     def interrupt_for(self, priority: int) -> bool: ...

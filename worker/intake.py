@@ -28,9 +28,9 @@ import redis
 from shared.client_core import filter_heartbeats
 from shared.keys import Keys
 from shared.settings import Settings
-from shared.work_queue import PULL, TENANT_FIELD, pull_args, pull_keys
+from shared.work_queue import PULL, TENANT_FIELD, WEIGHT_FIELD, pull_args, pull_keys
 from worker.acceptance import Acceptance
-from worker.engine.core.policy import Capacity, EngineLoad, arriving, how_many_to_steal
+from worker.engine.core.policy import Capacity, EngineLoad, Urgency, arriving, how_many_to_steal, tenant_load
 from worker.offer_stats import OfferStats
 from worker.reconnect import ResilientLoop
 from worker.run_state import RunState
@@ -120,10 +120,8 @@ class Intake(ResilientLoop):
             if not waiting:
                 continue
             lengths = [self.acceptance.prompt_length(fields) for _, _, fields, _ in waiting]
-            # As the engine will rank them: their tenant's share decides between tenants at a level.
-            urgencies = [
-                arriving(priority, share=share, tenant=fields.get(TENANT_FIELD, "")) for _, _, fields, share in waiting
-            ]
+            # As the engine will rank them: their tenant's share and load decide between tenants at a level.
+            urgencies = [self._arriving(priority, load, fields, share) for _, _, fields, share in waiting]
             # Fresh: what a more urgent stream just handed over claims its victims.
             in_transit = self.load.in_transit()
             take = self.capacity.how_many_to_take(load, in_transit, priority, lengths, idle=idle, urgencies=urgencies)
@@ -140,6 +138,18 @@ class Intake(ResilientLoop):
                 # Strict priority: less urgent streams wait while this one still has work.
                 return "took" if count else "blocked"
         return "took" if took else "empty"
+
+    @staticmethod
+    def _arriving(priority: int, load: EngineLoad, fields: dict[str, str], share: float) -> Urgency:
+        tenant = fields.get(TENANT_FIELD, "")
+        try:
+            weight = float(fields.get(WEIGHT_FIELD, "1"))
+        except ValueError:
+            weight = 1.0
+        running = (r.urgency.tenant for r in load.running)
+        return arriving(
+            priority, share=share, tenant=tenant, load=tenant_load(running, tenant, weight, counting_itself=True)
+        )
 
     def pull(
         self, priority: int, count: int, *, idle: bool, peek: bool

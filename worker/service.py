@@ -260,6 +260,7 @@ class WorkerService:
                 prior_output_token_ids=active.prior_token_ids,
                 lora=self.adapters.request_for(request.adapter) if request.adapter else None,
                 share=active.share,
+                weight=request.tenant_weight,
             )
         except Exception as error:  # the engine refuses this request (too long, bad token ids, ...)
             self._drop(active.id)

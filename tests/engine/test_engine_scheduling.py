@@ -290,39 +290,46 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_they_reach_the_batc
 
 
 def test_a_tenant_under_its_share_displaces_one_over_it_once_and_never_thrashes(make_engine: Any) -> None:
-    engine = make_engine(max_num_seqs=1)
-    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    engine.add_request("heavy", prompt(6), params, priority=1, tenant="heavy", share=5000.0)
+    engine = make_engine(max_num_seqs=2)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    engine.add_request("heavy-1", prompt(6), params, priority=1, tenant="heavy", share=4000.0)
+    engine.add_request("heavy-2", prompt(15), params, priority=1, tenant="heavy", share=5000.0)
     for _ in range(3):
         engine.step()
-    engine.add_request("light", prompt(7), GREEDY, priority=1, tenant="light", share=0.0)
-    engine.step()
-    assert engine.stats.preemptions_by_reason["fair_share"] == 1, "the light tenant takes the heavy one's slot"
-    events = []
-    while "heavy" not in {s.request_id for s in engine.scheduler.running}:
+    engine.add_request("light", prompt(7), GREEDY, priority=1, tenant="light", share=9000.0)
+    events = engine.step()
+    assert engine.stats.preemptions_by_reason["fair_share"] == 1, "the light tenant takes one of the heavy one's slots"
+    assert {s.request_id for s in engine.scheduler.running} == {"heavy-1", "light"}, "the least urgent of the heavy"
+    # Another light request takes heavy-1's place once heavy-2 is back (light runs none then), and
+    # that is all: each heavy request is displaced once at most.
+    engine.add_request("light-2", prompt(8), GREEDY, priority=1, tenant="light", share=9100.0)
+    displaced = []
+    while engine.has_unfinished():
         events += engine.step()
-    # Displaced once for fair share, the heavy request is never displaced for it again.
-    engine.add_request("light-2", prompt(8), GREEDY, priority=1, tenant="light", share=0.0)
-    events += step_all(engine)
-    assert finish_order(events) == ["light", "heavy", "light-2"]
-    assert engine.stats.preemptions_by_reason == {"kv_blocks": 0, "urgency": 0, "fair_share": 1}
+        displaced += [
+            s.request_id for s in engine.scheduler.waiting if s.fair_displaced and s.request_id not in displaced
+        ]
+    assert sorted(displaced) == ["heavy-1", "heavy-2"]
+    assert finish_order(events).index("light") < finish_order(events).index("heavy-2")
+    assert engine.stats.preemptions_by_reason == {"kv_blocks": 0, "urgency": 0, "fair_share": 2}
 
 
 def test_fair_displacement_needs_a_margin_and_a_few_steps_between(make_engine: Any) -> None:
-    engine = make_engine(max_num_seqs=2)
+    engine = make_engine(max_num_seqs=3)
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
-    engine.add_request("a-1", prompt(9), params, priority=1, tenant="a", share=4000.0)
-    engine.add_request("a-2", prompt(10), params, priority=1, tenant="a", share=5000.0)
+    for n in range(3):
+        engine.add_request(f"a-{n}", prompt(9 + n), params, priority=1, tenant="a", share=1000.0 * n)
     engine.step()
-    engine.add_request("b-1", prompt(12), GREEDY, priority=1, tenant="b", share=4900.0)  # within the margin
+    engine.add_request(
+        "b-1", prompt(12), GREEDY, priority=1, tenant="b", share=500.0, weight=0.4
+    )  # 1 running / 0.4: 2.5
     engine.step()
-    assert engine.stats.preemptions_by_reason["fair_share"] == 0
-    engine.add_request("c-1", prompt(13), GREEDY, priority=1, tenant="c", share=0.0)
-    engine.add_request("d-1", prompt(14), GREEDY, priority=1, tenant="d", share=0.0)
+    assert engine.stats.preemptions_by_reason["fair_share"] == 0, "2.5 + the margin is over a's 3"
+    engine.add_request("c-1", prompt(13), GREEDY, priority=1, tenant="c")
+    engine.add_request("d-1", prompt(14), GREEDY, priority=1, tenant="d")
     engine.step()
     assert engine.stats.preemptions_by_reason["fair_share"] == 1, "one displacement in a step"
-    running = {s.request_id for s in engine.scheduler.running}
-    assert "a-2" not in running, "the victim: the highest share"
+    assert "a-2" not in {s.request_id for s in engine.scheduler.running}, "the victim: a's least urgent"
     engine.step()
     engine.step()
     assert engine.stats.preemptions_by_reason["fair_share"] == 1, "not again within FAIR_DISPLACE_EVERY_STEPS"

@@ -14,12 +14,14 @@ from worker.engine.core.policy import (
     arriving,
     displaces,
     fair_displacement_due,
+    fair_victim,
     how_many_to_steal,
     joins_urgent_prefill,
     level,
     preemption_order,
     runs_before,
     runs_first,
+    tenant_load,
     victim,
 )
 from worker.engine.core.sequence import Sequence
@@ -101,12 +103,25 @@ def test_within_a_level_the_tenant_under_its_share_runs_first_and_levels_still_d
 
 
 def test_the_fair_clause_displaces_across_tenants_past_the_margin_once() -> None:
-    running = Urgency(1.75, 0, share=5000.0, tenant="heavy")
-    assert displaces(arriving(2, share=5000.0 - FAIR_MARGIN - 1, tenant="light"), running)
-    assert not displaces(arriving(2, share=5000.0 - FAIR_MARGIN + 1, tenant="light"), running), "within the margin"
-    assert not displaces(arriving(2, share=0.0, tenant="heavy"), running), "never within one tenant"
-    assert not displaces(arriving(2, share=0.0, tenant="light"), running._replace(shielded=True)), "once per request"
-    # A displaced request, waiting again, has the higher share: it never displaces back.
-    assert not displaces(Urgency(1.5, 0, share=5000.0, tenant="heavy"), Urgency(1.9, 3, share=0.0, tenant="light"))
+    running = Urgency(1.75, 0, share=5000.0, tenant="heavy", load=4.0)  # heavy runs 4 requests
+    assert displaces(arriving(2, share=9000.0, tenant="light", load=1.0), running), "whatever the shares"
+    assert not displaces(arriving(2, tenant="light", load=4.0 - FAIR_MARGIN + 0.5), running), "within the margin"
+    assert not displaces(arriving(2, tenant="heavy", load=1.0), running), "never within one tenant"
+    assert not displaces(arriving(2, tenant="light", load=1.0), running._replace(shielded=True)), "once per request"
+    assert not displaces(arriving(1, tenant="light", load=1.0)._replace(effective_priority=3), running), "a level"
+    # Once displaced, the heavy tenant runs no fewer than the light one: it never displaces back.
+    assert not displaces(Urgency(1.5, 0, tenant="heavy", load=4.0), Urgency(1.9, 3, tenant="light", load=1.0))
     assert fair_displacement_due(10, None) and not fair_displacement_due(10, 10 - FAIR_DISPLACE_EVERY_STEPS + 1)
     assert fair_displacement_due(10, 10 - FAIR_DISPLACE_EVERY_STEPS)
+
+
+def test_the_fair_victim_is_the_most_loaded_tenants_least_urgent_request() -> None:
+    light = arriving(1, tenant="l", load=1.0)
+    running = [
+        Urgency(1.0, 0, share=10.0, tenant="a", load=3.0),
+        Urgency(1.0, 1, share=20.0, tenant="a", load=3.0),
+        Urgency(1.0, 2, share=90.0, tenant="b", load=2.0),
+        Urgency(1.0, 3, share=0.0, tenant="l", load=1.0),
+    ]
+    assert fair_victim(light, running, lambda u: u) == running[1]
+    assert tenant_load(["a", "a", "b"], "a", 2.0, counting_itself=True) == 1.5

@@ -144,7 +144,10 @@ class LLMEngine:
             block_size=bm.block_size,
             num_seqs=len(self._seqs),
             spare_blocks=bm.num_free_blocks - claimed,
-            running=tuple(RunningLoad(scheduler.urgency(s), len(s.block_table)) for s in scheduler.running),
+            running=tuple(
+                RunningLoad(u, len(s.block_table))
+                for s, u in zip(scheduler.running, scheduler.fair_urgencies(scheduler.running), strict=True)
+            ),
             waiting=tuple(scheduler.urgency(s) for s in scheduler.waiting),
         )
 
@@ -168,6 +171,7 @@ class LLMEngine:
         prior_output_token_ids: Seq[int] = (),
         lora: LoRARequest | None = None,
         share: float = 0.0,
+        weight: float = 1.0,
     ) -> None:
         """``lora``: the adapter the request runs with (loaded here if the engine does not hold it; raises
         ``lora.AdapterError`` for one it cannot serve, ``ValueError`` where the engine serves no adapters)."""
@@ -199,7 +203,7 @@ class LLMEngine:
                 detokenizer=detok,
             )  # fmt: skip
             seq.matcher = matcher
-            seq.share = share
+            seq.share, seq.weight = share, weight
             if self._speculates(params):
                 assert self.speculator is not None
                 seq.speculation = self.speculator.new_state()

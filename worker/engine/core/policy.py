@@ -29,10 +29,13 @@ the end to what it used, ``lift`` when it becomes backlogged, so an idle tenant 
 The pull point picks the entry whose tenant's share is lowest (``fair_pick``); the queue's Lua
 (``shared.work_queue``) mirrors these functions, and a test checks the two agree. Inside the
 engine the share is a part of ``Urgency`` between the level and the rest, so within a level the
-tenant furthest under its share runs first; "a tenant under its share displaces one over it" is the
-fair clause of ``displaces`` (past ``FAIR_MARGIN``, once per request, at most once per
-``FAIR_DISPLACE_EVERY_STEPS`` steps: bounded, so it cannot thrash). ``runs_first`` compares levels
-only.
+tenant furthest under its share runs first. "A tenant under its share displaces one over it" is the
+fair clause of ``displaces``, on the engine's slots: a tenant with fewer requests running (per
+weight) than another by ``FAIR_MARGIN`` takes the place of one of that tenant's at its level (its
+share of the queue puts it at par with the backlogged on arrival, so ordering alone would leave it
+waiting for a slot). Once per request, at most once per ``FAIR_DISPLACE_EVERY_STEPS`` steps, and
+the displaced tenant never has fewer running after it: bounded, so it cannot thrash.
+``runs_first`` compares levels only.
 
 Prefix affinity decides where, never what: an entry offered to the worker that holds its prefix is
 left to it until ``offer_stealable`` lets another take it (as an urgent entry is left for a worker
@@ -65,6 +68,7 @@ class Urgency(NamedTuple):
     share: float = 0.0  # its tenant's virtual time when pulled: within a level, the lowest runs first
     tenant: str = ""  # the fair clause of ``displaces`` is between tenants
     shielded: bool = False  # displaced once for fair share: never again for it
+    load: float = 0.0  # its tenant's requests running per weight, itself counted (the fair clause only)
 
     @property
     def key(self) -> tuple[int, float, float, float]:
@@ -94,16 +98,25 @@ class Policy:
 
     aging_steps: int | None  # steps after which a waiting request gains one level; None: no aging
 
-    def urgency(self, seq: Sequence, step: int) -> Urgency:
-        """``seq``'s urgency at scheduler step ``step``."""
+    def urgency(self, seq: Sequence, step: int, load: float = 0.0) -> Urgency:
+        """``seq``'s urgency at scheduler step ``step``; ``load``: its tenant's (``tenant_load``)."""
         age = (step - seq.arrival_step) / self.aging_steps if self.aging_steps else 0.0
-        return Urgency(seq.priority - age, seq.arrival, seq.share, seq.tenant or "", seq.fair_displaced)
+        return Urgency(seq.priority - age, seq.arrival, seq.share, seq.tenant or "", seq.fair_displaced, load)
 
 
-def arriving(priority: int, order: float = math.inf, share: float = 0.0, tenant: str = "") -> Urgency:
+def arriving(
+    priority: int, order: float = math.inf, share: float = 0.0, tenant: str = "", load: float = 0.0
+) -> Urgency:
     """The urgency of a request not yet in the engine: no aging credit, behind everything already
     there, and ``order`` ranks those on their way among themselves."""
-    return Urgency(priority, order, share, tenant)
+    return Urgency(priority, order, share, tenant, False, load)
+
+
+def tenant_load(running_tenants: Iterable[str], tenant: str, weight: float, *, counting_itself: bool) -> float:
+    """A tenant's requests running per weight, from the tenants of the running requests; a waiting
+    request counts itself (as it would run)."""
+    running = sum(1 for t in running_tenants if t == tenant) + (1 if counting_itself else 0)
+    return running / (weight if weight > 0 else 1.0)
 
 
 def runs_before(first: Urgency, then: Urgency) -> bool:
@@ -120,17 +133,30 @@ def displaces(challenger: Urgency, holder: Urgency) -> bool:
     return (challenger.effective_priority, challenger.arrival) < (holder.effective_priority, holder.arrival)
 
 
-# How far under a running request's tenant's share a waiting request's tenant must be to displace it
-# (tokens over weight): a request or two of difference is noise the queue's order settles by itself.
-FAIR_MARGIN = 512.0
+# How many fewer requests running (per weight, the waiting one counted) a tenant must have than
+# another to displace one of its: two tenants a slot apart are as fair as the slots allow.
+FAIR_MARGIN = 1.0
 # The engine displaces for fair share at most once per this many steps: each costs a recompute.
 FAIR_DISPLACE_EVERY_STEPS = 4
 
 
 def displaces_for_fairness(challenger: Urgency, holder: Urgency) -> bool:
-    """The fair clause: ``challenger``'s tenant is under ``holder``'s tenant's share by more than
-    ``FAIR_MARGIN``, and ``holder`` was not displaced for fair share before."""
-    return not holder.shielded and challenger.share + FAIR_MARGIN < holder.share
+    """The fair clause: ``challenger``'s tenant runs at least ``FAIR_MARGIN`` fewer requests per
+    weight than ``holder``'s (``load``), and ``holder`` was not displaced for fair share before."""
+    return not holder.shielded and challenger.load + FAIR_MARGIN <= holder.load
+
+
+def fair_victim(challenger: Urgency, candidates: Iterable[T], urgency: Callable[[T], Urgency]) -> T | None:
+    """The running request ``challenger`` displaces for fair share, if any: of another tenant at its
+    level, that the fair clause lets it displace; the most loaded tenant's, least urgent among those."""
+    found = [
+        (u, c)
+        for c in candidates
+        if (u := urgency(c)).tenant != challenger.tenant
+        and level(u) == level(challenger)
+        and displaces_for_fairness(challenger, u)
+    ]
+    return max(found, key=lambda pair: (pair[0].load, pair[0]))[1] if found else None
 
 
 def fair_displacement_due(step: int, last_step: int | None) -> bool:
@@ -297,8 +323,8 @@ class Capacity:
         priorities a full worker still reads."""
         if not load.running:
             return 0
-        # Shares are never negative: a share of 0 is the furthest under its share an entry can be.
-        best = [arriving(priority, share=0.0, tenant=ANY_OTHER_TENANT) for priority in range(levels)]
+        # A tenant with nothing running: the furthest under its share an entry can be.
+        best = [arriving(priority, tenant=ANY_OTHER_TENANT) for priority in range(levels)]
         return sum(1 for entry in best if any(displaces(entry, r.urgency) for r in load.running))
 
     def how_many_to_take(

@@ -28,12 +28,13 @@ from worker.engine.core.policy import (
     Urgency,
     arriving,
     displaces,
-    displaces_for_fairness,
     fair_displacement_due,
+    fair_victim,
     joins_urgent_prefill,
     level,
     runs_before,
     runs_first,
+    tenant_load,
     victim,
 )
 from worker.engine.core.sequence import Sequence, SequenceStatus
@@ -97,6 +98,18 @@ class Scheduler:
 
     def urgency(self, seq: Sequence) -> Urgency:
         return self.policy.urgency(seq, self.step_count)
+
+    def fair_urgencies(self, seqs: list[Sequence]) -> list[Urgency]:
+        """``seqs``' urgencies with their tenant's load (``policy.tenant_load``): what the fair clause reads."""
+        running = [s.tenant or "" for s in self.running]
+        return [
+            self.policy.urgency(
+                s,
+                self.step_count,
+                tenant_load(running, s.tenant or "", s.weight, counting_itself=s.status is SequenceStatus.WAITING),
+            )
+            for s in seqs
+        ]
 
     def add(self, seq: Sequence) -> None:
         seq.arrival_step = self.step_count
@@ -225,15 +238,19 @@ class Scheduler:
             return False
         taken = victim(self.running, self.urgency)
         mine, theirs = self.urgency(seq), self.urgency(taken)
-        if not displaces(mine, theirs):
+        if displaces(mine, theirs) and not (mine.tenant != theirs.tenant and level(mine) == level(theirs)):
+            self._preempt(taken, batch, "urgency")
+            return True
+        if not fair_displacement_due(self.step_count, self._last_fair_step):
             return False
-        fair = mine.tenant != theirs.tenant and level(mine) == level(theirs) and displaces_for_fairness(mine, theirs)
-        if fair:
-            if not fair_displacement_due(self.step_count, self._last_fair_step):
-                return False
-            self._last_fair_step = self.step_count
-            taken.fair_displaced = True
-        self._preempt(taken, batch, "fair_share" if fair else "urgency")
+        (mine,) = self.fair_urgencies([seq])
+        loads = dict(zip(self.running, self.fair_urgencies(self.running), strict=True))
+        fair = fair_victim(mine, self.running, loads.__getitem__)
+        if fair is None:
+            return False
+        self._last_fair_step = self.step_count
+        fair.fair_displaced = True
+        self._preempt(fair, batch, "fair_share")
         return True
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch, reason: str) -> None:

@@ -55,6 +55,7 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks, computed lazily
         self.arrival_step = 0  # scheduler step at arrival, for aging
         self.share = 0.0  # its tenant's virtual time when pulled (policy: the fair part of its urgency)
+        self.weight = 1.0  # its tenant's weight (policy: the fair clause counts running requests per weight)
         self.fair_displaced = False  # preempted once for fair share: never again for it
         self.detokenizer = detokenizer
         self.finish_reason: str | None = None

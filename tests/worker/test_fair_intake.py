@@ -1,0 +1,53 @@
+"""A full worker's intake and fair share (``Intake`` with ``policy.Capacity``): it peeks at what the
+fair pick would hand it next and takes an entry whose tenant runs fewer requests than a running
+one's by the margin, to displace that one, and nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from shared.request_lifecycle import RequestStatus
+from shared.schemas import SamplingSpec
+from tests.worker.test_intake_in_process import MODEL, Harness, make_harness
+from worker.engine.core.policy import EngineLoad, RunningLoad, Urgency
+
+
+@pytest.fixture
+def h(redis_url: str, key_prefix: str) -> Iterator[Harness]:
+    harness = make_harness(redis_url, key_prefix)
+    yield harness
+    harness.publisher.stop()
+    harness.client.close()
+    harness.redis.close()
+
+
+def submit(h: Harness, tenant: str) -> str:
+    return h.client.submit(MODEL, [1, 2, 3], SamplingSpec(max_new_tokens=4), priority=1, tenant=tenant)
+
+
+def full_of(*tenants: str) -> EngineLoad:
+    """A full engine running one level-1 request of each of ``tenants``."""
+    loads = {t: tenants.count(t) for t in tenants}
+    running = tuple(
+        RunningLoad(Urgency(1.0, n, share=float(n), tenant=t, load=float(loads[t])), 10) for n, t in enumerate(tenants)
+    )
+    return EngineLoad(max_num_seqs=len(tenants), block_size=4, num_seqs=len(tenants), spare_blocks=0, running=running)
+
+
+def test_a_full_worker_takes_a_light_tenants_entry_to_displace_a_heavy_one(h: Harness) -> None:
+    heavy = [submit(h, "heavy") for _ in range(3)]
+    h.load = full_of("heavy", "heavy", "heavy")
+    assert h.intake.read_once() == "blocked", "another of the heavy tenant's displaces nothing"
+    light = submit(h, "light")
+    assert h.intake.read_once() == "took"
+    assert h.taken() == [light] and h.status(light) is RequestStatus.RUNNING
+    assert all(h.status(r) is RequestStatus.QUEUED for r in heavy)
+
+
+def test_a_full_worker_shared_as_evenly_as_its_slots_allow_takes_nothing(h: Harness) -> None:
+    submit(h, "light")
+    h.load = full_of("heavy", "light")
+    assert h.intake.read_once() == "blocked"
+    assert h.taken() == []
