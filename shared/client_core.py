@@ -318,6 +318,7 @@ class QueueCore:
                 keys.offers(model, priority, offer_to or ""),
                 keys.held(model, offer_to or ""),
                 keys.offered(model, priority),
+                keys.notify_worker(model, offer_to or ""),
                 *[keys.waiting(model, p) for p in range(self.settings.priority_levels)],
             ],
             args=[

@@ -150,6 +150,11 @@ class Keys:
         """A list idle workers block on; every enqueue pushes one wake-up token."""
         return self._model_k(model, "notify")
 
+    def notify_worker(self, model: str, worker: str) -> str:
+        """A list only ``worker`` blocks on (beside ``notify``): an offer to it while it is idle wakes it
+        alone, so no other idle worker steals what it holds the prefix of."""
+        return self._model_k(model, "notify", worker)
+
     def dead_letters(self, model: str) -> str:
         return self._model_k(model, "dead")
 

@@ -9,7 +9,9 @@ them all. Every queue script names keys of the model's slot only, so each is ato
 - ``ENQUEUE`` (client): the model's depth limit and the tenant's queued limit, then the XADD (to
   the offer stream of the worker that holds the prefix, when it is live; else to the tenant's lane),
   the tenant's waiting count, and the lift of a tenant that becomes backlogged (it starts at the
-  least-served backlogged tenant's virtual time: no credit is banked while idle).
+  least-served backlogged tenant's virtual time: no credit is banked while idle). The wake-up goes
+  to the model's notify list, or, for an offer to a worker that is idle (its held set has ``idle``),
+  to that worker's own list alone: another idle worker woken first would steal it.
 - ``PULL`` (worker): the fair pick, ``count`` times: among the heads of the backlogged tenants'
   lanes, its own offers and the offers it may steal, the entry whose tenant has the lowest virtual
   time (ties: the tenant with fewer waiting, then its own offer, then the older entry); XREADGROUP it; charge the tenant
@@ -109,7 +111,7 @@ end
 
 # KEYS: 1 tenant's lane, 2 notify list, 3 lanes set, 4 share, 5 backlog, 6 waiting (of the
 # request's priority), 7 clock, 8 offer stream of ``offer_to``, 9 its held set, 10 offered set,
-# then the waiting hash of every priority (the limits): all in the model's slot.
+# 11 its notify list, then the waiting hash of every priority (the limits): all in the model's slot.
 # ARGV: 1 entry JSON, 2 notify keep, 3 max depth (0 = unchecked), 4 group, 5 stream field,
 # 6 tenant ('' none), 7 weight, 8 cost, 9 tenant's max queued (0 = unchecked), 10 offer_to ('' none).
 # Returns {'ok', entry id}, {'tenant_overloaded', the tenant's waiting} or {'overloaded', waiting}.
@@ -120,7 +122,7 @@ local tenant = ARGV[6]
 local max_depth, max_tenant = tonumber(ARGV[3]), tonumber(ARGV[9])
 if max_depth > 0 or max_tenant > 0 then
   local total, mine = 0, 0
-  for i = 11, #KEYS do
+  for i = 12, #KEYS do
     local counts = redis.call('HGETALL', KEYS[i])
     for j = 1, #counts, 2 do
       local n = tonumber(counts[j + 1])
@@ -149,8 +151,12 @@ if redis.call('HINCRBY', KEYS[6], tenant, 1) == 1 then
   redis.call('HSET', KEYS[4], tenant, fmt(v))
   redis.call('ZADD', KEYS[5], fmt(v), tenant)
 end
-redis.call('LPUSH', KEYS[2], '1')
-redis.call('LTRIM', KEYS[2], 0, tonumber(ARGV[2]) - 1)
+local wake = KEYS[2]
+if target == KEYS[8] and redis.call('SISMEMBER', KEYS[9], 'idle') == 1 then wake = KEYS[11] end
+redis.call('LPUSH', wake, '1')
+redis.call('LTRIM', wake, 0, tonumber(ARGV[2]) - 1)
+-- a worker's own list goes with the worker (names are per process)
+if wake ~= KEYS[2] then redis.call('EXPIRE', wake, 60) end
 return {'ok', id}
 """
 )

@@ -4,8 +4,8 @@ For each priority from 0 (most urgent) down, the intake peeks (``PEEK``) at the 
 pick would hand it next, across the tenants' lanes and the offer streams (``shared.work_queue``),
 and takes (``PULL``) exactly as many as ``Capacity.how_many_to_take`` (``policy``) allows; a less
 urgent priority is only read once every more urgent one is drained, and what is not taken stays in
-Redis for any other worker. With room but nothing to read, it blocks on the model's notify list,
-never busy-polling.
+Redis for any other worker. With room but nothing to read, it blocks on the model's notify list
+and its own (an offer made to it while idle wakes it alone), never busy-polling.
 
 A full worker keeps reading, every ``urgent_poll_s``, the priorities whose entries would displace
 work it runs (``Capacity.displacing_levels``), and takes those. A free slot elsewhere in the pool
@@ -83,6 +83,8 @@ class Intake(ResilientLoop):
         self._pull = connection.register_script(PULL)
         self.steal_after_ms = steal_after_ms(settings)
         self.offer_stats = OfferStats(self.keys, model, name, self.steal_after_ms)
+        # The model's wake-ups, and those of offers made to this worker alone while it is idle.
+        self._wake_lists = [self.keys.notify(model), self.keys.notify_worker(model, name)]
         self._first_seen: dict[str, float] = {}  # urgent entries left for a free worker, by entry id
         self._pool_free: tuple[float, bool] = (0.0, False)  # (when asked, another worker has a free slot)
 
@@ -100,7 +102,7 @@ class Intake(ResilientLoop):
             return
         full = self.capacity.room(self.load.engine_load(), self.load.in_transit()) <= 0
         if outcome == "empty" and not full:
-            self.redis.blpop([self.keys.notify(self.model)], timeout=IDLE_BLOCK_S)
+            self.redis.blpop(self._wake_lists, timeout=IDLE_BLOCK_S)
         elif outcome != "took":
             # Full or blocked: a freed slot wakes us at once; urgent work is looked for again soon.
             urgent_possible = self.capacity.displacing_levels(self.load.engine_load(), len(self.streams)) > 0

@@ -91,7 +91,9 @@ def test_a_request_is_offered_to_the_worker_holding_its_prefix(
     sync = redis_client
     hold(sync, keys, "a", history, 1)  # the shared head only
     hold(sync, keys, "b", history, 5)  # the whole history
-    sync.sadd(keys.held(MODEL, "b"), IDLE)
+    sync.sadd(keys.held(MODEL, "b"), IDLE)  # b runs nothing now
+    document = list(range(3000, 3000 + 4 * BLOCK))
+    hold(sync, keys, "a", document, 4)  # a busy worker (no IDLE) holding a document
 
     async def scenario() -> None:
         async with AsyncQueueClient(settings) as client:
@@ -101,12 +103,19 @@ def test_a_request_is_offered_to_the_worker_holding_its_prefix(
             await dispatcher.submit(follow_up)
             other = build_request(settings, MODEL, list(range(5000, 5040)), SamplingSpec(max_new_tokens=4))
             await dispatcher.submit(other)
+            about_document = build_request(settings, MODEL, [*document, 1, 2], SamplingSpec(max_new_tokens=4))
+            await dispatcher.submit(about_document)
 
     asyncio.run(scenario())
     offers = keys.offers(MODEL, settings.default_priority, "b")
     lane = keys.stream(MODEL, settings.default_priority)
+    a_offers = keys.offers(MODEL, settings.default_priority, "a")
     if affinity:
         assert sync.xlen(offers) == 1  # the follow-up, although b is the busier worker
+        assert sync.xlen(a_offers) == 1  # the question about a's document
         assert sync.xlen(lane) == 1  # the unrelated prompt: nobody holds its first block
+        # An offer to an idle worker wakes it alone; the rest wake whichever worker waits.
+        assert sync.llen(keys.notify_worker(MODEL, "b")) == 1 and sync.llen(keys.notify(MODEL)) == 2
     else:
-        assert not sync.exists(offers) and sync.xlen(lane) == 2
+        assert not sync.exists(offers) and not sync.exists(a_offers) and sync.xlen(lane) == 3
+        assert sync.llen(keys.notify(MODEL)) == 3 and not sync.exists(keys.notify_worker(MODEL, "b"))

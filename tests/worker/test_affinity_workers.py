@@ -120,6 +120,22 @@ def test_a_follow_up_turn_runs_on_the_worker_holding_its_history(
     assert counter(text, "inflightq_worker_engine_prefix_cache_hits_total") >= 3 * (len(HISTORY) // 16) * 16
 
 
+def test_with_every_worker_idle_the_follow_up_still_runs_on_its_holder(
+    spawn_worker: Any, client: QueueClient, affinity_settings: Settings
+) -> None:
+    """An offer to an idle worker wakes it alone: the other idle worker, which would steal it, is not woken."""
+    a = spawn_worker("idle-a", "--max-num-seqs", "4")
+    holder, follow_up = first_turn(client, affinity_settings)
+    spawn_worker("idle-b", "--max-num-seqs", "4")
+    for turn in range(4):
+        wait_for(lambda: all(w.running == 0 for w in client.live_workers()))
+        request = build_request(affinity_settings, affinity_settings.model, follow_up, greedy(8))
+        result = client.result(dispatch(affinity_settings, request), timeout=60)
+        assert result.worker == holder == a.name, f"turn {turn + 2} ran on {result.worker}"
+        follow_up = [*follow_up, *result.token_ids, 11 + turn]
+        wait_for(lambda f=follow_up: holds(client, a.name, f[:-2]))
+
+
 def test_an_offer_is_stolen_once_its_worker_is_busy_past_the_bound(
     spawn_worker: Any, client: QueueClient, affinity_settings: Settings
 ) -> None:
