@@ -9,7 +9,9 @@ Redis Cluster."""
 
 from __future__ import annotations
 
+import json
 import re
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,11 +21,15 @@ import openai
 import pytest
 
 from producer_api.api_keys import parse_key
+from producer_api.batches.job import ApiLineHandler
+from producer_api.batches.runner import BatchRunner
+from producer_api.batches.store import BatchStore
 from shared.client import QueueClient
 from shared.keys import Keys
 from shared.redis_connect import connect
-from shared.schemas import WorkerHeartbeat
+from shared.schemas import QueuedRequest, WorkerHeartbeat
 from shared.settings import Settings
+from shared.work_queue import STREAM_FIELD
 from tests.api.conftest import ApiServer
 from tests.conftest import RedisBackend
 
@@ -144,6 +150,50 @@ def test_the_tenant_comes_from_the_key_and_shows_in_job_and_batch_records(make_a
         assert batch.json()["tenant"] == "small"
         shown = http.get(f"/v1/batches/{batch.json()['id']}", headers={"x-api-key": SMALL}).json()
         assert shown["tenant"] == "small"
+
+
+def test_batch_lines_run_as_their_creators_tenant_with_its_weight(make_api: Callable[..., ApiServer]) -> None:
+    api = make_api(api_keys=KEYS)
+    settings = api.settings
+    lines = "\n".join(
+        json.dumps(
+            {
+                "custom_id": f"l{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": settings.model, "prompt": "x", "max_tokens": 2},
+            }
+        )
+        for i in range(3)
+    )
+    with api.client(headers={"x-api-key": BIG}) as http:
+        upload = http.post("/v1/files", files={"file": ("in.jsonl", lines.encode())}, data={"purpose": "batch"})
+        batch = http.post(
+            "/v1/batches",
+            json={"input_file_id": upload.json()["id"], "endpoint": "/v1/completions", "completion_window": "24h"},
+        ).json()
+        assert batch["tenant"] == "big"
+        # The batch worker's run, in a thread: it queues the lines, which stay queued (no worker consumes).
+        client = QueueClient(settings)
+        runner = BatchRunner(
+            BatchStore(settings, client.redis), client, ApiLineHandler(settings), batch["id"], poll_s=0.05
+        )
+        run = threading.Thread(target=runner.run, daemon=True)
+        run.start()
+        try:
+            lane = client.keys.lane(settings.model, settings.priority_levels - 1, "big")
+            deadline = time.monotonic() + 30
+            while client.redis.xlen(lane) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            queued = [
+                QueuedRequest.model_validate_json(fields[STREAM_FIELD]) for _, fields in client.redis.xrange(lane)
+            ]
+            assert [(q.tenant, q.tenant_weight) for q in queued] == [("big", 3.0)] * 3
+        finally:
+            assert http.post(f"/v1/batches/{batch['id']}/cancel").status_code == 200
+            run.join(timeout=30)
+            client.close()
+        assert not run.is_alive()
 
 
 def test_without_keys_the_tenant_comes_from_the_header(make_api: Callable[..., ApiServer]) -> None:
