@@ -105,6 +105,8 @@ def response_object(
         "reasoning": None,
         "top_logprobs": 0,
         "max_tool_calls": None,
+        # Beside OpenAI's fields, when the response runs as a tenant (README: Tenants, weights and limits).
+        **({"tenant": record["tenant"]} if record.get("tenant") else {}),
     }
 
 

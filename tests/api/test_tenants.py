@@ -128,6 +128,15 @@ def test_the_tenant_comes_from_the_key_and_shows_in_job_and_batch_records(make_a
         # A key without a tenant option is its own tenant (its key id); a body's tenant cannot override a key.
         plain = job(http, PLAIN, tenant="big").json()
         assert tenant_of_job(http, plain["id"], PLAIN) == parse_key(PLAIN).key_id
+        # A Responses API response shows its tenant too.
+        response = http.post(
+            "/v1/responses",
+            json={"input": "hi", "max_output_tokens": 2, "background": True},
+            headers={"x-api-key": BIG},
+        )
+        assert response.status_code == 200 and response.json()["tenant"] == "big", response.text
+        shown = http.get(f"/v1/responses/{response.json()['id']}", headers={"x-api-key": BIG}).json()
+        assert shown["tenant"] == "big"
         # Objects belong to the tenant: another tenant's key does not see them.
         assert http.get(f"/v1/jobs/{created.json()['id']}", headers={"x-api-key": SMALL}).status_code == 404
         # A batch records its creator's tenant; its lines run as that tenant.
