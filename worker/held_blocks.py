@@ -8,7 +8,8 @@ and hands it to the publisher, which sends it in the step's round trip (SADD, SR
 heartbeat refreshes the TTL and checks ``LIVE``: a set that is gone or lacks it (it expired during an
 outage, or another worker's recovery took this one for dead) is written again whole at the next
 step. On drain the set is deleted first thing (this worker's offers become stealable at once, and no
-new ones come), and nothing is written after."""
+new ones come), and nothing is written after. With ``affinity`` off nothing is written at all: the
+API makes no offers, and the worker spends no Redis commands on them."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ class HeldBlocks:
         self._idle: bool | None = None  # as last written
         self._rewrite = threading.Event()  # set by the heartbeat; the engine loop writes the whole set
         self._rewrite.set()  # the first write creates it
-        self._withdrawn = False
+        self._withdrawn = not settings.affinity
         self.rewrites = 0
 
     # The engine loop ---------------------------------------------------------------------
@@ -109,7 +110,7 @@ class HeldBlocks:
     # The heartbeat -----------------------------------------------------------------------
     def refresh(self, pipe: Any) -> int:
         """Adds the TTL refresh to the heartbeat's pipeline; the number of commands it added."""
-        if self.draining.is_set():
+        if self.draining.is_set() or self._withdrawn:
             return 0
         pipe.sismember(self.key, LIVE)
         pipe.expire(self.key, self.ttl)

@@ -152,3 +152,19 @@ def _heartbeat(engine: LLMEngine) -> object:
         num_kv_blocks=engine.num_total_blocks, running=0, waiting=0, free_kv_blocks=engine.num_free_blocks,
         engine_steps=0, preemptions=0, started_at=0.0, draining=False,
     )  # fmt: skip
+
+
+def test_with_affinity_off_nothing_is_written(parts: tuple[LLMEngine, HeldBlocks, Settings]) -> None:
+    engine, on, settings = parts
+    off_settings = settings.model_copy(update={"affinity": False})
+    held = HeldBlocks(
+        off_settings, on.redis, on.publisher, engine,
+        name="w", model=MODEL, draining=threading.Event(), is_idle=lambda: not engine.has_unfinished(),
+    )  # fmt: skip
+    engine.add_request("a", list(range(10, 30)), SamplingParams(max_new_tokens=2))
+    while engine.has_unfinished():
+        step_and_sync(engine, held)
+    client = redis.Redis.from_url(settings.redis_url, decode_responses=True)
+    Heartbeat(off_settings, client, "w", lambda: _heartbeat(engine), threading.Event(), held).beat()
+    assert not client.exists(Keys.for_prefix(settings.key_prefix).held(MODEL, "w"))
+    client.close()
