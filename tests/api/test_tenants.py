@@ -24,6 +24,7 @@ from producer_api.api_keys import parse_key
 from producer_api.batches.job import ApiLineHandler
 from producer_api.batches.runner import BatchRunner
 from producer_api.batches.store import BatchStore
+from producer_api.tenants import Tenants
 from shared.client import QueueClient
 from shared.keys import Keys
 from shared.redis_connect import connect
@@ -113,6 +114,14 @@ def test_key_specs_with_named_options_and_the_old_positional_form() -> None:
     rated = parse_key(KEYS[3])
     assert (rated.requests_per_minute, rated.tokens_per_minute) == (2, 100)
     assert parse_key("k:1:30:tpm=5") == parse_key("k:max_priority=1:rpm=30:tpm=5")
+    # Keys of one tenant must agree on its terms; a tenant no key names gets weight 1 and the default limit.
+    tenants = Tenants(
+        Settings(tenant_max_queued=7), [parse_key("a:tenant=t:weight=2"), parse_key("b:tenant=t:weight=2")]
+    )
+    assert (tenants.terms("t").weight, tenants.terms("t").max_queued) == (2.0, 7)
+    assert (tenants.terms("elsewhere").weight, tenants.terms(None).max_queued) == (1.0, 7)
+    with pytest.raises(ValueError, match="'t'"):
+        Tenants(Settings(), [parse_key("a:tenant=t:weight=2"), parse_key("b:tenant=t")])
     for bad in ("s3cret:weight=0", "s3cret:weight=x", "s3cret:colour=red", "s3cret:1:2:3", "s3cret:tpm=many"):
         with pytest.raises(ValueError) as info:
             parse_key(bad)
