@@ -134,9 +134,9 @@ def test_empty_stop_sequence(http: httpx.Client) -> None:
 
 def test_invalid_or_unsupported_tgi_features_are_refused_not_ignored(http: httpx.Client) -> None:
     tgi_error(http.post("/generate", json={"inputs": "hi", "parameters": {"grammar": {"type": "regex", "value": "("}}}))
-    # Deliberately unsupported: a 400 naming the parameter, not a 422 that reads as a bad value.
-    body = tgi_error(http.post("/generate", json={"inputs": "hi", "parameters": {"adapter_id": "lora"}}), 400)
-    assert body["field"] == "parameters.adapter_id" and "adapter" in body["error"]
+    # An adapter the deployment does not have: a 404 naming the parameter, never a run of the base model.
+    body = tgi_error(http.post("/generate", json={"inputs": "hi", "parameters": {"adapter_id": "lora"}}), 404)
+    assert body["field"] == "parameters.adapter_id" and "'lora'" in body["error"]
 
 
 @pytest.mark.parametrize(
