@@ -15,7 +15,8 @@ cache by tenant, so no phase reuses another's KV blocks):
 4. flood, FCFS: the same, with fair share off: a stack whose processes run with ``FCFS_ENV``, or,
    where that is empty, A's and B's requests under one API key (one tenant: one FIFO lane);
 5. weights: tenants of weight 3 and 1 each keep ``--weights-factor`` x ``slots`` requests in flight for
-   ``--weights-s``; tokens served (prompt + output, the counter fair share charges) in that window.
+   ``--weights-s``; tokens served (prompt + output, the counter fair share charges) from
+   ``--weights-settle-s`` (past the pool's first fill) to the end.
 
 A phase's in-flight requests after its window are cancelled (the client closes its stream) once B's
 have all had their first token; the next phase starts on an idle pool. Reported per setup: B's TTFT
@@ -89,6 +90,7 @@ class Sent:
 class Phase:
     sent: list[Sent] = field(default_factory=list)
     cancelled: int = 0  # requests in flight at the window's end, cancelled by closing their streams
+    preemptions: dict[str, float] = field(default_factory=dict)  # the workers' preemptions by reason in the phase
 
     def of(self, tenant: str) -> list[RequestResult]:
         return [s.result for s in self.sent if s.tenant == tenant]
@@ -214,6 +216,7 @@ class Bench:
         """A's closed loop for ``flood_s``; B's Poisson arrivals; A's leftovers cancelled once B is done."""
         out, args = Phase(), self.args
         one_tenant = phase == "fcfs" and not FCFS_ENV
+        before = await self.preemptions()
         async with self.http() as http:
             send_a = self.sender(http, phase, "one" if one_tenant else A)
             send_b = self.sender(http, phase, "one" if one_tenant else B)
@@ -235,11 +238,13 @@ class Bench:
             with contextlib.suppress(asyncio.CancelledError):
                 await heavy
         await self.wait_idle()
+        out.preemptions = counter_deltas(before, await self.preemptions())
         return out
 
     async def weights(self) -> Phase:
         out, args = Phase(), self.args
         in_flight = round(args.weights_factor * self.slots)
+        before = await self.preemptions()
         async with self.http() as http:
             t0 = time.perf_counter()
             loops = [
@@ -263,6 +268,20 @@ class Bench:
                 with contextlib.suppress(asyncio.CancelledError):
                     await loop
         await self.wait_idle()
+        out.preemptions = counter_deltas(before, await self.preemptions())
+        return out
+
+    async def preemptions(self) -> dict[str, float]:
+        """The workers' preemptions by reason (fair_share, urgency, kv_blocks), summed over workers."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out: dict[str, float] = {}
+        async with httpx.AsyncClient(timeout=10) as http:
+            for url in self.stack.metrics_urls:
+                for family in text_string_to_metric_families((await http.get(url)).text):
+                    for s in family.samples:
+                        if s.name == "inflightq_worker_engine_preemptions_by_reason_total":
+                            out[s.labels["reason"]] = out.get(s.labels["reason"], 0.0) + s.value
         return out
 
     async def wait_idle(self) -> None:
@@ -291,10 +310,14 @@ class Bench:
         raise TimeoutError(f"the pool did not empty in {IDLE_WAIT_S:.0f} s after a phase; logs in {self.stack.logs}")
 
 
+def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in sorted(after)}
+
+
 def flood_summary(phase: Phase, window: tuple[float, float]) -> dict[str, Any]:
     """Per tenant (every request sent, the cancelled ones counted apart), and all tokens in the window."""
     lo, hi = window
-    out: dict[str, Any] = {"cancelled": phase.cancelled}
+    out: dict[str, Any] = {"cancelled": phase.cancelled, "preemptions": phase.preemptions}
     for tenant in (A, B):
         mine = [s for s in phase.sent if s.tenant == tenant]
         done = [s.result for s in mine if s.result.success]
@@ -310,19 +333,22 @@ def flood_summary(phase: Phase, window: tuple[float, float]) -> dict[str, Any]:
     return out
 
 
-def weights_summary(phase: Phase, window_s: float) -> dict[str, Any]:
-    """Tokens each weighted tenant was served in the window: its output tokens that arrived in it, and the
-    prompt tokens of its requests whose first token arrived in it (prefilled then)."""
-    out: dict[str, Any] = {"cancelled": phase.cancelled, "tenants": {}, "series": {}}
+def weights_summary(phase: Phase, window_s: float, settle_s: float = 0.0) -> dict[str, Any]:
+    """Tokens each weighted tenant was served from ``settle_s`` to ``window_s``: its output tokens that
+    arrived then, and the prompt tokens of its requests whose first token arrived then (prefilled then).
+    The cumulative series covers the whole run."""
+    out: dict[str, Any] = {"cancelled": phase.cancelled, "preemptions": phase.preemptions, "tenants": {}}
+    out |= {"window_s": [settle_s, window_s], "series": {}}
     edges = [window_s * i / 20 for i in range(21)]
     for tenant, weight in WEIGHTS.items():
         mine = [s for s in phase.sent if s.tenant == tenant]
         output = prompt = 0
         cumulative = [0] * len(edges)
         for s in mine:
-            times = [t for t in s.token_times() if t <= window_s]
-            output += len(times)
-            prompt += s.result.prompt_len if times else 0
+            times = s.token_times()
+            counted = [t for t in times if settle_s <= t <= window_s]
+            output += len(counted)
+            prompt += s.result.prompt_len if times and settle_s <= times[0] <= window_s else 0
             for i, edge in enumerate(edges):
                 cumulative[i] += sum(t <= edge for t in times)
         out["tenants"][tenant] = {
@@ -372,6 +398,7 @@ def run_setup(
     keys = TenantKeys(phase_keys(bool(FCFS_ENV)))
     stack = Stack(settings, keys.specs, worker_metrics=True)
     row: dict[str, Any] = {"workers": workers, "cluster": settings.redis_cluster}
+    load_before = os.getloadavg()[0]
     try:
         stack.start(workers=workers)
         bench = Bench(args, settings, stack, keys, samples)
@@ -401,7 +428,7 @@ def run_setup(
         print_summary(f"{name}: B under A's flood, fair share", row["fair"][B])
         checkpoint(report, PARTIAL)
         if args.weights_s > 0:
-            row["weights"] = weights_summary(asyncio.run(bench.weights()), args.weights_s)
+            row["weights"] = weights_summary(asyncio.run(bench.weights()), args.weights_s, args.weights_settle_s)
             print(f"{name}: weights 3:1 served {row['weights']['ratio']} ({row['weights']['tenants']})", flush=True)
         if not args.skip_fcfs:
             if FCFS_ENV:  # the same stack's processes, started again with fair share off
@@ -414,6 +441,8 @@ def run_setup(
             print_summary(f"{name}: B under A's flood, FCFS", row["fcfs"][B])
     finally:
         stack.stop()
+    # Others' processes share the cores: the 1-minute load average before and after the setup's phases.
+    row["load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     row["targets"] = setup_targets(row)
     return row
 
@@ -435,6 +464,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--weights-factor", type=float, default=1.5, help="each weighted tenant's requests in flight / slots"
+    )
+    p.add_argument(
+        "--weights-settle-s", type=float, default=10.0, help="the weights window starts this long into the run"
     )
     p.add_argument("--calibration-factor", type=int, default=1, help="calibration requests / slots")
     p.add_argument("--input-len", default="50,300", help="prompt tokens, min,max (uniform)")
@@ -473,7 +505,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "note": args.note,
         "fcfs_anchor": fcfs_anchor(),
         "phases": {k: getattr(args, k) for k in ("flood_s", "warmup_s", "tail_s", "flood_factor", "light_share")}
-        | {k: getattr(args, k) for k in ("weights_s", "weights_factor", "calibration_factor")},
+        | {k: getattr(args, k) for k in ("weights_s", "weights_settle_s", "weights_factor", "calibration_factor")},
         "setups": {},
     }
     for name in args.setups.split(","):

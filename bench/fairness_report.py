@@ -50,15 +50,16 @@ def summary_table(report: dict[str, Any]) -> list[str]:
 
 def detail_table(report: dict[str, Any]) -> list[str]:
     lines = [
-        "| setup | run | tenant | ok / sent | TTFT p50 / p90 / p99 ms | TPOT p50 ms | cancelled at the end |",
-        "|---|---|---|---|---|---|---|",
+        "| setup | run | tenant | ok / sent | TTFT p50 / p90 / p99 ms | TPOT p50 ms | cancelled at the end "
+        "| preemptions in the run: fair_share / urgency / kv_blocks |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, row in report["setups"].items():
         idle = row["idle"]
         lines.append(
             f"| `{name}` | idle, one at a time | B | {idle['completed']} / {idle['requests']} "
             f"| {_ms(idle['ttft_ms'], 'p50')} / {_ms(idle['ttft_ms'], 'p90')} / {_ms(idle['ttft_ms'], 'p99')} "
-            f"| {_ms(idle['tpot_ms'], 'p50')} | - |"
+            f"| {_ms(idle['tpot_ms'], 'p50')} | - | - |"
         )
         for run in ("fair", "fcfs"):
             if run not in row:
@@ -68,7 +69,8 @@ def detail_table(report: dict[str, Any]) -> list[str]:
                 lines.append(
                     f"| `{name}` | flood, {run} | {tenant} | {m['completed']} / {m['sent']} "
                     f"| {_ms(m['ttft_ms'], 'p50')} / {_ms(m['ttft_ms'], 'p90')} / {_ms(m['ttft_ms'], 'p99')} "
-                    f"| {_ms(m['tpot_ms'], 'p50')} | {row[run]['cancelled'] if tenant == 'A' else '-'} |"
+                    f"| {_ms(m['tpot_ms'], 'p50')} | {row[run]['cancelled'] if tenant == 'A' else '-'} "
+                    f"| {_preemptions(row[run]) if tenant == 'A' else '-'} |"
                 )
         if w := row.get("weights"):
             for tenant in (HEAVY, LIGHT):
@@ -76,9 +78,14 @@ def detail_table(report: dict[str, Any]) -> list[str]:
                 lines.append(
                     f"| `{name}` | weights, {w['tenants'][tenant]['weight']:g} | {tenant} | {x['completed']} / "
                     f"{x['sent']} | tokens served {x['tokens']:,} (output {x['output_tokens']:,}) | - "
-                    f"| {w['cancelled']} (both) |"
+                    f"| {w['cancelled']} (both) | {_preemptions(w) if tenant == HEAVY else '-'} |"
                 )
     return lines
+
+
+def _preemptions(run: dict[str, Any]) -> str:
+    p = run.get("preemptions") or {}
+    return " / ".join(f"{p.get(reason, 0):.0f}" for reason in ("fair_share", "urgency", "kv_blocks"))
 
 
 def header(report: dict[str, Any]) -> list[str]:
@@ -98,8 +105,11 @@ def header(report: dict[str, Any]) -> list[str]:
         f"measured in the same run, from {ph['warmup_s']:.0f} s to {ph['flood_s'] - ph['tail_s']:.0f} s; output "
         f"throughput counts every token that came from {ph['warmup_s']:.0f} s to {ph['flood_s']:.0f} s. FCFS anchor: "
         f"{report['fcfs_anchor']}. Weights: tenants of weight 3 and 1 each keep {ph['weights_factor']}x the slots "
-        f"in flight for {ph['weights_s']:.0f} s; tokens served = output tokens that came in the window + the "
-        "prompts of the requests whose first token came in it."
+        f"in flight for {ph['weights_s']:.0f} s; tokens served = output tokens that came from "
+        f"{ph.get('weights_settle_s', 0):.0f} s to {ph['weights_s']:.0f} s + the prompts of the requests whose first "
+        "token came then. Load average (1 min, others' processes included) before / after each setup: "
+        + "; ".join(f"`{n}` {' / '.join(map(str, r.get('load_average', [])))}" for n, r in report["setups"].items())
+        + "."
     )
     return lines
 
