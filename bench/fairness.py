@@ -12,8 +12,9 @@ cache by tenant, so no phase reuses another's KV blocks):
 3. flood, fair share: tenant A keeps ``--flood-factor`` x ``slots`` requests in flight for
    ``--flood-s`` (as each ends it sends the next: a backlog of (factor - 1) x slots that never drains),
    tenant B sends Poisson arrivals at ``--light-share`` (0.2) x saturation after ``--warmup-s``;
-4. flood, FCFS: the same, with fair share off: a stack whose processes run with ``FCFS_ENV``, or,
-   where that is empty, A's and B's requests under one API key (one tenant: one FIFO lane);
+4. flood, FCFS: the same load on a stack whose processes run with fair share off (``FCFS_ENV``; one
+   stream per priority), A's and B's requests under one API key, so that neither the queue nor the
+   engine's fair displacement tells them apart: today's first come, first served;
 5. weights: tenants of weight 3 and 1 each keep ``--weights-factor`` x ``slots`` requests in flight for
    ``--weights-s``; tokens served (prompt + output, the counter fair share charges) from
    ``--weights-settle-s`` (past the pool's first fill) to the end.
@@ -56,7 +57,7 @@ A, B, HEAVY, LIGHT = "A", "B", "weight3", "weight1"
 WEIGHTS = {HEAVY: 3.0, LIGHT: 1.0}
 TARGET_TTFT_RATIO, TARGET_THROUGHPUT_RATIO, TARGET_WEIGHT_ERROR = 2.0, 0.95, 0.10
 # The settings that turn fair share off for every process of a stack (today's FCFS pull: one stream per
-# priority). Empty: the anchor sends every request under one tenant instead, which one FIFO lane serves.
+# priority). Empty: the anchor's one tenant alone keeps its requests in one FIFO lane.
 FCFS_ENV: dict[str, str] = {"INFLIGHTQ_FAIR_SHARE": "false"}
 SETUPS = ("standalone:1", "standalone:2", "cluster:2")
 PARTIAL = Path("/tmp/inflightq-bench-fairness-partial.json")
@@ -107,9 +108,9 @@ class TenantKeys:
         return {"Authorization": f"Bearer {self.secrets[(phase, tenant)]}"}
 
 
-def phase_keys(fcfs_by_setting: bool) -> list[tuple[str, str, float]]:
+def phase_keys() -> list[tuple[str, str, float]]:
     out = [("warm", A, 1.0), ("calibration", A, 1.0), ("idle", B, 1.0), ("fair", A, 1.0), ("fair", B, 1.0)]
-    out += [("fcfs", A, 1.0), ("fcfs", B, 1.0)] if fcfs_by_setting else [("fcfs", "one", 1.0)]
+    out += [("fcfs", "one", 1.0)]
     out += [("weights", t, w) for t, w in WEIGHTS.items()]
     return out
 
@@ -215,7 +216,7 @@ class Bench:
     async def flood(self, phase: str, light: list[ChatSample], offsets: list[float]) -> Phase:
         """A's closed loop for ``flood_s``; B's Poisson arrivals; A's leftovers cancelled once B is done."""
         out, args = Phase(), self.args
-        one_tenant = phase == "fcfs" and not FCFS_ENV
+        one_tenant = phase == "fcfs"
         before = await self.preemptions()
         async with self.http() as http:
             send_a = self.sender(http, phase, "one" if one_tenant else A)
@@ -395,7 +396,7 @@ def setup_targets(row: dict[str, Any]) -> dict[str, Any]:
 def run_setup(
     args: argparse.Namespace, settings: Settings, workers: int, samples: Samples, report: dict[str, Any], name: str
 ) -> dict[str, Any]:
-    keys = TenantKeys(phase_keys(bool(FCFS_ENV)))
+    keys = TenantKeys(phase_keys())
     stack = Stack(settings, keys.specs, worker_metrics=True)
     row: dict[str, Any] = {"workers": workers, "cluster": settings.redis_cluster}
     load_before = os.getloadavg()[0]
@@ -532,9 +533,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def fcfs_anchor() -> str:
-    if FCFS_ENV:
-        return "fair share off: " + " ".join(f"{k}={v}" for k, v in FCFS_ENV.items())
-    return "every request under one API key (one tenant)"
+    off = "fair share off (" + " ".join(f"{k}={v}" for k, v in FCFS_ENV.items()) + "), " if FCFS_ENV else ""
+    return off + "every request under one API key (one tenant)"
 
 
 def print_targets(name: str, t: dict[str, Any]) -> None:
