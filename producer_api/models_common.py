@@ -17,6 +17,11 @@ class RequestOptions(BaseModel):
         None, ge=0, description="0 is the most urgent; at most priority_levels - 1. Clamped to the API key's ceiling."
     )
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token (vLLM extension).")
+    speculate: bool | None = Field(
+        None,
+        description="Speculative decoding from the request's own text (n-gram lookup): true or false; unset = "
+        "the worker's speculate_by_default. The output is the same either way.",
+    )
     timeout: float | None = Field(
         None, gt=0, description="Seconds from now after which the request is dropped (expired)."
     )

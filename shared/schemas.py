@@ -106,6 +106,9 @@ class SamplingFields(WireModel):
     logprobs: int | None = Field(None, ge=0, le=20, description="Top logprobs per token; None = none.")
     constraint: Constraint | None = Field(None, description="Structured output: what the text must match.")
     watermark: bool = Field(False, description="TGI's green-list watermark (Kirchenbauer et al.; gamma 0.5, delta 2).")
+    speculate: bool | None = Field(
+        None, description="n-gram speculative decoding for this request; None = the worker's speculate_by_default."
+    )
 
 
 class SamplingSpec(SamplingFields):

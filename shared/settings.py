@@ -215,6 +215,25 @@ class Settings(BaseSettings):
         "Keeps a loaded step short: each stream's time between tokens, and an urgent arrival's wait for the "
         "step in progress; a worker with nothing decoding still prefills at the full budget.",
     )
+    speculative_tokens: int = Field(
+        4,
+        ge=0,
+        le=16,
+        description="Tokens a decoding sequence proposes at most per step from its own prompt and output (n-gram "
+        "lookup), checked by the step beside its next token: greedy output is unchanged, a sampled one keeps its "
+        "distribution and seeded draws. 0 = the worker never speculates.",
+    )
+    speculative_ngram_max: int = Field(
+        3, ge=1, description="Longest run of a sequence's latest tokens looked up for a proposal."
+    )
+    speculative_ngram_min: int = Field(
+        2, ge=1, description="Shortest run of a sequence's latest tokens whose earlier occurrence is proposed from."
+    )
+    speculate_by_default: bool = Field(
+        False,
+        description="Whether a request that does not say (`speculate`) speculates. Copying traffic (extraction, "
+        "quoting, code edits) gains; other traffic pays a little for probes (docs/benchmarks.md).",
+    )
     prefetch_seqs: int | None = Field(
         None,
         ge=0,

@@ -39,6 +39,10 @@ def engine_config(settings: Settings, **overrides: Any) -> EngineConfig:
         "cpu_threads": settings.torch_threads,
         "cpu_share": 1 / settings.workers_per_host,
         "max_loras": settings.max_loras,
+        "speculative_tokens": settings.speculative_tokens,
+        "speculative_ngram_max": settings.speculative_ngram_max,
+        "speculative_ngram_min": max(1, min(settings.speculative_ngram_min, settings.speculative_ngram_max)),
+        "speculate_by_default": settings.speculate_by_default,
     }
     return EngineConfig(**(fields | overrides))
 

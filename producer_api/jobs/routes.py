@@ -100,6 +100,7 @@ async def submit(request: Request, body: JobRequest, key: ApiKey | None) -> JSON
                 "ignore_eos",
                 "logprobs",
                 "constraint",
+                "speculate",
             }
         ),
     )

@@ -111,6 +111,7 @@ def build_plan(
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         constraint=constraint,
+        speculate=body.speculate,
     )
     subs = [
         new_request(body.model, ids, derived(spec, j), priority=priority, deadline=deadline, tenant=tenant)

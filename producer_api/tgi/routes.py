@@ -102,6 +102,7 @@ async def plan(request: Request, body: GenerateRequest, key: ApiKey | None, *, s
         logprobs=p.top_n_tokens or 0,
         constraint=grammar_constraint(p.grammar),
         watermark=p.watermark or None,
+        speculate=p.speculate,
     )
     tenant = st.tenants.resolve(request, key)
     submissions = [

@@ -47,7 +47,7 @@ def propose_from(engine: Any, continuations: dict[tuple[int, ...], list[int]], w
 
 
 def make_llm(make_engine: Any, **kwargs: Any) -> LLM:
-    engine = make_engine(**kwargs)
+    engine = make_engine(**({"speculate_by_default": True} | kwargs))
     llm = LLM.__new__(LLM)
     llm.engine, llm._next_id = engine, 0
     return llm
@@ -68,6 +68,18 @@ def test_a_match_shorter_than_ngram_min_proposes_nothing() -> None:
     speculator = Speculator(SpeculationConfig(num_tokens=4, ngram_max=3, ngram_min=2))
     assert speculator.propose(speculator.new_state(), [5, 6, 7, 1, 9, 1], 4) == []
     assert speculator.propose(speculator.new_state(), [5, 6, 7, 1, 9, 6, 7], 4) == [1, 9, 6, 7]
+
+
+def test_a_proposal_is_as_long_as_the_runs_recently_kept() -> None:
+    speculator = Speculator(SpeculationConfig(num_tokens=4, ngram_max=2, ngram_min=1, min_acceptance=0.0))
+    state = speculator.new_state()
+    tokens = [1, 2, 3, 4, 5, 6, 7, 1]
+    lengths = []
+    for kept in (0, 0, 0, *[4] * 8):  # rejected three times, then kept whole
+        lengths.append(len(speculator.propose(state, tokens, 8)))
+        speculator.record(state, lengths[-1], min(kept, lengths[-1]))
+    assert lengths[:4] == [4, 3, 2, 1]
+    assert lengths[3:] == sorted(lengths[3:]) and lengths[-1] == 4
 
 
 def test_low_acceptance_pauses_proposals_for_longer_each_time() -> None:
@@ -162,7 +174,7 @@ def test_max_tokens_stop_strings_and_logprobs_count_each_kept_token(make_engine:
 
 
 def test_events_deliver_several_tokens_of_a_sequence_in_order(make_engine: Any, tiny_ref: Any) -> None:
-    engine = make_engine()
+    engine = make_engine(speculate_by_default=True)
     prompt = prompts_of(1, seed=15)[0]
     ref = reference(tiny_ref, prompt, MAX_NEW)
     propose_from(engine, {tuple(prompt): ref})
@@ -178,7 +190,7 @@ def test_events_deliver_several_tokens_of_a_sequence_in_order(make_engine: Any, 
 
 
 def test_a_request_can_opt_out_and_penalties_never_speculate(make_engine: Any, tiny_ref: Any) -> None:
-    engine = make_engine()
+    engine = make_engine(speculate_by_default=True)
     prompt = prompts_of(1, seed=16)[0]
     propose_from(engine, {tuple(prompt): reference(tiny_ref, prompt, MAX_NEW)})
     engine.add_request("off", prompt, SamplingParams(max_new_tokens=MAX_NEW, speculate=False))
@@ -198,14 +210,14 @@ def test_the_grammar_checks_drafts_and_never_keeps_a_forbidden_token(make_engine
     want = [e.token_id for e in run_to_end(plain)["r"] if e.token_id >= 0]
     # Drafts from the right answer with every third token wrong: the wrong ones the grammar
     # forbids are cut before the step, the others rejected by the draw.
-    drafted = make_engine()
+    drafted = make_engine(speculate_by_default=True)
     propose_from(drafted, {tuple(prompt): want}, wrong_every=3)
     drafted.add_request("r", prompt, params)
     events = run_to_end(drafted)["r"]
     assert [e.token_id for e in events if e.token_id >= 0] == want
     assert drafted.stats.draft_accepted_tokens > 0
     # Drafts the grammar forbids outright never reach the step.
-    forbidding = make_engine()
+    forbidding = make_engine(speculate_by_default=True)
     forbidding.speculator.propose = lambda state, tokens, limit: tokenizer.encode("!?!?")[:limit]
     forbidding.add_request("r", prompt, params)
     assert [e.token_id for e in run_to_end(forbidding)["r"] if e.token_id >= 0] == want
@@ -246,7 +258,7 @@ def test_sampled_tokens_after_a_draft_keep_the_model_distribution(make_engine: A
     expected = {(a, b, c): p2[a] * p3[a][b] * p4[a, b][c] for a in p2 for b in p3[a] for c in p4[a, b]}
     likeliest = {a: max(p, key=p.__getitem__) for a, p in p3.items()}
 
-    engine = make_engine(max_num_seqs=512, num_kv_blocks=4096, max_num_batched_tokens=8192)
+    engine = make_engine(max_num_seqs=512, num_kv_blocks=4096, max_num_batched_tokens=8192, speculate_by_default=True)
 
     def propose(state: Any, tokens: list[int], limit: int) -> list[int]:
         return [likeliest[tokens[-1]]][:limit] if len(tokens) == len(context) + 1 else []
@@ -270,7 +282,7 @@ def test_sampled_tokens_after_a_draft_keep_the_model_distribution(make_engine: A
 def test_default_model_copying_prompts_speculate_and_match_generate(default_model_name: str) -> None:
     from worker.engine.model.model_loader import load_model
 
-    llm = LLM(default_model_name, dtype="float64", num_kv_blocks=256)
+    llm = LLM(default_model_name, dtype="float64", num_kv_blocks=256, speculate_by_default=True)
     ref, tokenizer = load_model(default_model_name, torch.float64, "cpu")
     questions = [
         "Copy this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.",

@@ -58,7 +58,7 @@ class EngineConfig:
     speculative_ngram_max: int = 3
     speculative_ngram_min: int = 2
     speculative_min_acceptance: float = 0.3
-    speculate_by_default: bool = True
+    speculate_by_default: bool = False
 
     # LoRA adapters held at once (least recently used dropped beyond, never one a request in the engine uses);
     # 0: the engine serves no adapters and its forward is the base model's alone (worker/engine/model/lora.py).

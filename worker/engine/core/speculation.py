@@ -9,9 +9,11 @@ beside the sequence's ordinary next token (``llm_engine``) and keeps the agreein
 Each sequence keeps an index from n-gram to where it last ended, extended by the tokens added
 since the previous proposal, so a proposal costs a few dictionary look-ups, not a scan.
 
-Adaptive: a sequence whose proposals are mostly rejected stops proposing for a while (doubling
-each time it fails again), so traffic that does not copy from its input pays for a probe now and
-then instead of every step.
+Adaptive, per sequence: a proposal is as long as the sequence's recent agreeing runs (one token
+more than their running mean, up to ``num_tokens``), since each proposed token is one more row of
+the step whether it is kept or not; and a sequence whose proposals are mostly rejected stops
+proposing for a while (doubling each time it fails again), so traffic that does not copy from its
+input pays for a short probe now and then instead of a long proposal every step.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class SpeculationState:
     maps: list[dict[Any, int]] = field(default_factory=list)  # per n: n-gram -> end of its latest occurrence
     indexed: int = 1  # n-grams ending before this position are in the index
     rate: float = 1.0  # running share of proposed tokens accepted
+    run: float = 0.0  # running mean of the tokens kept per proposal (set from num_tokens at the start)
     paused: int = 0  # steps left without proposing
     pause_steps: int = _FIRST_PAUSE_STEPS  # the next pause's length
     proposed: int = 0
@@ -52,11 +55,11 @@ class Speculator:
         self.config = config
 
     def new_state(self) -> SpeculationState:
-        return SpeculationState(maps=[{} for _ in range(self.config.ngram_max + 1)])
+        return SpeculationState(maps=[{} for _ in range(self.config.ngram_max + 1)], run=self.config.num_tokens - 1)
 
     def propose(self, state: SpeculationState, tokens: list[int], limit: int) -> list[int]:
         """Up to ``min(num_tokens, limit)`` tokens likely to follow ``tokens``; [] when paused or unmatched."""
-        limit = min(limit, self.config.num_tokens)
+        limit = min(limit, self.config.num_tokens, 1 + int(state.run + 0.5))
         if limit <= 0:
             return []
         if state.paused:
@@ -76,6 +79,7 @@ class Speculator:
         state.proposed += proposed
         state.accepted += accepted
         state.rate = (1 - _RATE_WEIGHT) * state.rate + _RATE_WEIGHT * accepted / proposed
+        state.run = (1 - _RATE_WEIGHT) * state.run + _RATE_WEIGHT * accepted
         if state.rate >= self.config.min_acceptance:
             state.pause_steps = _FIRST_PAUSE_STEPS
             return
