@@ -67,6 +67,19 @@ class WorkerCollector:
                 stats.interrupted_steps,
             ),
             "engine_interrupted_seconds": ("Forward time the stopped steps had spent.", stats.interrupted_time_s),
+            "engine_generated_tokens": (
+                "Tokens the engine generated (several per sequence in a step that kept a draft).",
+                stats.generated_tokens,
+            ),
+            "engine_token_steps": (
+                "Sequence-steps that generated tokens (engine_generated_tokens over it: tokens per sequence-step).",
+                stats.token_steps,
+            ),
+            "engine_draft_tokens": ("Tokens proposed by n-gram speculation and checked by a step.", stats.draft_tokens),
+            "engine_draft_accepted_tokens": (
+                "Of the proposed tokens, those the step kept.",
+                stats.draft_accepted_tokens,
+            ),
         }
         for name, (doc, value) in engine_counters.items():
             family = CounterMetricFamily(f"inflightq_worker_{name}", doc, labels=names)
