@@ -414,6 +414,8 @@ BENCHMARKS = {
     "idle stack and throughput vs FCFS, same run, on one and two workers and a Redis Cluster.",
     "affinity": "Prefix affinity against plain pull on 2 and 4 workers (multi-turn chat, shared system prompts): "
     "prefix hit rate vs one worker, prefilled tokens, TTFT, throughput, same run; a simulation projects 16-64 workers.",
+    "lora": "LoRA adapters in the batch: tokens/s and TPOT at 1, 8 and 32 streams with 0, 1, 4 and 16 distinct "
+    "adapters, each against the base model in the same run.",
     "streams": "What idle-waiting streams cost one API process: Redis connections, RSS and CPU at 100 / 1,000 / "
     "10,000 open streams, on Redis and on a private Redis Cluster.",
 }

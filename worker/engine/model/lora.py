@@ -133,7 +133,13 @@ class LoraStep:
     """One step's rows grouped by adapter: ``entries`` is the runner's row layout, each entry
     (first row, rows, adapter or None) in the flattened batch's order."""
 
-    def __init__(self, entries: Sequence[tuple[int, int, Adapter | None]], combination: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        entries: Sequence[tuple[int, int, Adapter | None]],
+        combination: Callable[..., Any],
+        compute_dtype: torch.dtype,
+    ) -> None:
+        self.compute_dtype = compute_dtype
         self.num_rows = sum(n for _, n, _ in entries)
         # Single-row entries (decodes) go through the grouped op; longer ones (prefill chunks) one by one.
         singles = [(row, adapter) for row, n, adapter in entries if n == 1 and adapter is not None]
@@ -152,11 +158,12 @@ class LoraStep:
         """``y`` (the base layer's output for ``x``) with the adapters' deltas of layer ``name`` added."""
         if self.group is None and not any(name in a.layers for _, _, a in self.chunks):
             return y
-        x2, out = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]).clone()
+        out = y.reshape(-1, y.shape[-1]).clone()
+        x2 = x.reshape(-1, x.shape[-1]).to(self.compute_dtype)
         for lo, hi, adapter in self.chunks:
             weights = adapter.layers.get(name)
             if weights is not None:
-                out[lo:hi] += (x2[lo:hi] @ weights.a.T) @ weights.b.T * weights.scale
+                out[lo:hi] += ((x2[lo:hi] @ weights.a.T) @ weights.b.T * weights.scale).to(out.dtype)
         if self.group is not None:
             rows, adapters = self.group
             combined = self._combination(name, adapters)
@@ -164,7 +171,7 @@ class LoraStep:
                 a_cat, b_cat, bounds, scales = combined
                 mask, row_scale = self._mask(name, bounds, scales, x2.dtype, x2.device)
                 rows = rows.to(x2.device)
-                out[rows] += ((x2[rows] @ a_cat.T) * mask) @ b_cat.T * row_scale
+                out[rows] += (((x2[rows] @ a_cat.T) * mask) @ b_cat.T * row_scale).to(out.dtype)
         return out.view(y.shape)
 
     def _mask(
@@ -198,13 +205,16 @@ class _Combination:
 
 
 class AdapterSet:
-    """The adapters an engine holds, at most ``max_loaded`` of them unless more are pinned (LRU
-    beyond), in the model's dtype and on its device, and the ``LoraLinear`` forwards reading the
-    step in progress."""
+    """The adapters an engine holds, at most ``max_loaded`` of them unless more are pinned (LRU beyond), on
+    the model's device in the deltas' dtype (the model's; fp32 for a 16-bit model on a CPU), and the
+    ``LoraLinear`` forwards reading the step in progress."""
 
     def __init__(self, model: nn.Module, max_loaded: int) -> None:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        # The deltas' matmuls: a CPU's 16-bit matmuls of these small shapes run far slower than fp32 ones.
+        half = self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu"
+        self.compute_dtype = torch.float32 if half else self.dtype
         self.max_loaded = max_loaded
         self.targets = lora_targets(model)
         self._adapters: OrderedDict[str, Adapter] = OrderedDict()  # by key, least recently used first
@@ -214,7 +224,10 @@ class AdapterSet:
         self.loads = 0
         self.evictions = 0
         self.load_time_s = 0.0
-        self._installed = False
+        # A model object an earlier engine served adapters on has the forwards already: this engine takes them over.
+        self._installed = any(isinstance(t.__dict__.get("forward"), LoraLinear) for t in self.targets.values())
+        if self._installed:
+            self._install()
 
     def _install(self) -> None:
         """Wraps the targets' forwards, at the first load: an engine that never loads an adapter runs unchanged."""
@@ -247,7 +260,9 @@ class AdapterSet:
         _, raw = read_adapter(request.path, self.targets)
         layers = {
             name: LoraWeights(
-                w.a.to(self.device, self.dtype).contiguous(), w.b.to(self.device, self.dtype).contiguous(), w.scale
+                w.a.to(self.device, self.compute_dtype).contiguous(),
+                w.b.to(self.device, self.compute_dtype).contiguous(),
+                w.scale,
             )
             for name, w in raw.items()
         }
@@ -295,7 +310,7 @@ class AdapterSet:
             return None
         with self._lock:
             grouped = [(row, n, self._adapters[key] if key is not None else None) for row, n, key in entries]
-        return LoraStep(grouped, self._combination)
+        return LoraStep(grouped, self._combination, self.compute_dtype)
 
     def _combination(self, name: str, adapters: list[Adapter]) -> tuple[Any, ...] | None:
         combo = tuple(a.key for a in adapters)
