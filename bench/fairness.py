@@ -525,10 +525,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise SystemExit(f"--setups: {name!r} is not standalone:<workers> or cluster:<workers>")
         print_targets(name, report["setups"][name]["targets"])
         checkpoint(report, PARTIAL)
-    if args.out:
-        from bench.fairness_report import write
+        if args.out:  # after each setup: a run cut short still leaves the setups it finished
+            from bench.fairness_report import write
 
-        write(report, Path(args.out), tag=args.tag)
+            write(report, Path(args.out), tag=args.tag)
     return report
 
 
