@@ -37,6 +37,20 @@ class WorkerAdapters:
         self.requests: dict[str, int] = {}  # label -> requests started with the adapter
         self.tokens: dict[tuple[str, str], int] = {}  # (label, prompt | generated) -> tokens
 
+    def prefetch(self, name: str) -> None:
+        """Loads the adapter ``name`` into the engine if it does not hold it: called where a request is accepted
+        (an I/O thread), so the engine loop rarely waits on a disk read when it starts the request. A name it
+        cannot load is left for the start to report."""
+        held = getattr(self.engine, "adapters", None)
+        if held is None:
+            return
+        try:
+            request = self.request_for(name)
+            if held.get(request.key) is None:
+                held.release(held.acquire(request))
+        except (OSError, ValueError) as error:
+            log.info("LoRA adapter %s not prefetched: %s", name, error)
+
     def started(self, adapter: str, prompt_tokens: int) -> None:
         label = self.labels(adapter)
         self.requests[label] = self.requests.get(label, 0) + 1

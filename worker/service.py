@@ -173,6 +173,8 @@ class WorkerService:
             self.inbox.put(InboxItem("lost", owner))
 
     def _hand_over(self, active: ActiveRequest) -> None:
+        if active.request.adapter:  # loaded here, in the I/O thread, rather than by the engine loop at its start
+            self.adapters.prefetch(active.request.adapter)
         self.owned.add(active)
         self.inbox.put(InboxItem("start", active.id, active))
         # An urgent start stops a long step of less urgent work at its next layer, instead of
