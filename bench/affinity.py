@@ -48,12 +48,12 @@ import numpy as np
 import redis
 
 from bench.results_files import machine
-from bench.serve import ENGINE_KEYS, bench_settings, queue_redis, stop_on_sigterm
+from bench.serve import ENGINE_KEYS, bench_settings, stop_on_sigterm
 from bench.serve_clients import sse_data
 from bench.serve_dataset import templated_ids, word_pool
 from bench.serve_metrics import RequestResult, stats_ms, summarize
 from bench.serve_stack import Stack
-from shared.async_client import AsyncQueueClient
+from shared.client import QueueClient
 from shared.settings import Settings
 
 MULTI_TURN, SHARED_PREFIX = "multi_turn", "shared_prefix"
@@ -61,7 +61,8 @@ PLAIN, AFFINITY, SINGLE = "plain", "affinity", "single"
 HIT_RATE_TARGET = 0.9  # the pool's hit rate within 10% of a single worker's
 AFFINITY_ENV = "INFLIGHTQ_AFFINITY"
 SLOT_COMMANDS = ("sadd", "srem")  # besides the scripts: the workers' summary updates
-QUICK = {"conversations": 16, "turns": 4, "prefixes": 8, "prefix_requests": 64}
+READ_TIMEOUT_S = 300.0
+QUICK = {"conversations": 16, "turns": 4, "prefixes": 8, "prefix_requests": 48}
 
 
 @dataclass(frozen=True)
@@ -241,14 +242,16 @@ class Timeline:
 
 
 async def sample(
-    http: httpx.AsyncClient, urls: list[str], queue: AsyncQueueClient, model: str, period: float, into: Timeline
+    http: httpx.AsyncClient, urls: list[str], queue: QueueClient, model: str, period: float, into: Timeline
 ) -> None:
+    """Every ``period`` until cancelled. The queue's depth is read on a thread with the blocking client,
+    so a cancellation never lands inside a Redis command."""
     t0 = time.perf_counter()
     while True:
         started = time.perf_counter()
         try:
             texts = await asyncio.gather(*(http.get(u, timeout=5) for u in urls))
-            depth = await queue.queue_depth(model)
+            depth = await asyncio.to_thread(queue.queue_depth, model)
         except (httpx.HTTPError, OSError, redis.RedisError):
             await asyncio.sleep(period)
             continue
@@ -323,20 +326,22 @@ class RunSpec:
     workers: int
 
 
-def run_one(
-    spec: RunSpec, settings: Settings, w: Workloads, args: argparse.Namespace, env: dict[str, str]
-) -> dict[str, Any]:
+def run_one(spec: RunSpec, settings: Settings, w: Workloads, args: argparse.Namespace) -> dict[str, Any]:
     """A fresh stack (API + ``spec.workers`` workers, empty caches), the workload through it, then the figures."""
     kv = args.prefix_kv_blocks if spec.workload == SHARED_PREFIX else settings.num_kv_blocks
     run_settings = settings.model_copy(update={"key_prefix": f"bench-aff-{uuid.uuid4().hex[:8]}", "num_kv_blocks": kv})
     key, warm_key = f"bench-{uuid.uuid4().hex[:12]}", f"bench-{uuid.uuid4().hex[:12]}"
-    extra = env | {AFFINITY_ENV: "true" if spec.mode == AFFINITY else "false"}
+    # The children inherit this process's environment (INFLIGHTQ_TORCH_THREADS...); the stack's own settings win.
+    extra = {AFFINITY_ENV: "true" if spec.mode == AFFINITY else "false"}
     cwd = Path(args.checkout) if args.checkout else None
     stack = Stack(run_settings, [key, warm_key], worker_metrics=True, cwd=cwd, extra_env=extra)
     client = redis.Redis.from_url(settings.redis_url)
     try:
         stack.start(workers=spec.workers)
+        load_before = os.getloadavg()[0]
         figures = asyncio.run(drive(spec, stack, run_settings, w, args, key, warm_key, client))
+        # Others' processes share the cores: the load average says how much (runnable processes, 1 min).
+        figures["load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     finally:
         stack.stop()
         client.close()
@@ -345,13 +350,12 @@ def run_one(
 
 
 @contextlib.asynccontextmanager
-async def clients(base_url: str, settings: Settings) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncQueueClient]]:
+async def http_client(base_url: str) -> AsyncIterator[httpx.AsyncClient]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with (
-        httpx.AsyncClient(base_url=base_url, limits=limits, timeout=httpx.Timeout(None, connect=30)) as http,
-        AsyncQueueClient(settings, client=queue_redis(settings)) as queue,
-    ):
-        yield http, queue
+    # A stream silent for READ_TIMEOUT_S is recorded as failed instead of holding the run forever.
+    timeout = httpx.Timeout(READ_TIMEOUT_S, connect=30)
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout) as http:
+        yield http
 
 
 async def drive(
@@ -365,7 +369,8 @@ async def drive(
     client: redis.Redis,
 ) -> dict[str, Any]:
     model = settings.model
-    async with clients(stack.base_url, settings) as (http, queue):
+    queue = QueueClient(settings)
+    async with http_client(stack.base_url) as http:
         warm = {"Authorization": f"Bearer {warm_key}"}
         # First-call costs out of the way, under another key (another cache tenant), on every worker.
         await asyncio.gather(
@@ -394,6 +399,7 @@ async def drive(
                 await sampler
         rstats = redis_stats(client)
         after = [scrape_text((await http.get(u)).text) for u in urls]
+    queue.close()
     rstats["cpu_s"] = round(rstats["cpu_s"] - cpu0, 3)
     per_worker = [counter_deltas(b, a) for b, a in zip(before, after, strict=True)]
     return figures(spec, sent, duration, per_worker, rstats, key_sizes(client, settings), timeline, args)
@@ -463,6 +469,8 @@ def figures(
         "keys_after": sizes,
     }
     out["workers_counters"] = per_worker
+    names = sorted({k for p in per_worker for k in p if k.startswith("affinity_")})
+    out["affinity_counters"] = {k.removeprefix("affinity_"): sum(p.get(k, 0) for p in per_worker) for k in names}
     out["idle_while_queued"] = idle_while_queued(timeline, args.sample_every)
     out["timeline"] = {"t": timeline.t, "held": timeline.held, "queued": timeline.queued}
     return out
@@ -553,22 +561,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help=f"smaller workloads: {QUICK}")
     p.add_argument("--workers", default="2,4", help="worker counts (each against plain pull)")
     p.add_argument("--workloads", default=f"{MULTI_TURN},{SHARED_PREFIX}")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="per worker: the pool fills, so work waits in Redis")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="per worker: the pool fills, so work waits in Redis")
     p.add_argument(
         "--num-kv-blocks",
         type=int,
-        default=5120,
+        default=3072,
         help="KV blocks per worker, multi-turn: one worker holds every history",
     )
-    p.add_argument("--conversations", type=int, default=64)
+    p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--first-turn-len", type=int, default=300, help="tokens of a conversation's first user message")
     p.add_argument("--turn-len", type=int, default=100, help="tokens of each later user message")
-    p.add_argument("--answer-len", type=int, default=48, help="tokens of each answer")
+    p.add_argument("--answer-len", type=int, default=32, help="tokens of each answer")
     p.add_argument("--start-spread", type=float, default=4.0, help="seconds over which conversations start")
     p.add_argument("--prefixes", type=int, default=16)
     p.add_argument("--prefix-len", type=int, default=1000, help="tokens of each shared system prompt")
-    p.add_argument("--prefix-requests", type=int, default=192)
+    p.add_argument("--prefix-requests", type=int, default=96)
     p.add_argument("--suffix-len", type=int, default=32, help="tokens of each prefix request's own user message")
     p.add_argument("--prefix-answer-len", type=int, default=16)
     p.add_argument("--prefix-clients", type=int, default=16, help="closed-loop clients of the prefix requests")
@@ -620,8 +628,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings = settings.model_copy(update=update)
     tokenizer = load_tokenizer(settings.model)
     w = make_workloads(tokenizer, args)
-    # Settings the children read from the environment that this process's Settings does not pass on.
-    env = {k: v for k, v in os.environ.items() if k.startswith("INFLIGHTQ_") and k != AFFINITY_ENV}
     shared, mean_prompt = prefix_shape(tokenizer, w)
     report = head(argv, settings)
     report |= {
@@ -655,7 +661,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         for spec in plan(args):
             print(f"run: {spec.workload}, {spec.mode}, {spec.workers} worker(s)", flush=True)
-            row = run_one(spec, settings, w, args, env)
+            row = run_one(spec, settings, w, args)
             report["runs"].append(row)
             print_row(row)
     finally:

@@ -50,8 +50,9 @@ def runs_table(report: dict[str, Any], workload: str) -> list[str]:
     lines = [
         "| workers | placement | ok / n | prefix hit rate (per worker) | tokens prefilled | TTFT p50 / p99 ms "
         "| follow-up turns' TTFT p50 / p99 ms | out tok/s | Redis commands / request "
-        "| Redis CPU ms / request (model slot's) | longest idle while queued s (worker idle share) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| Redis CPU ms / request (model slot's) | offers taken / stolen (idle, timed out, worker gone) "
+        "| longest idle while queued s (worker idle share) | load avg before / after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
         if r["workload"] != workload:
@@ -65,10 +66,18 @@ def runs_table(report: dict[str, Any], workload: str) -> list[str]:
             f"{_f(a['ttft_ms']['p50'])} / {_f(a['ttft_ms']['p99'])} | "
             f"{_f(follow['p50']) if follow else '-'} / {_f(follow['p99']) if follow else '-'} | "
             f"{a['output_throughput']} | {r['redis']['commands_per_request']} | {r['redis']['cpu_ms_per_request']} "
-            f"({r['redis']['model_slot_ms_per_request']}) | "
-            f"{idle['longest_s']} ({', '.join(_f(x, 2) for x in idle['idle_share_by_worker'])}) |"
+            f"({r['redis']['model_slot_ms_per_request']}) | {_offers(r.get('affinity_counters', {}))} | "
+            f"{idle['longest_s']} ({', '.join(_f(x, 2) for x in idle['idle_share_by_worker'])}) | "
+            f"{' / '.join(map(str, r.get('load_average', ['-'])))} |"
         )
     return lines
+
+
+def _offers(c: dict[str, float]) -> str:
+    if not c:
+        return "-"
+    steals = [c.get(f"steals:{k}", 0) for k in ("idle", "timed_out", "worker_gone")]
+    return f"{c.get('offers_taken', 0):.0f} / {sum(steals):.0f} ({', '.join(f'{x:.0f}' for x in steals)})"
 
 
 def target_lines(report: dict[str, Any]) -> list[str]:

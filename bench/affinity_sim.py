@@ -362,7 +362,7 @@ def redis_projection(report: dict[str, Any], sim_workers: list[int]) -> dict[str
                 row["model_slot_ms_per_request"] = round(ms, 4)
                 row["max_requests_per_s_one_redis_core"] = round(1000 / ms)
             if summary_bytes:
-                row["summaries_mb"] = round(n * report["engine"]["num_kv_blocks"] * summary_bytes / 1e6, 1)
+                row["summaries_mb"] = round(n * report["workloads"][workload]["num_kv_blocks"] * summary_bytes / 1e6, 1)
             rows.append(row)
         out[workload] = {
             "fit_commands": cmds,
