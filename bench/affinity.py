@@ -604,13 +604,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def plan(args: argparse.Namespace) -> list[RunSpec]:
-    """Per workload: the single worker, then plain and affinity per worker count, alternating which goes first."""
-    specs = []
-    for workload in [x for x in args.workloads.split(",") if x]:
-        specs.append(RunSpec(workload, SINGLE, 1))
-        for i, n in enumerate(int(x) for x in args.workers.split(",")):
+    """One worker on each workload first, then per worker count and workload plain pull and affinity,
+    alternating which goes first: a run cut short still has both workloads at the first worker count."""
+    workloads = [x for x in args.workloads.split(",") if x]
+    specs = [RunSpec(workload, SINGLE, 1) for workload in workloads]
+    i = 0
+    for n in (int(x) for x in args.workers.split(",")):
+        for workload in workloads:
             modes = (PLAIN, AFFINITY) if i % 2 == 0 else (AFFINITY, PLAIN)
             specs += [RunSpec(workload, m, n) for m in modes]
+            i += 1
     return specs
 
 
@@ -658,12 +661,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "runs": [],
     }
+    from bench.affinity_report import print_targets, write
+
     try:
         for spec in plan(args):
             print(f"run: {spec.workload}, {spec.mode}, {spec.workers} worker(s)", flush=True)
             row = run_one(spec, settings, w, args)
             report["runs"].append(row)
             print_row(row)
+            if args.out:  # the runs so far, in case the rest is cut short
+                report["targets"] = targets(report["runs"], report["steal_after_ms"], args.sample_every)
+                write(report, Path(args.out), tag=args.tag)
     finally:
         if server is not None:
             server.stop()
@@ -672,8 +680,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from bench.affinity_sim import project
 
     report["projection"] = project(report, [int(x) for x in args.sim_workers.split(",")], seed=args.seed)
-    from bench.affinity_report import print_targets, write
-
     print_targets(report)
     if args.out:
         write(report, Path(args.out), tag=args.tag)

@@ -467,3 +467,31 @@ def limits(projection: dict[str, Any]) -> list[str]:
                 f"workers the summaries take {rows[-1].get('summaries_mb')} MB, all in the model's one slot."
             )
     return lines
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Projects a saved ``inflightq bench affinity`` result (its JSON) and rewrites its files with the projection."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from bench.affinity import fit_costs
+    from bench.affinity_report import markdown, plot
+    from bench.results_files import save
+
+    p = argparse.ArgumentParser(prog="python -m bench.affinity_sim", description=main.__doc__)
+    p.add_argument("results", help="bench/results/affinity-<date>[-tag].json")
+    p.add_argument("--sim-workers", default="2,4,16,32,64")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    path = Path(args.results)
+    report = json.loads(path.read_text())
+    workers = sorted({r["workers"] for r in report["runs"] if r["mode"] != "single"})
+    report["costs"] = report.get("costs") or fit_costs(report["runs"], workers[0])
+    report["projection"] = project(report, [int(x) for x in args.sim_workers.split(",")], seed=args.seed)
+    save(path.with_suffix(""), report, markdown(report), plot)
+    return report
+
+
+if __name__ == "__main__":
+    main()
