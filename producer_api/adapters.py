@@ -4,6 +4,8 @@ add and remove adapters of the deployment at run time (vLLM's ``/v1/load_lora_ad
 
 from __future__ import annotations
 
+import re
+
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
@@ -33,11 +35,12 @@ def _keys(st: AppState) -> Keys:
 
 async def resolve_model_or_adapter(st: AppState, name: str, field: str = "model") -> tuple[str, str | None]:
     """``(model, adapter)`` a request's model name means: a served model (or the default's placeholder) runs
-    as itself, a registered adapter's name on its base model; anything else is a 404 naming it."""
+    as itself, a registered adapter's name on its base model; anything else is a 404 naming it (a name no
+    adapter can have, one with a lone surrogate say, without asking Redis)."""
     model = resolve_model(st.settings, name)
     if model in st.settings.served_models:
         return model, None
-    record = await lookup_async(st.redis, _keys(st), name)
+    record = await lookup_async(st.redis, _keys(st), name) if re.match(NAME_PATTERN, name) else None
     if record is None or record.base not in st.settings.served_models:
         served = ", ".join(st.settings.served_models)
         raise AdapterNotFoundError(
@@ -49,7 +52,7 @@ async def resolve_model_or_adapter(st: AppState, name: str, field: str = "model"
 
 async def resolve_adapter_id(st: AppState, model: str, adapter_id: str, field: str) -> str:
     """TGI's ``adapter_id``: a registered adapter of ``model``, else a 404 naming it."""
-    record = await lookup_async(st.redis, _keys(st), adapter_id)
+    record = await lookup_async(st.redis, _keys(st), adapter_id) if re.match(NAME_PATTERN, adapter_id) else None
     if record is None or record.base != model:
         raise AdapterNotFoundError(f"adapter {adapter_id!r} is not a LoRA adapter of model {model!r}", field=field)
     return record.name

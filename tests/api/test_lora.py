@@ -169,3 +169,11 @@ def test_the_worker_counts_requests_and_tokens_per_adapter(api: ApiServer) -> No
     assert value("inflightq_worker_adapter_tokens_total", adapter="all", kind="generated") >= MAX_NEW
     assert value("inflightq_worker_adapter_loads_total") >= 2  # "all" at start, "mlp" on first use
     assert value("inflightq_worker_adapters_loaded") >= 1
+
+
+def test_a_name_no_adapter_can_have_is_a_404_too(api: ApiServer) -> None:
+    with api.client() as http:
+        oai = http.post("/v1/completions", json={"model": "a b", "prompt": "hi", "max_tokens": 2})
+        assert oai.status_code == 404 and "'a b'" in oai.json()["error"]["message"]
+        tgi = http.post("/generate", json={"inputs": "hi", "parameters": {"adapter_id": "a b"}})
+        assert tgi.status_code == 404 and "'a b'" in tgi.json()["error"]
