@@ -95,6 +95,15 @@ def test_adapters_and_base_mixed_in_one_batch_match_peft(make_engine: Any, adapt
         assert any(peft_references(name, p) != peft_references(None, p) for p in batch)
 
 
+def test_one_adapter_beside_base_rows_and_alone_match_peft(
+    make_engine: Any, adapters: Any, peft_references: Any
+) -> None:
+    llm = make_llm(make_engine, max_num_batched_tokens=4096)
+    batch = prompts(4, seed=16)
+    check_mixed(llm, batch, [None, "attn", None, "attn"], adapters, peft_references)
+    check_mixed(llm, batch, ["mlp"] * 4, adapters, peft_references)
+
+
 def test_prefill_chunks_beside_decodes_of_other_adapters_match_peft(
     make_engine: Any, adapters: Any, peft_references: Any
 ) -> None:

@@ -147,6 +147,9 @@ class LoraStep:
         self.group: tuple[torch.Tensor, list[Adapter]] | None = None
         self._combination = combination
         self._masks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Every row of one adapter (one stream, or a batch of one fine-tune): one delta over all rows.
+        keys = {a.key if a is not None else None for _, _, a in entries}
+        self.uniform = entries[0][2] if len(keys) == 1 else None
         if singles:
             adapters = list({a.key: a for _, a in singles}.values())
             rows = torch.tensor([row for row, _ in singles], dtype=torch.long)
@@ -156,6 +159,11 @@ class LoraStep:
 
     def __call__(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base layer's output for ``x``) with the adapters' deltas of layer ``name`` added."""
+        if self.uniform is not None:
+            weights = self.uniform.layers.get(name)
+            if weights is None:
+                return y
+            return y + ((x.to(self.compute_dtype) @ weights.a.T) @ weights.b.T * weights.scale).to(y.dtype)
         if self.group is None and not any(name in a.layers for _, _, a in self.chunks):
             return y
         out = y.reshape(-1, y.shape[-1]).clone()
@@ -166,6 +174,12 @@ class LoraStep:
                 out[lo:hi] += ((x2[lo:hi] @ weights.a.T) @ weights.b.T * weights.scale).to(out.dtype)
         if self.group is not None:
             rows, adapters = self.group
+            if len(adapters) == 1:  # one adapter beside base rows: no mask needed
+                weights = adapters[0].layers.get(name)
+                if weights is not None:
+                    rows = rows.to(x2.device)
+                    out[rows] += ((x2[rows] @ weights.a.T) @ weights.b.T * weights.scale).to(out.dtype)
+                return out.view(y.shape)
             combined = self._combination(name, adapters)
             if combined is not None:
                 a_cat, b_cat, bounds, scales = combined
