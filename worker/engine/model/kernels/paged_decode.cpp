@@ -6,8 +6,9 @@
 // each sequence's block table and reads each cached K row once for all the query heads that
 // share its kv head (grouped-query attention), and its V rows once (the AVX-512 path for up to four
 // query heads of a group at a time), with scores and the softmax in the accumulation type (fp32
-// for fp32/bf16/fp16, fp64 for fp64) as the torch path does. A context's blocks are asked for one
-// block ahead of use, since they lie scattered over the cache.
+// for fp32/bf16/fp16, fp64 for fp64) as the torch path does. With AVX512-BF16 a bf16 cache's scores
+// take the bf16 dot product on K as it lies (products exact in fp32, fp32 sums, in another order).
+// A context's blocks are asked for one block ahead of use, since they lie scattered over the cache.
 //
 // Built on first use by cpu_kernel.py (torch.utils.cpp_extension) and
 // registered as torch.ops.inflightq.paged_decode, beside torch.ops.inflightq.cache_write.
@@ -91,24 +92,42 @@ inline acc_t dot(const acc_t* q, const scalar_t* k, int64_t n) {
   return total;
 }
 
-// Asks for a block's first n rows of one kv head (K or V) in L1 ahead of use. Once a worker has
-// freed and reused blocks for a while, a context's blocks lie scattered over the cache, and the
-// hardware prefetcher loses the stream at every block's edge (2 KB of a 64-wide bf16 head), and
-// without this the loops stall on those loads.
-template <typename scalar_t>
+// Asks for a block's first n rows of one kv head (K or V) ahead of use, into L1 (_MM_HINT_T0) or L2
+// (_MM_HINT_T1). Once a worker has freed and reused blocks for a while, a context's blocks lie
+// scattered over the cache, and the hardware prefetcher loses the stream at every block's edge
+// (2 KB of a 64-wide bf16 head), and without this the loops stall on those loads.
+template <int HINT = _MM_HINT_T0, typename scalar_t>
 inline void prefetch_rows(const scalar_t* rows, int64_t n, int64_t head_dim) {
   const char* bytes = reinterpret_cast<const char*>(rows);
   const int64_t size = n * head_dim * static_cast<int64_t>(sizeof(scalar_t));
-  for (int64_t offset = 0; offset < size; offset += 64) _mm_prefetch(bytes + offset, _MM_HINT_T0);
+  for (int64_t offset = 0; offset < size; offset += 64) _mm_prefetch(bytes + offset, static_cast<_mm_hint>(HINT));
 }
 
-// The rows of the block after the one at `start`, in a context of `len` tokens (none past its end).
+// Blocks asked for ahead of the one in use: one block's work is shorter than a memory round trip,
+// so with only the next one in flight the loops wait on every block.
+constexpr int64_t kBlocksAhead = 4;
+
+// The rows of the block after the one at `start` into L1, and of the blocks up to kBlocksAhead
+// past it into L2 (each was asked into L2 by the blocks before; none past the context's end).
 template <typename scalar_t>
 inline void prefetch_next_block(const scalar_t* head, const int64_t* table, int64_t block_size, int64_t start,
                                 int64_t len, int64_t head_dim) {
   const int64_t next = start + block_size;
   if (next < len)
     prefetch_rows(head + table[next / block_size] * block_size * head_dim, std::min(block_size, len - next), head_dim);
+  const int64_t far = start + kBlocksAhead * block_size;
+  if (far < len)
+    prefetch_rows<_MM_HINT_T1>(head + table[far / block_size] * block_size * head_dim,
+                               std::min(block_size, len - far), head_dim);
+}
+
+// The first kBlocksAhead blocks of a context into L2, before its loop starts.
+template <typename scalar_t>
+inline void prefetch_first_blocks(const scalar_t* head, const int64_t* table, int64_t block_size, int64_t len,
+                                  int64_t head_dim) {
+  for (int64_t start = 0; start < len && start < kBlocksAhead * block_size; start += block_size)
+    prefetch_rows<_MM_HINT_T1>(head + table[start / block_size] * block_size * head_dim,
+                               std::min(block_size, len - start), head_dim);
 }
 
 #if defined(__AVX512F__)
@@ -150,11 +169,68 @@ void simd_scores(const float* q, int64_t group, const scalar_t* k_head, const in
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// The scores of a bf16 cache with AVX512-BF16's dot product: the query's bf16 values (q_bf16:
+// [group][NC * 32]) against every cached K row as they lie, 32 pairs per instruction, with no
+// widening of K to fp32 first (which took more instructions than the multiplies). Each product of
+// two bf16 values is exact in fp32 and the sums are fp32, as on the widened path, in another order.
+// Four rows at a time, a head's four sums in one tree (sum4), as simd_scores.
+template <int NC>
+void bf16_dot_scores(const c10::BFloat16* q_bf16, int64_t group, const c10::BFloat16* k_head, const int64_t* table,
+                     int64_t block_size, int64_t len, float scale, float* scores) {
+  constexpr int64_t kDim = NC * 32;
+  const __m128 scale4 = _mm_set1_ps(scale);
+  for (int64_t start = 0; start < len; start += block_size) {
+    prefetch_next_block(k_head, table, block_size, start, len, kDim);
+    const int64_t n = std::min(block_size, len - start);
+    const c10::BFloat16* k_block = k_head + table[start / block_size] * block_size * kDim;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      __m512bh k[4][NC];
+      for (int t = 0; t < 4; ++t)
+        for (int c = 0; c < NC; ++c) k[t][c] = (__m512bh)_mm512_loadu_si512(k_block + (i + t) * kDim + c * 32);
+      for (int64_t g = 0; g < group; ++g) {
+        const c10::BFloat16* q_g = q_bf16 + g * kDim;
+        __m512 acc[4];
+        const __m512bh q0 = (__m512bh)_mm512_loadu_si512(q_g);
+        for (int t = 0; t < 4; ++t) acc[t] = _mm512_dpbf16_ps(_mm512_setzero_ps(), k[t][0], q0);
+        for (int c = 1; c < NC; ++c) {
+          const __m512bh qc = (__m512bh)_mm512_loadu_si512(q_g + c * 32);
+          for (int t = 0; t < 4; ++t) acc[t] = _mm512_dpbf16_ps(acc[t], k[t][c], qc);
+        }
+        const __m128 sums = inflightq_simd::sum4(acc[0], acc[1], acc[2], acc[3]);
+        _mm_storeu_ps(scores + g * len + start + i, _mm_mul_ps(sums, scale4));
+      }
+    }
+    for (; i < n; ++i) {
+      const c10::BFloat16* k_row = k_block + i * kDim;
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < NC; ++c)
+          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(k_row + c * 32),
+                                 (__m512bh)_mm512_loadu_si512(q_bf16 + g * kDim + c * 32));
+        scores[g * len + start + i] = _mm512_reduce_add_ps(acc) * scale;
+      }
+    }
+  }
+}
+#endif
+
 // The SIMD scores for head sizes whose rows fit in registers (64 and 128, AVX-512); false, having
-// done nothing, where the caller must run the plain loop.
+// done nothing, where the caller must run the plain loop. ``q_raw``: the group's query rows in the
+// cache's dtype, which the bf16 dot-product path reads.
 template <typename acc_t, typename scalar_t>
-bool simd_group_scores(const acc_t* q, int64_t group, const scalar_t* k_head, const int64_t* table,
-                       int64_t block_size, int64_t len, int64_t head_dim, acc_t scale, acc_t* scores) {
+bool simd_group_scores(const acc_t* q, const scalar_t* q_raw, int64_t group, const scalar_t* k_head,
+                       const int64_t* table, int64_t block_size, int64_t len, int64_t head_dim, acc_t scale,
+                       acc_t* scores) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
+    if (head_dim == 64) return bf16_dot_scores<2>(q_raw, group, k_head, table, block_size, len, scale, scores), true;
+    if (head_dim == 128) return bf16_dot_scores<4>(q_raw, group, k_head, table, block_size, len, scale, scores), true;
+  }
+#else
+  (void)q_raw;
+#endif
 #if defined(__AVX512F__)
   if constexpr (kSimd<acc_t, scalar_t>) {
     if (head_dim == 64) return simd_scores<4>(q, group, k_head, table, block_size, len, scale, scores), true;
@@ -344,10 +420,12 @@ void paged_decode_kernel(
         for (int64_t d = 0; d < head_dim; ++d) q_acc[g * head_dim + d] = static_cast<acc_t>(q_row[d]);
       }
       scores.resize(group * len);
+      prefetch_first_blocks(k_head, table, block_size, len, head_dim);
 
       // Scores: q . k for every cached token, block by block (tokens of a block are contiguous).
-      const bool simd_scores = simd_group_scores(q_acc.data(), group, k_head, table, block_size, len, head_dim,
-                                                 scale_acc, scores.data());
+      const scalar_t* q_group = q_ptr + (seq * num_heads + first_head) * head_dim;
+      const bool simd_scores = simd_group_scores(q_acc.data(), q_group, group, k_head, table, block_size, len,
+                                                 head_dim, scale_acc, scores.data());
       for (int64_t start = 0; start < len && !simd_scores; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
         const scalar_t* k_block = k_head + table[start / block_size] * block_size * head_dim;
@@ -360,6 +438,7 @@ void paged_decode_kernel(
 
       // Softmax per query head, normalised at the end so the weights stay in acc_t; the first V
       // block is asked for meanwhile.
+      prefetch_first_blocks(v_head, table, block_size, len, head_dim);
       prefetch_rows(v_head + table[0] * block_size * head_dim, std::min(block_size, len), head_dim);
       std::fill(o_acc.begin(), o_acc.end(), acc_t(0));
       for (int64_t g = 0; g < group; ++g) {
