@@ -416,6 +416,8 @@ BENCHMARKS = {
     "prefix hit rate vs one worker, prefilled tokens, TTFT, throughput, same run; a simulation projects 16-64 workers.",
     "lora": "LoRA adapters in the batch: tokens/s and TPOT at 1, 8 and 32 streams with 0, 1, 4 and 16 distinct "
     "adapters, each against the base model in the same run.",
+    "speculative": "n-gram speculative decoding: our engine with and without it on copying (extraction, quoting, "
+    "code edit) and chat prompts at 1 and 8 streams, same run: tokens/s ratio, draft tokens kept, tokens per step.",
     "streams": "What idle-waiting streams cost one API process: Redis connections, RSS and CPU at 100 / 1,000 / "
     "10,000 open streams, on Redis and on a private Redis Cluster.",
 }

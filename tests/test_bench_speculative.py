@@ -1,0 +1,36 @@
+"""``python -m bench.speculative`` end to end on the tiny random model: both sides run every cell
+of the same workload in the same process, and the report's figures agree with each other. No
+assertion on speed (that is what the benchmark is for)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.timeout(600)
+def test_speculative_bench_runs_both_sides_per_cell_and_reports_consistent_ratios(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from bench import speculative
+
+    args = ["--model", str(tiny_model_dir), "--dtype", "float32", "--prompts", "2", "--max-new-tokens", "6"]
+    results = speculative.main([*args, "--rounds", "1", "--out", str(tmp_path)])
+    cells = results["cells"]
+    assert [(c["workload"], c["streams"]) for c in cells] == [
+        ("grounded", 1),
+        ("grounded", 8),
+        ("chat", 1),
+        ("chat", 8),
+    ]
+    for cell in cells:
+        off, on = cell["off"], cell["on"]
+        assert off["tokens"] == on["tokens"] <= 2 * 6  # greedy: the same answers either way
+        assert off["proposed"] == 0 and off["tokens_per_step"] == 1.0
+        assert cell["ratio"] == pytest.approx(on["tok_s"] / off["tok_s"], abs=0.01)
+    written = json.loads(next(tmp_path.glob("speculative-*.json")).read_text())
+    assert written["cells"] == cells and "peers" in written
+    assert "on / off" in next(tmp_path.glob("speculative-*.md")).read_text()
+    assert next(tmp_path.glob("speculative-*.png")).stat().st_size > 0
