@@ -127,6 +127,15 @@ class FusedDecoderLayer:
         self.in_weight, self.in_eps = in_norm.weight, in_norm.eps
         self.post_weight, self.post_eps = post_norm.weight, post_norm.eps
         self.qkv, self.gate_up = qkv, gate_up
+        # The projection modules, by which a step's LoRA adapters name their weights (lora.py).
+        self.lora_qkv = [
+            (m, lo, hi)
+            for m, (lo, hi) in zip((attention.q_proj, attention.k_proj, attention.v_proj), qkv.bounds, strict=True)
+        ]
+        self.lora_gate_up = [
+            (m, lo, hi) for m, (lo, hi) in zip((mlp.gate_proj, mlp.up_proj), gate_up.bounds, strict=True)
+        ]
+        self.lora_o, self.lora_down = attention.o_proj, mlp.down_proj
         # Their forwards, called directly: a module call costs more than the packed matmul's dispatch.
         self.o_proj, self.down_proj = attention.o_proj.forward, mlp.down_proj.forward
         # The four matmuls in the layer's order, where each is a PackedLinear (the one-op decode step).
@@ -146,8 +155,7 @@ class FusedDecoderLayer:
         **kwargs: Any,
     ) -> torch.Tensor:
         meta = kwargs.get("inflightq_meta")
-        # A step with adapter rows runs the layer's own code, whose projections add the deltas (lora.py).
-        if meta is None or position_embeddings is None or hidden_states.dtype != self.dtype or meta.lora is not None:
+        if meta is None or position_embeddings is None or hidden_states.dtype != self.dtype:
             return self.module_forward(
                 hidden_states,
                 attention_mask=attention_mask,
@@ -165,14 +173,26 @@ class FusedDecoderLayer:
         if self._one_op_applies(meta, hidden_states):
             return self._one_op(meta, hidden_states, cos, sin)
         ops = torch.ops.inflightq
+        lora = meta.lora  # the step's LoRA rows, if any: each projection's output gets their deltas
         normed = ops.rms_norm(hidden_states, self.in_weight, self.in_eps)
-        q, k, v = ops.rotary_split(
-            self.qkv.matmul(normed), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim
-        )  # each [T, heads, D]
+        qkv = self.qkv.matmul(normed)
+        if lora is not None:
+            qkv = lora.siblings(self.lora_qkv, normed, qkv)
+        q, k, v = ops.rotary_split(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)  # [T, heads, D]
         attended = meta.backend.forward_tokens(meta, self.layer_idx, q, k, v, self.scale)  # [T, heads, D]
-        attn_out = self.o_proj(attended.view(*hidden_states.shape[:-1], -1))
+        attended = attended.view(*hidden_states.shape[:-1], -1)
+        attn_out = self.o_proj(attended)
+        if lora is not None:
+            attn_out = lora.module(self.lora_o, attended, attn_out)
         normed, residual = ops.add_rms_norm(attn_out, hidden_states, self.post_weight, self.post_eps)
-        return residual + self.down_proj(ops.silu_mul(self.gate_up.matmul(normed)))
+        gate_up = self.gate_up.matmul(normed)
+        if lora is not None:
+            gate_up = lora.siblings(self.lora_gate_up, normed, gate_up)
+        activated = ops.silu_mul(gate_up)
+        down = self.down_proj(activated)
+        if lora is not None:
+            down = lora.module(self.lora_down, activated, down)
+        return residual + down
 
     def _one_op_applies(self, meta: Any, hidden_states: torch.Tensor) -> bool:
         """A decode-only step on the CPU kernel backend whose every matmul goes to decode_linear
@@ -181,6 +201,7 @@ class FusedDecoderLayer:
             self.one_op
             and bool(self.packed)
             and not meta.prefills
+            and meta.lora is None
             and isinstance(meta.backend, CpuKernelAttentionBackend)
             and hidden_states.numel() <= self.one_op_rows * hidden_states.shape[-1]
             and all(p.laid_out is not None for p in self.packed)

@@ -12,10 +12,11 @@ own adapter's columns (zeros elsewhere add nothing, so a row without an adapter 
 output exactly); each prefill chunk, many rows of one adapter, with its own A and B.
 
 Where it hooks in: every linear layer inside the decoder's layers gets a ``LoraLinear`` forward
-(once the engine loads its first adapter) that adds the step's delta
-when the step has adapter rows and is the old forward otherwise. A step with adapter rows takes
-transformers' layer forward (the fused decoder layers and the one-op decode step check
-``meta.lora``), which calls those forwards; a step without keeps every fast path untouched.
+(once the engine loads its first adapter) that adds the step's delta when the step has adapter
+rows and is the old forward otherwise: transformers' layer code calls those. The fused CPU decoder
+layers call their projections directly, so they add the deltas themselves (``LoraStep.module`` /
+``siblings``, where ``meta.lora`` is set); the one-op decode step and CUDA graphs step aside for a
+step with adapter rows. A step without keeps every fast path untouched.
 """
 
 from __future__ import annotations
@@ -138,8 +139,10 @@ class LoraStep:
         entries: Sequence[tuple[int, int, Adapter | None]],
         combination: Callable[..., Any],
         compute_dtype: torch.dtype,
+        name_of: dict[int, str] | None = None,
     ) -> None:
         self.compute_dtype = compute_dtype
+        self.name_of = name_of or {}  # id of a target linear -> its name
         self.num_rows = sum(n for _, n, _ in entries)
         # Single-row entries (decodes) go through the grouped op; longer ones (prefill chunks) one by one.
         singles = [(row, adapter) for row, n, adapter in entries if n == 1 and adapter is not None]
@@ -188,6 +191,23 @@ class LoraStep:
                 out[rows] += (((x2[rows] @ a_cat.T) * mask) @ b_cat.T * row_scale).to(out.dtype)
         return out.view(y.shape)
 
+    def module(self, linear: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``__call__`` for the layer ``linear`` (a fused decoder layer's projection, which knows the module)."""
+        name = self.name_of.get(id(linear))
+        return y if name is None else self(name, x, y)
+
+    def siblings(self, linears: Sequence[tuple[nn.Module, int, int]], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """A fused sibling group's output ``y`` (each linear's columns lo:hi) with each sibling's delta added."""
+        out: torch.Tensor | None = None
+        for linear, lo, hi in linears:
+            part = y[..., lo:hi]
+            added = self.module(linear, x, part)
+            if added is not part:
+                if out is None:
+                    out = y.clone()
+                out[..., lo:hi] = added
+        return y if out is None else out
+
     def _mask(
         self, name: str, bounds: list[tuple[int, int]], scales: list[float], dtype: torch.dtype, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,6 +251,7 @@ class AdapterSet:
         self.compute_dtype = torch.float32 if half else self.dtype
         self.max_loaded = max_loaded
         self.targets = lora_targets(model)
+        self.name_of = {id(linear): name for name, linear in self.targets.items()}
         self._adapters: OrderedDict[str, Adapter] = OrderedDict()  # by key, least recently used first
         self._combinations: OrderedDict[tuple[str, ...], dict[str, _Combination | None]] = OrderedDict()
         self._lock = threading.Lock()
@@ -324,7 +345,7 @@ class AdapterSet:
             return None
         with self._lock:
             grouped = [(row, n, self._adapters[key] if key is not None else None) for row, n, key in entries]
-        return LoraStep(grouped, self._combination, self.compute_dtype)
+        return LoraStep(grouped, self._combination, self.compute_dtype, self.name_of)
 
     def _combination(self, name: str, adapters: list[Adapter]) -> tuple[Any, ...] | None:
         combo = tuple(a.key for a in adapters)
