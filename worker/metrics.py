@@ -87,7 +87,8 @@ class WorkerCollector:
             yield family
         by_reason = CounterMetricFamily(
             "inflightq_worker_engine_preemptions_by_reason",
-            "Sequences preempted: kv_blocks (the cache ran short) or urgency (more urgent work displaced them).",
+            "Sequences preempted: kv_blocks (the cache ran short), urgency (more urgent work displaced them) or "
+            "fair_share (a tenant under its share displaced them).",
             labels=[*names, "reason"],
         )
         for reason, count in stats.preemptions_by_reason.items():
