@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 import time
 from typing import Any
 
@@ -19,8 +20,10 @@ import pydantic
 
 from producer_api.batches.runner import BatchRunner, PreparedRequest
 from producer_api.batches.store import BatchStore
+from shared.adapters import NAME_PATTERN, lookup
 from shared.client import QueueClient
 from shared.errors import ModelNotFoundError, UnsupportedParameterError, ValidationError
+from shared.keys import Keys
 from shared.model_source import load_tokenizer
 from shared.request_builder import sampling_spec
 from shared.schemas import FinalResult
@@ -51,7 +54,7 @@ def run_batch(batch_id: str, key_prefix: str) -> str:
     client = QueueClient(settings)
     try:
         store = BatchStore(settings, client.redis)
-        status = BatchRunner(store, client, ApiLineHandler(settings), batch_id).run()
+        status = BatchRunner(store, client, ApiLineHandler(settings, client.redis), batch_id).run()
         log.info("batch %s: %s", batch_id, status.value)
         return status.value
     finally:
@@ -67,9 +70,20 @@ def _field_error(exc: pydantic.ValidationError) -> ValidationError:
 class ApiLineHandler:
     """Line bodies -> queue requests, and results -> response bodies, with the API's own code."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, redis: Any = None) -> None:
+        """``redis``: where the deployment's LoRA adapters are registered (None: lines name served models only)."""
         self.settings = settings
+        self.redis = redis
         self._loaded = _TOKENIZERS
+
+    def _model_and_adapter(self, name: str) -> tuple[str, str | None]:
+        """A line's model: a served model, or a registered LoRA adapter's name (run on its base model)."""
+        if name in self.settings.served_models or self.redis is None or not re.match(NAME_PATTERN, name):
+            return name, None
+        record = lookup(self.redis, Keys.for_prefix(self.settings.key_prefix), name)
+        if record is None or record.base not in self.settings.served_models:
+            return name, None  # _tokenizers names it in its 404
+        return record.base, record.name
 
     def _tokenizers(self, model: str) -> Any:
         from producer_api.tokenization import Tokenizers
@@ -101,6 +115,7 @@ class ApiLineHandler:
         except pydantic.ValidationError as exc:
             raise _field_error(exc) from None
         _refuse_unsupported(request)
+        request.model, adapter = self._model_and_adapter(request.model)
         tokenizers = self._tokenizers(request.model)
         if isinstance(request, ChatCompletionRequest):
             messages = [{"role": m.role, "content": m.text} for m in request.messages]
@@ -128,7 +143,7 @@ class ApiLineHandler:
             ignore_eos=request.ignore_eos,
             constraint=response_format_constraint(request.response_format),
         )
-        return PreparedRequest(model=request.model, prompt_token_ids=ids, sampling=spec)
+        return PreparedRequest(model=request.model, prompt_token_ids=ids, sampling=spec, adapter=adapter)
 
     def response_body(self, endpoint: str, request_id: str, result: FinalResult) -> dict[str, Any]:
         from producer_api.openai.formatting import system_fingerprint

@@ -48,6 +48,7 @@ class PreparedRequest:
     model: str
     prompt_token_ids: list[int]
     sampling: SamplingSpec
+    adapter: str | None = None  # a LoRA adapter of ``model`` the line names as its model
 
 
 class LineHandler(Protocol):
@@ -225,6 +226,7 @@ class BatchRunner:
                 request_id=request_id,
             )
             request.tenant_weight = self.tenant_weight
+            request.adapter = prepared.adapter
             self.client.enqueue(request, check_depth=False)
         progress.pending[request_id] = Pending(line, request_id)
 

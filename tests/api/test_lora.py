@@ -177,3 +177,16 @@ def test_a_name_no_adapter_can_have_is_a_404_too(api: ApiServer) -> None:
         assert oai.status_code == 404 and "'a b'" in oai.json()["error"]["message"]
         tgi = http.post("/generate", json={"inputs": "hi", "parameters": {"adapter_id": "a b"}})
         assert tgi.status_code == 404 and "'a b'" in tgi.json()["error"]
+
+
+def test_a_batch_line_names_the_adapter_as_its_model(api: ApiServer) -> None:
+    from producer_api.batches.job import ApiLineHandler
+    from shared.errors import ModelNotFoundError
+
+    with QueueClient(api.settings) as client:
+        handler = ApiLineHandler(api.settings, client.redis)
+        line = {"model": "all", "prompt": PROMPT, "max_tokens": 2}
+        prepared = handler.prepare("/v1/completions", line, None)
+        assert (prepared.model, prepared.adapter) == (api.settings.model, "all")
+        with pytest.raises(ModelNotFoundError, match="no-such-adapter"):
+            handler.prepare("/v1/completions", {**line, "model": "no-such-adapter"}, None)
