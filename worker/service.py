@@ -104,9 +104,6 @@ class WorkerService:
         # UTF-8 in a stream entry reach acceptance as lone surrogates (and are dead-lettered) instead of
         # raising in the intake's read, which stopped every worker.
         self.redis = connect(settings, **redis_kwargs(settings, encoding_errors="surrogateescape"))
-        self.adapters = WorkerAdapters(settings, self.redis, self.model)
-        self.adapters.register_configured()
-        preload(engine, self.adapters.of_model(), settings.max_loras)
         self.adapters = WorkerAdapters(settings, self.redis, self.model, worker=self.name, engine=engine)
         self.adapters.register_configured()
         preload(engine, self.adapters.of_model(), settings.max_loras)
