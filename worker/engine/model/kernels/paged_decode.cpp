@@ -92,42 +92,24 @@ inline acc_t dot(const acc_t* q, const scalar_t* k, int64_t n) {
   return total;
 }
 
-// Asks for a block's first n rows of one kv head (K or V) ahead of use, into L1 (_MM_HINT_T0) or L2
-// (_MM_HINT_T1). Once a worker has freed and reused blocks for a while, a context's blocks lie
-// scattered over the cache, and the hardware prefetcher loses the stream at every block's edge
-// (2 KB of a 64-wide bf16 head), and without this the loops stall on those loads.
-template <int HINT = _MM_HINT_T0, typename scalar_t>
+// Asks for a block's first n rows of one kv head (K or V) in L1 ahead of use. Once a worker has
+// freed and reused blocks for a while, a context's blocks lie scattered over the cache, and the
+// hardware prefetcher loses the stream at every block's edge (2 KB of a 64-wide bf16 head), and
+// without this the loops stall on those loads.
+template <typename scalar_t>
 inline void prefetch_rows(const scalar_t* rows, int64_t n, int64_t head_dim) {
   const char* bytes = reinterpret_cast<const char*>(rows);
   const int64_t size = n * head_dim * static_cast<int64_t>(sizeof(scalar_t));
-  for (int64_t offset = 0; offset < size; offset += 64) _mm_prefetch(bytes + offset, static_cast<_mm_hint>(HINT));
+  for (int64_t offset = 0; offset < size; offset += 64) _mm_prefetch(bytes + offset, _MM_HINT_T0);
 }
 
-// Blocks asked for ahead of the one in use: one block's work is shorter than a memory round trip,
-// so with only the next one in flight the loops wait on every block.
-constexpr int64_t kBlocksAhead = 4;
-
-// The rows of the block after the one at `start` into L1, and of the blocks up to kBlocksAhead
-// past it into L2 (each was asked into L2 by the blocks before; none past the context's end).
+// The rows of the block after the one at `start`, in a context of `len` tokens (none past its end).
 template <typename scalar_t>
 inline void prefetch_next_block(const scalar_t* head, const int64_t* table, int64_t block_size, int64_t start,
                                 int64_t len, int64_t head_dim) {
   const int64_t next = start + block_size;
   if (next < len)
     prefetch_rows(head + table[next / block_size] * block_size * head_dim, std::min(block_size, len - next), head_dim);
-  const int64_t far = start + kBlocksAhead * block_size;
-  if (far < len)
-    prefetch_rows<_MM_HINT_T1>(head + table[far / block_size] * block_size * head_dim,
-                               std::min(block_size, len - far), head_dim);
-}
-
-// The first kBlocksAhead blocks of a context into L2, before its loop starts.
-template <typename scalar_t>
-inline void prefetch_first_blocks(const scalar_t* head, const int64_t* table, int64_t block_size, int64_t len,
-                                  int64_t head_dim) {
-  for (int64_t start = 0; start < len && start < kBlocksAhead * block_size; start += block_size)
-    prefetch_rows<_MM_HINT_T1>(head + table[start / block_size] * block_size * head_dim,
-                               std::min(block_size, len - start), head_dim);
 }
 
 #if defined(__AVX512F__)
@@ -420,7 +402,6 @@ void paged_decode_kernel(
         for (int64_t d = 0; d < head_dim; ++d) q_acc[g * head_dim + d] = static_cast<acc_t>(q_row[d]);
       }
       scores.resize(group * len);
-      prefetch_first_blocks(k_head, table, block_size, len, head_dim);
 
       // Scores: q . k for every cached token, block by block (tokens of a block are contiguous).
       const scalar_t* q_group = q_ptr + (seq * num_heads + first_head) * head_dim;
@@ -438,7 +419,6 @@ void paged_decode_kernel(
 
       // Softmax per query head, normalised at the end so the weights stay in acc_t; the first V
       // block is asked for meanwhile.
-      prefetch_first_blocks(v_head, table, block_size, len, head_dim);
       prefetch_rows(v_head + table[0] * block_size * head_dim, std::min(block_size, len), head_dim);
       std::fill(o_acc.begin(), o_acc.end(), acc_t(0));
       for (int64_t g = 0; g < group; ++g) {
