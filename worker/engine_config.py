@@ -43,6 +43,7 @@ def engine_config(settings: Settings, **overrides: Any) -> EngineConfig:
         "speculative_ngram_max": settings.speculative_ngram_max,
         "speculative_ngram_min": max(1, min(settings.speculative_ngram_min, settings.speculative_ngram_max)),
         "speculate_by_default": settings.speculate_by_default,
+        "fair_share": settings.fair_share,
     }
     return EngineConfig(**(fields | overrides))
 

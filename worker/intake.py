@@ -141,9 +141,10 @@ class Intake(ResilientLoop):
                 return "took" if count else "blocked"
         return "took" if took else "empty"
 
-    @staticmethod
-    def _arriving(priority: int, load: EngineLoad, fields: dict[str, str], share: float) -> Urgency:
-        tenant = fields.get(TENANT_FIELD, "")
+    def _arriving(self, priority: int, load: EngineLoad, fields: dict[str, str], share: float) -> Urgency:
+        # Fair share off: one tenant for who runs next, as the engine's policy counts them.
+        tenant = fields.get(TENANT_FIELD, "") if self.settings.fair_share else ""
+        share = share if self.settings.fair_share else 0.0
         try:
             weight = float(fields.get(WEIGHT_FIELD, "1"))
         except ValueError:

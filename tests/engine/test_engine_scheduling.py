@@ -314,6 +314,19 @@ def test_a_tenant_under_its_share_displaces_one_over_it_once_and_never_thrashes(
     assert engine.stats.preemptions_by_reason == {"kv_blocks": 0, "urgency": 0, "fair_share": 2}
 
 
+def test_with_fair_share_off_tenants_are_not_told_apart(make_engine: Any) -> None:
+    engine = make_engine(max_num_seqs=2, fair_share=False)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    engine.add_request("heavy-1", prompt(6), params, priority=1, tenant="heavy", share=4000.0)
+    engine.add_request("heavy-2", prompt(15), params, priority=1, tenant="heavy", share=5000.0)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("light", prompt(7), GREEDY, priority=1, tenant="light", share=0.0)
+    engine.step()
+    assert engine.stats.preemptions_by_reason["fair_share"] == 0, "first come, first served: the light one waits"
+    assert {s.request_id for s in engine.scheduler.running} == {"heavy-1", "heavy-2"}
+
+
 def test_fair_displacement_needs_a_margin_and_a_few_steps_between(make_engine: Any) -> None:
     engine = make_engine(max_num_seqs=3)
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)

@@ -27,6 +27,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings (and what the KV cache holds)
     aging_steps: int | None = 256  # steps after which a waiting request gains one priority level; None: no aging
+    fair_share: bool = True  # False: tenants are not told apart in who runs next (no fair clause of displaces)
     attention_backend: str = "auto"  # auto, torch, cpu (the compiled CPU kernel), flash
     cpu_kernels: bool = True  # False: never build or use the compiled CPU kernels (plain-torch attention, HF layers)
     kernel_cache_dir: str | None = None  # where the CPU kernel is built; None: ~/.cache/inflightq/kernels

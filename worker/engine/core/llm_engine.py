@@ -70,7 +70,7 @@ class LLMEngine:
             self.stats,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            policy=Policy(aging_steps=config.aging_steps),
+            policy=Policy(aging_steps=config.aging_steps, fair_share=config.fair_share),
             max_prefill_tokens_beside_decodes=config.max_prefill_tokens_beside_decodes,
             clock=clock,
         )

@@ -97,10 +97,13 @@ class Policy:
     """What the rules need configured; the rules themselves compare urgencies."""
 
     aging_steps: int | None  # steps after which a waiting request gains one level; None: no aging
+    fair_share: bool = True  # False: every request counts as one tenant's, so the fair clause never applies
 
     def urgency(self, seq: Sequence, step: int, load: float = 0.0) -> Urgency:
         """``seq``'s urgency at scheduler step ``step``; ``load``: its tenant's (``tenant_load``)."""
         age = (step - seq.arrival_step) / self.aging_steps if self.aging_steps else 0.0
+        if not self.fair_share:
+            return Urgency(seq.priority - age, seq.arrival, 0.0, "", seq.fair_displaced, load)
         return Urgency(seq.priority - age, seq.arrival, seq.share, seq.tenant or "", seq.fair_displaced, load)
 
 
