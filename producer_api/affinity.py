@@ -2,7 +2,9 @@
 
 One script call per request, in the model's slot, over the held sets of the model's live workers
 (the ones the dispatch already knows); the least loaded of them come first, so a tie goes to the
-one with most room. Off (``affinity=false``), or a prompt shorter than a block: no lookup."""
+one with most room. A request with a LoRA adapter hashes its prefix from the adapter's key (as the engine
+does), and goes to a worker holding the adapter when none holds its prefix. Off (``affinity=false``), or a
+prompt shorter than a block without an adapter: no lookup."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from producer_api import metrics
+from shared.adapters import lookup_async
 from shared.affinity import LONGEST_PREFIX, holder, lookup
 from shared.keys import Keys
 from shared.schemas import QueuedRequest, WorkerHeartbeat
@@ -20,6 +23,7 @@ class Affinity:
     def __init__(self, settings: Settings, redis: Any) -> None:
         self.settings = settings
         self.keys = Keys.for_prefix(settings.key_prefix)
+        self.redis = redis
         self._script = redis.register_script(LONGEST_PREFIX)
 
     async def offer_to(self, request: QueuedRequest, workers: Sequence[WorkerHeartbeat]) -> str | None:
@@ -28,12 +32,17 @@ class Affinity:
             return None
         by_load = sorted(workers, key=lambda w: (w.running + w.waiting) / max(1, w.max_num_seqs))
         names = [w.name for w in by_load]
-        keys, hashes = lookup(
-            self.keys, request.model, names, request.prompt_token_ids, self.settings.block_size, request.tenant
-        )
-        if not hashes:
+        adapter = None
+        if request.adapter:
+            record = await lookup_async(self.redis, self.keys, request.adapter)
+            adapter = record.key if record is not None else None
+        keys, args = lookup(
+            self.keys, request.model, names, request.prompt_token_ids, self.settings.block_size, request.tenant,
+            adapter,
+        )  # fmt: skip
+        if len(args) < 2 and not adapter:
             return None
-        worker, blocks = holder(await self._script(keys=keys, args=hashes), names)
+        worker, blocks = holder(await self._script(keys=keys, args=args), names)
         metrics.AFFINITY_LOOKUPS.labels(request.model, "offered" if worker else "none").inc()
         if worker is not None:
             metrics.AFFINITY_OFFERED_TOKENS.labels(request.model).inc(blocks * self.settings.block_size)

@@ -23,6 +23,11 @@ class AdapterRecord(BaseModel):
     base: str = Field(min_length=1, description="The served model the adapter was trained on.")
     path: str = Field(min_length=1, description="A directory in PEFT's format, readable by the base's workers.")
 
+    @property
+    def key(self) -> str:
+        """The engine's ``LoRARequest.key`` of this adapter: it roots the adapter's prefix-cache chain."""
+        return f"{self.name}@{self.path}"
+
 
 def parse_spec(spec: str) -> tuple[str, str]:
     """``name=path`` (a setting's item) -> (name, path)."""

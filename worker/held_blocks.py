@@ -1,7 +1,8 @@
 """The worker's advertisement of its prefix cache: ``Keys.held(model, worker)``, a SET of the block
 hashes its engine holds (``shared.prefix_hash``, hex) plus ``shared.affinity.LIVE`` (and ``IDLE``
 while the worker runs nothing), which the API reads to offer a request to the worker holding its
-longest prefix (``shared.affinity``).
+longest prefix (``shared.affinity``), and a member per LoRA adapter its engine holds loaded
+(``shared.affinity.adapter_member``), so a request with an adapter goes to a worker that has it.
 
 After each step the engine loop takes what the engine cached and evicted (``prefix_cache_changes``)
 and hands it to the publisher, which sends it in the step's round trip (SADD, SREM, EXPIRE). The
@@ -20,7 +21,7 @@ from typing import Any
 
 import redis
 
-from shared.affinity import IDLE, LIVE
+from shared.affinity import IDLE, LIVE, adapter_member
 from shared.keys import Keys
 from shared.prefix_hash import to_hex
 from shared.settings import Settings
@@ -52,6 +53,7 @@ class HeldBlocks:
         self.draining = draining
         self.is_idle = is_idle
         self._idle: bool | None = None  # as last written
+        self._adapters: set[str] = set()  # adapter members as last written
         self._rewrite = threading.Event()  # set by the heartbeat; the engine loop writes the whole set
         self._rewrite.set()  # the first write creates it
         self._withdrawn = not settings.affinity
@@ -77,11 +79,22 @@ class HeldBlocks:
         elif not idle and self._idle:
             evicted.append(IDLE)
         self._idle = idle
+        adapters = self._adapter_members()
+        if changes.full:
+            cached.extend(sorted(adapters))
+        else:
+            cached.extend(sorted(adapters - self._adapters))
+            evicted.extend(sorted(self._adapters - adapters))
+        self._adapters = adapters
         if changes.full:
             self.rewrites += 1
             self.publisher.mirror(self._whole(cached))
         elif cached or evicted:
             self.publisher.mirror(self._delta(cached, evicted))
+
+    def _adapter_members(self) -> set[str]:
+        held = getattr(self.engine, "adapters", None)
+        return {adapter_member(key) for key in held.loaded_keys()} if held is not None else set()
 
     def _whole(self, members: list[str]) -> Any:
         key, ttl = self.key, self.ttl

@@ -14,7 +14,8 @@ import pytest
 import redis
 
 from producer_api.dispatch import Dispatcher
-from shared.affinity import IDLE, LIVE, LONGEST_PREFIX, holder, lookup
+from shared.adapters import AdapterRecord, register
+from shared.affinity import IDLE, LIVE, LONGEST_PREFIX, adapter_member, holder, lookup
 from shared.async_client import AsyncQueueClient
 from shared.keys import Keys
 from shared.prefix_hash import chain, to_hex
@@ -119,3 +120,51 @@ def test_a_request_is_offered_to_the_worker_holding_its_prefix(
     else:
         assert not sync.exists(offers) and not sync.exists(a_offers) and sync.xlen(lane) == 3
         assert sync.llen(keys.notify(MODEL)) == 3 and not sync.exists(keys.notify_worker(MODEL, "b"))
+
+
+def test_an_adapter_request_is_offered_to_its_history_else_to_a_worker_holding_the_adapter(
+    redis_backend: RedisBackend, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """The chain of a request with an adapter is rooted in the adapter's key (as the engine roots it):
+    the worker holding that history gets it, not one holding the same tokens without the adapter; with
+    no history held, the least loaded worker advertising the adapter gets it, unless all or none do."""
+    settings = Settings(
+        redis_url=redis_backend.url, redis_cluster=redis_backend.cluster, key_prefix=key_prefix, model=MODEL
+    )
+    keys = Keys.for_prefix(key_prefix)
+    sync = redis_client
+    record = AdapterRecord(name="tone", base=MODEL, path="/adapters/tone")
+    register(sync, keys, record)
+    history = list(range(100, 100 + 3 * BLOCK))
+    hold(sync, keys, "a", history, 3)  # the same tokens without the adapter
+    with_adapter = [to_hex(h) for h in chain(history, BLOCK, adapter=record.key)]
+    sync.sadd(keys.held(MODEL, "c"), LIVE, *with_adapter, adapter_member(record.key))
+    sync.sadd(keys.held(MODEL, "b"), LIVE, adapter_member(record.key))
+
+    async def scenario() -> list[str | None]:
+        async with AsyncQueueClient(settings) as client:
+            await advertise(client, heartbeat("a"), heartbeat("b", running=1), heartbeat("c", running=3))
+            dispatcher = Dispatcher(settings, client)
+            offers = []
+            for prompt in ([*history, 7], list(range(5000, 5040)), [1, 2]):  # history, unheld, under a block
+                request = build_request(settings, MODEL, prompt, SamplingSpec(max_new_tokens=4))
+                request.adapter = "tone"
+                offers.append(await dispatcher.offer_to(request, await client.live_workers(MODEL)))
+            base = build_request(settings, MODEL, [*history, 7], SamplingSpec(max_new_tokens=4))
+            offers.append(await dispatcher.offer_to(base, await client.live_workers(MODEL)))
+            return offers
+
+    # The history's holder c although busiest; b (less loaded than c) for the rest; a for the base model's.
+    assert asyncio.run(scenario()) == ["c", "b", "b", "a"]
+
+    script = sync.register_script(LONGEST_PREFIX)
+    unheld = list(range(7000, 7000 + 2 * BLOCK))
+    for holding, expected in (({"a", "b", "c"}, None), (set(), None), ({"b", "c"}, "b"), ({"a", "c"}, "a")):
+        member = adapter_member(record.key)
+        for w in "abc":
+            if w in holding:
+                sync.sadd(keys.held(MODEL, w), member)
+            else:
+                sync.srem(keys.held(MODEL, w), member)
+        args = lookup(keys, MODEL, ["a", "b", "c"], unheld, BLOCK, adapter=record.key)
+        assert holder(script(keys=args[0], args=args[1]), ["a", "b", "c"]) == (expected, 0)

@@ -282,6 +282,11 @@ class AdapterSet:
         with self._lock:
             return [a.request.name for a in self._adapters.values()]
 
+    def loaded_keys(self) -> list[str]:
+        """Keys (``LoRARequest.key``) of the adapters held."""
+        with self._lock:
+            return list(self._adapters)
+
     def acquire(self, request: LoRARequest) -> Adapter:
         """The adapter of ``request``, pinned (``release`` unpins it); loaded from disk if not held, without
         holding the set's lock (a step never waits on a load)."""
