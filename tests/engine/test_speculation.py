@@ -237,6 +237,7 @@ def test_seeded_sampling_draws_the_same_tokens_with_and_without_drafts(make_engi
     assert 0 < drafted.engine.stats.draft_accepted_tokens < drafted.engine.stats.draft_tokens
 
 
+@pytest.mark.slow
 def test_sampled_tokens_after_a_draft_keep_the_model_distribution(make_engine: Any, tiny_ref: Any) -> None:
     """Three tokens drawn after a fixed context, the second checked as a draft (the likeliest token
     after the first) and the third drawn from the draft's row when it is kept: the empirical joint
