@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from tests.api.test_affinity_dispatch import (  # noqa: F401 - collected here again, on the Cluster
     test_a_request_is_offered_to_the_worker_holding_its_prefix,
+    test_an_adapter_request_is_offered_to_its_history_else_to_a_worker_holding_the_adapter,
     test_the_lookup_finds_the_longest_held_prefix,
 )
 

@@ -14,11 +14,12 @@ import pytest
 import redis
 import torch
 
-from shared.affinity import IDLE, LIVE
+from shared.affinity import IDLE, LIVE, adapter_member
 from shared.keys import Keys
 from shared.prefix_hash import chain, to_hex
 from shared.settings import Settings
-from worker.engine import EngineConfig, LLMEngine, SamplingParams
+from tests.engine.test_lora import ADAPTERS, make_adapter
+from worker.engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
 from worker.engine.model.model_loader import load_model
 from worker.heartbeat import Heartbeat
 from worker.held_blocks import HeldBlocks
@@ -168,3 +169,45 @@ def test_with_affinity_off_nothing_is_written(parts: tuple[LLMEngine, HeldBlocks
     Heartbeat(off_settings, client, "w", lambda: _heartbeat(engine), threading.Event(), held).beat()
     assert not client.exists(Keys.for_prefix(settings.key_prefix).held(MODEL, "w"))
     client.close()
+
+
+def test_loaded_adapters_are_advertised_and_their_blocks_rooted_in_them(
+    redis_url: str, key_prefix: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The set names each LoRA adapter the engine holds (in step with loads and LRU evictions, and in a
+    whole rewrite), and an adapter request's blocks are the chain the API computes from the adapter's key."""
+    settings = Settings(redis_url=redis_url, key_prefix=key_prefix, model=MODEL)
+    model, tokenizer = load_model(str(tiny_model_dir), torch.float64, "cpu")
+    config = EngineConfig(num_kv_blocks=24, block_size=BLOCK, max_num_seqs=4, max_loras=1)
+    engine = LLMEngine(model, tokenizer, config)
+    loras = {
+        name: LoRARequest(name, str(make_adapter(model, tmp_path / name, seed, *ADAPTERS[name])))
+        for seed, name in enumerate(("attn", "mlp"))
+    }
+    connection = redis.Redis.from_url(redis_url, decode_responses=True)
+    publisher = Publisher(settings, connection, "w")
+    publisher.start()
+    held = HeldBlocks(
+        settings, connection, publisher, engine,
+        name="w", model=MODEL, draining=threading.Event(), is_idle=lambda: not engine.has_unfinished(),
+    )  # fmt: skip
+    try:
+        held.sync()
+        assert held.publisher.flush(timeout=10)
+        assert in_redis(settings) == {LIVE, IDLE}
+        prompt = list(range(10, 23))  # 3 full blocks and one token
+        for i, name in enumerate(("attn", "mlp")):  # max_loras 1: the second evicts the first
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=2), lora=loras[name])
+            while engine.has_unfinished():
+                step_and_sync(engine, held)
+            assert in_redis(settings) == advertised(engine) | {adapter_member(loras[name].key)}
+            blocks = {to_hex(h) for h in chain(prompt, BLOCK, adapter=loras[name].key)}
+            assert len(blocks) == 3 and blocks <= in_redis(settings)
+        connection.delete(Keys.for_prefix(key_prefix).held(MODEL, "w"))
+        held._rewrite.set()  # as the heartbeat does when the set went missing
+        held.sync()
+        assert held.publisher.flush(timeout=10)
+        assert in_redis(settings) == advertised(engine) | {adapter_member(loras["mlp"].key)}
+    finally:
+        publisher.stop(timeout=5)
+        connection.close()
