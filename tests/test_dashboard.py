@@ -23,10 +23,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import yaml
 
 from inflightq_cli.redis_server import free_port
 from tests.ci_skips import missing
+from tests.engine.test_lora import ADAPTERS, make_adapter
+from worker.engine.model.model_loader import load_model
 
 pytestmark = pytest.mark.slow
 
@@ -178,6 +181,8 @@ PROMPTS = [
 def _send_traffic(api: str) -> None:
     def generate(i: int) -> None:
         body = {"inputs": PROMPTS[i % 2], "parameters": {"max_new_tokens": 12, "seed": i, "do_sample": i % 3 == 0}}
+        if i % 4 == 1:  # LoRA adapters in turn: with max_loras 1 each one evicts the other
+            body["parameters"]["adapter_id"] = LORAS[i // 4 % 2]
         if i % 2:
             with httpx.stream("POST", f"{api}/generate_stream", json=body, timeout=120) as response:
                 assert response.status_code == 200
@@ -195,6 +200,10 @@ def _send_traffic(api: str) -> None:
     assert invalid.status_code == 422
 
 
+# Two LoRA adapters of the tiny model, so the LoRA panels have requests, loads and evictions.
+LORAS = ("attn", "mlp")
+
+
 @pytest.fixture(scope="module")
 def stack(
     redis_url: str, run_prefix: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
@@ -202,6 +211,9 @@ def stack(
     if PROMETHEUS is None:
         pytest.skip(missing("prometheus", "apt-get install prometheus (.ci/run does)"))
     tmp = tmp_path_factory.mktemp("dashboard")
+    base, _ = load_model(str(tiny_model_dir), torch.float64, "cpu")
+    dirs = [make_adapter(base, tmp / name, seed, *ADAPTERS[name]) for seed, name in enumerate(LORAS)]
+    loras = ",".join(f"{name}={path}" for name, path in zip(LORAS, dirs, strict=True))
     api_port, worker_port, prometheus_port = free_port(), free_port(), free_port()
     env = {
         **os.environ,
@@ -211,6 +223,8 @@ def stack(
         # Few KV blocks, so concurrent requests preempt each other and that panel has data too.
         "INFLIGHTQ_NUM_KV_BLOCKS": "24",
         "INFLIGHTQ_BLOCK_SIZE": "4",
+        "INFLIGHTQ_LORA_ADAPTERS": loras,
+        "INFLIGHTQ_MAX_LORAS": "1",
     }
     config = tmp / "prometheus.yml"
     config.write_text(yaml.safe_dump(_prometheus_config(api_port, worker_port)))
