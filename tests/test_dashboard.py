@@ -270,6 +270,11 @@ def _has_a_number(result: list[dict]) -> bool:
     return any(not math.isnan(float(value)) for series in result for _, value in series["values"])
 
 
+# A ratio over draft tokens: the tiny random model never repeats its input, so it proposes none and
+# the ratio is 0/0. Its series are still checked as exported (below); the engine's tests cover drafts.
+NO_DATA_FROM_THE_TINY_MODEL = {"Speculation: draft tokens kept [A]"}
+
+
 def test_every_panel_query_returns_data_from_a_real_prometheus(stack: Stack) -> None:
     empty = []
     with httpx.Client(base_url=stack.prometheus, timeout=30) as client:
@@ -279,7 +284,7 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(stack: Stack) -> 
                 params={"query": _substitute(expr), "start": stack.started, "end": time.time(), "step": "1s"},
             ).json()
             assert reply["status"] == "success", f"{title}: {expr}: {reply.get('error')}"
-            if not _has_a_number(reply["data"]["result"]):
+            if not _has_a_number(reply["data"]["result"]) and title not in NO_DATA_FROM_THE_TINY_MODEL:
                 empty.append(f"{title}: {expr}")
     assert not empty, "panels without data:\n" + "\n".join(empty)
 
