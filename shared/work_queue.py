@@ -222,6 +222,8 @@ for n = 1, count do
   local best = nil
   local function consider(stream, e, rank)
     if not e then return end
+    -- waited past the steal bound: overdue, it goes before a worker's own younger offer
+    if now_ms - id_parts(e[1]) >= steal_ms then rank = -1 end
     local tenant = field(e[2], 'tenant') or ''
     local v, queued = vtime(tenant), waiting(tenant)
     if best == nil or v < best.v or (v == best.v and (queued < best.queued or (queued == best.queued

@@ -172,6 +172,21 @@ def test_an_offer_goes_to_its_worker_first_and_is_stolen_after_the_bound(queue, 
     assert stolen and stolen[0][0] == keys.offers(MODEL, LEVEL, "w1")
 
 
+def test_work_past_the_steal_bound_goes_before_a_workers_own_younger_offer(queue, redis_client, keys) -> None:
+    """Affinity delays work nobody holds by the bound at most: a worker busy with its own offers would
+    otherwise leave a first turn waiting without end."""
+    redis_client.sadd(keys.held(MODEL, "w1"), "live")
+    first_turn = put(queue, "t")
+    put(queue, "t", offer_to="w1")
+    (within,) = pull(redis_client, keys, "w1", peek=True)
+    assert within[0] == keys.offers(MODEL, LEVEL, "w1"), "within the bound its own offer goes first"
+    (overdue,) = pull(redis_client, keys, "w1", steal_after_ms=0)
+    assert first_turn in overdue[2]["request"], "past it the older entry goes first"
+    lane = Candidate(0.0, 2, False, 1, 0, overdue=True)
+    offer = Candidate(0.0, 2, True, 2, 0)
+    assert fair_pick([offer, lane]) == 1 and fair_pick([offer, lane._replace(overdue=False)]) == 0
+
+
 def test_an_offer_to_a_worker_that_is_gone_goes_to_the_tenant_lane(queue, redis_client, keys) -> None:
     put(queue, "t", offer_to="nobody")
     assert redis_client.xlen(keys.lane(MODEL, LEVEL, "t")) == 1

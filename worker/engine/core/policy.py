@@ -239,19 +239,21 @@ class Candidate(NamedTuple):
     own_offer: bool  # offered to the worker that picks
     entry_ms: int  # its stream id, the enqueue time
     entry_seq: int
+    overdue: bool = False  # it waited the steal bound: affinity may delay work no longer than that
 
 
 def fair_pick(candidates: Seq[Candidate]) -> int | None:
     """Which candidate the pull takes: the lowest share; among equals the tenant with fewer waiting (a
-    tenant just lifted to a flooding one's share goes first), then the worker's own offer, then the
-    older entry."""
+    tenant just lifted to a flooding one's share goes first), then an overdue entry, then the worker's
+    own offer, then the older entry. Without the overdue rule a worker kept busy by its own offers would
+    leave work nobody holds (a conversation's first turn) waiting without bound."""
     if not candidates:
         return None
     return min(range(len(candidates)), key=lambda i: _pick_key(candidates[i]))
 
 
 def _pick_key(c: Candidate) -> tuple[float, int, int, int, int]:
-    return (c.share, c.waiting, 0 if c.own_offer else 1, c.entry_ms, c.entry_seq)
+    return (c.share, c.waiting, 0 if c.overdue else 1 if c.own_offer else 2, c.entry_ms, c.entry_seq)
 
 
 def offer_stealable(age_ms: float, steal_after_ms: float, *, owner_live: bool, idle: bool) -> bool:
