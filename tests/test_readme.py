@@ -35,6 +35,8 @@ FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 EXPECTED = {
     "inflightq status": "1 live worker(s)",
     "inflightq purge": "deleted",
+    # The speculation examples ask the model to copy a sentence.
+    "speculate": "quick brown fox",
 }
 
 
