@@ -47,6 +47,7 @@ import httpx
 import numpy as np
 import redis
 
+from bench.affinity_sim import fit_costs
 from bench.results_files import machine
 from bench.serve import ENGINE_KEYS, bench_settings, stop_on_sigterm
 from bench.serve_clients import sse_data
@@ -477,32 +478,6 @@ def figures(
 
 
 # --- costs, targets ---------------------------------------------------------------------------------
-
-
-def fit_costs(runs: list[dict[str, Any]], workers: int) -> dict[str, Any]:
-    """Per-token forward costs from this run: each worker of each ``workers``-worker run is one point,
-    forward seconds = prefill_s x tokens prefilled + decode_s x tokens generated (least squares)."""
-    rows, ys = [], []
-    for run in runs:
-        if run["workers"] != workers:
-            continue
-        for c in run["workers_counters"]:
-            prefilled = c.get("engine_prefix_cache_queries", 0) - c.get("engine_prefix_cache_hits", 0)
-            rows.append([prefilled, c.get("generated_tokens", 0)])
-            ys.append(c.get("engine_forward_seconds", 0))
-    if len(rows) < 2:
-        return {}
-    coef, *_ = np.linalg.lstsq(np.asarray(rows, dtype=float), np.asarray(ys, dtype=float), rcond=None)
-    prefill_s, decode_s = (max(float(c), 1e-7) for c in coef)
-    fitted = np.asarray(rows) @ np.asarray([prefill_s, decode_s])
-    resid = np.asarray(ys) - fitted
-    return {
-        "prefill_ms_per_token": round(1000 * prefill_s, 4),
-        "decode_ms_per_token": round(1000 * decode_s, 4),
-        "points": len(rows),
-        "from_runs_with_workers": workers,
-        "max_relative_residual": round(float(np.max(np.abs(resid) / np.maximum(ys, 1e-9))), 3),
-    }
 
 
 def targets(runs: list[dict[str, Any]], steal_after_ms: float | None, period: float) -> list[dict[str, Any]]:

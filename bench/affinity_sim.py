@@ -29,6 +29,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 MULTI_TURN, SHARED_PREFIX = "multi_turn", "shared_prefix"
 
 
@@ -204,6 +206,32 @@ class Pool:
     @property
     def queued(self) -> int:
         return len(self.lane) + sum(len(q) for q in self.offers)
+
+
+def fit_costs(runs: list[dict[str, Any]], workers: int) -> dict[str, Any]:
+    """Per-token forward costs from this run: each worker of each ``workers``-worker run is one point,
+    forward seconds = prefill_s x tokens prefilled + decode_s x tokens generated (least squares)."""
+    rows, ys = [], []
+    for run in runs:
+        if run["workers"] != workers:
+            continue
+        for c in run["workers_counters"]:
+            prefilled = c.get("engine_prefix_cache_queries", 0) - c.get("engine_prefix_cache_hits", 0)
+            rows.append([prefilled, c.get("generated_tokens", 0)])
+            ys.append(c.get("engine_forward_seconds", 0))
+    if len(rows) < 2:
+        return {}
+    coef, *_ = np.linalg.lstsq(np.asarray(rows, dtype=float), np.asarray(ys, dtype=float), rcond=None)
+    prefill_s, decode_s = (max(float(c), 1e-7) for c in coef)
+    fitted = np.asarray(rows) @ np.asarray([prefill_s, decode_s])
+    resid = np.asarray(ys) - fitted
+    return {
+        "prefill_ms_per_token": round(1000 * prefill_s, 4),
+        "decode_ms_per_token": round(1000 * decode_s, 4),
+        "points": len(rows),
+        "from_runs_with_workers": workers,
+        "max_relative_residual": round(float(np.max(np.abs(resid) / np.maximum(ys, 1e-9))), 3),
+    }
 
 
 def multi_turn_requests(
@@ -475,7 +503,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import json
     from pathlib import Path
 
-    from bench.affinity import fit_costs
     from bench.affinity_report import markdown, plot
     from bench.results_files import save
 

@@ -45,6 +45,15 @@ from typing import Any
 
 import httpx
 
+from bench.fairness_report import (
+    HEAVY,
+    LIGHT,
+    TARGET_THROUGHPUT_RATIO,
+    TARGET_TTFT_RATIO,
+    TARGET_WEIGHT_ERROR,
+    A,
+    B,
+)
 from bench.priority import saturation
 from bench.serve import ENGINE_KEYS, bench_settings, checkpoint, report_head, stop_on_sigterm
 from bench.serve_clients import chat_sender
@@ -53,9 +62,7 @@ from bench.serve_metrics import RequestResult, print_summary, summarize
 from bench.serve_stack import Stack
 from shared.settings import Settings
 
-A, B, HEAVY, LIGHT = "A", "B", "weight3", "weight1"
 WEIGHTS = {HEAVY: 3.0, LIGHT: 1.0}
-TARGET_TTFT_RATIO, TARGET_THROUGHPUT_RATIO, TARGET_WEIGHT_ERROR = 2.0, 0.95, 0.10
 # The settings that turn fair share off for every process of a stack (today's FCFS pull: one stream per
 # priority). Empty: the anchor's one tenant alone keeps its requests in one FIFO lane.
 FCFS_ENV: dict[str, str] = {"INFLIGHTQ_FAIR_SHARE": "false"}

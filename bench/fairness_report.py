@@ -7,8 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from bench import results_files
-from bench.fairness import HEAVY, LIGHT, TARGET_THROUGHPUT_RATIO, TARGET_TTFT_RATIO, TARGET_WEIGHT_ERROR
 from bench.serve_report import _clean, _ms
+
+# The tenants' names and the targets, which the benchmark and its report share.
+A, B, HEAVY, LIGHT = "A", "B", "weight3", "weight1"
+TARGET_TTFT_RATIO, TARGET_THROUGHPUT_RATIO, TARGET_WEIGHT_ERROR = 2.0, 0.95, 0.10
 
 
 def _setup_label(name: str, row: dict[str, Any]) -> str:
