@@ -79,6 +79,33 @@ def start_api(tiny_tokenizer: Any) -> Iterator[Callable[[Settings], ApiServer]]:
         server.stop()
 
 
+@pytest.fixture
+def start_queue_api(
+    redis_backend: RedisBackend, key_prefix: str, tiny_model_dir: Path, start_api: Callable[[Settings], ApiServer]
+) -> Callable[..., ApiServer]:
+    """Starts an API with no worker behind it, for the test, with settings overridden by keyword: what a
+    request creates stays queued, and the interactive routes do not wait for a worker."""
+
+    def start(**overrides: Any) -> ApiServer:
+        settings = Settings(
+            redis_url=redis_backend.url,
+            redis_cluster=redis_backend.cluster,
+            key_prefix=key_prefix,
+            model=str(tiny_model_dir),
+            no_worker_wait_s=0,
+            **overrides,
+        )
+        return start_api(settings)
+
+    return start
+
+
+@pytest.fixture
+def keyed_api(start_queue_api: Callable[..., ApiServer]) -> ApiServer:
+    """An API with two API keys, ``key-a`` and ``key-b``, and no worker."""
+    return start_queue_api(api_keys=["key-a", "key-b"])
+
+
 def fake_heartbeat(redis_url: str, settings: Settings, name: str = "fake-worker", *, fresh_for_s: float = 600) -> None:
     """A live worker that never consumes: dispatch finds it, the queue only grows (429 tests).
     It looks alive for about ``fresh_for_s`` beyond heartbeat_ttl_s, then as dead as a crashed worker."""

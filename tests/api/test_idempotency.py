@@ -4,12 +4,9 @@ first request created and never creates a second; the same key with another body
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
-import pytest
 import redis
 
 from shared.keys import Keys
@@ -109,20 +106,6 @@ def test_retried_files_and_batches_are_the_same_objects(api: ApiServer) -> None:
         assert batch_ids.count(batch["id"]) == 1
         changed_batch = {**body, "metadata": {"n": "2"}}
         assert http.post("/v1/batches", json=changed_batch, headers={"Idempotency-Key": "batch-1"}).status_code == 409
-
-
-@pytest.fixture
-def keyed_api(
-    redis_backend: RedisBackend, key_prefix: str, tiny_model_dir: Path, start_api: Callable[[Settings], ApiServer]
-) -> ApiServer:
-    settings = Settings(
-        redis_url=redis_backend.url,
-        redis_cluster=redis_backend.cluster,
-        key_prefix=key_prefix,
-        model=str(tiny_model_dir),
-        api_keys=["key-a", "key-b"],
-    )
-    return start_api(settings)
 
 
 def test_each_api_key_has_its_own_idempotency_keys(keyed_api: ApiServer) -> None:

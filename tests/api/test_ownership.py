@@ -5,42 +5,23 @@ each key its own. Files and batches: also tests/batch/test_batch_owner.py."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from shared.settings import Settings
 from tests.api.conftest import ApiServer
-from tests.conftest import RedisBackend
 
 A = {"authorization": "Bearer key-a"}
 B = {"authorization": "Bearer key-b"}
-
-
-@pytest.fixture
-def api(
-    redis_backend: RedisBackend, key_prefix: str, tiny_model_dir: Path, start_api: Callable[[Settings], ApiServer]
-) -> ApiServer:
-    # No worker: the objects stay queued, which is all that ownership needs.
-    settings = Settings(
-        redis_url=redis_backend.url,
-        redis_cluster=redis_backend.cluster,
-        key_prefix=key_prefix,
-        model=str(tiny_model_dir),
-        api_keys=["key-a", "key-b"],
-        no_worker_wait_s=0,
-    )
-    return start_api(settings)
 
 
 def assert_not_found(response: httpx.Response) -> None:
     assert response.status_code == 404, response.text
 
 
-def test_a_job_is_its_keys_only(api: ApiServer) -> None:
-    with api.client() as http:
+def test_a_job_is_its_keys_only(keyed_api: ApiServer) -> None:
+    with keyed_api.client() as http:
         job_id = http.post("/v1/jobs", json={"prompt": "hi"}, headers=A).json()["id"]
         assert_not_found(http.get(f"/v1/jobs/{job_id}", headers=B))
         assert_not_found(http.get(f"/v1/jobs/{job_id}/stream", headers=B))
@@ -50,10 +31,10 @@ def test_a_job_is_its_keys_only(api: ApiServer) -> None:
         assert http.get(f"/v1/jobs/{job_id}", headers=A).json()["status"] == "cancelled"
 
 
-def test_a_response_is_its_keys_only(api: ApiServer) -> None:
-    a = openai.OpenAI(base_url=api.url + "/v1", api_key="key-a", max_retries=0)
-    b = openai.OpenAI(base_url=api.url + "/v1", api_key="key-b", max_retries=0)
-    model = api.settings.model
+def test_a_response_is_its_keys_only(keyed_api: ApiServer) -> None:
+    a = openai.OpenAI(base_url=keyed_api.url + "/v1", api_key="key-a", max_retries=0)
+    b = openai.OpenAI(base_url=keyed_api.url + "/v1", api_key="key-b", max_retries=0)
+    model = keyed_api.settings.model
     made = a.responses.create(model=model, input="hi", background=True, store=True)
     calls: list[Callable[[], object]] = [
         lambda: b.responses.retrieve(made.id),
@@ -74,8 +55,8 @@ def test_a_response_is_its_keys_only(api: ApiServer) -> None:
         a.responses.retrieve(made.id)
 
 
-def test_a_file_is_its_keys_only(api: ApiServer) -> None:
-    with api.client() as http:
+def test_a_file_is_its_keys_only(keyed_api: ApiServer) -> None:
+    with keyed_api.client() as http:
         files = {"file": ("a.jsonl", b"{}\n")}
         file_id = http.post("/v1/files", files=files, data={"purpose": "batch"}, headers=A).json()["id"]
         assert_not_found(http.delete(f"/v1/files/{file_id}", headers=B))
@@ -84,17 +65,8 @@ def test_a_file_is_its_keys_only(api: ApiServer) -> None:
         assert http.delete(f"/v1/files/{file_id}", headers=A).json()["deleted"] is True
 
 
-def test_without_keys_every_object_is_everyones(
-    redis_backend: RedisBackend, key_prefix: str, tiny_model_dir: Path, start_api: Callable[[Settings], ApiServer]
-) -> None:
-    settings = Settings(
-        redis_url=redis_backend.url,
-        redis_cluster=redis_backend.cluster,
-        key_prefix=key_prefix,
-        model=str(tiny_model_dir),
-        no_worker_wait_s=0,
-    )
-    server = start_api(settings)
+def test_without_keys_every_object_is_everyones(start_queue_api: Callable[..., ApiServer]) -> None:
+    server = start_queue_api()
     with server.client() as http:
         job_id = http.post("/v1/jobs", json={"prompt": "hi", "tenant": "t1"}).json()["id"]
         assert http.get(f"/v1/jobs/{job_id}").status_code == 200
