@@ -170,3 +170,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def default_model_name() -> str:
     return "smollm2-135m-instruct"
+
+
+@pytest.fixture
+def bench_env(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """For a benchmark's ``main`` run in the test's process: the stacks it starts use the test Redis
+    (``INFLIGHTQ_REDIS_URL``), and settings are read afresh before it and not left cached after it."""
+    from shared.settings import get_settings
+
+    monkeypatch.setenv("INFLIGHTQ_REDIS_URL", redis_url)
+    get_settings.cache_clear()
+    yield redis_url
+    get_settings.cache_clear()

@@ -11,7 +11,6 @@ import pytest
 
 from bench.affinity import AFFINITY, PLAIN, SINGLE, Timeline, idle_while_queued, scrape_text
 from bench.affinity_sim import MULTI_TURN, SHARED_PREFIX, Costs, Engine, linear_in_workers, simulate
-from shared.settings import get_settings
 
 CONVERSATIONS, TURNS, PREFIX_REQUESTS = 3, 3, 6
 ENGINE = Engine(max_num_seqs=4, max_batched_tokens=256, max_prefill_beside_decodes=64, num_kv_blocks=400, block_size=16)
@@ -96,26 +95,21 @@ def test_simulated_shared_prefixes_partition_across_the_pool() -> None:
 
 @pytest.mark.slow
 def test_bench_affinity_reports_consistent_figures_for_real_stacks(
-    tiny_model_dir: Path, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, bench_env: str, tmp_path: Path
 ) -> None:
     from bench.affinity import main
 
-    monkeypatch.setenv("INFLIGHTQ_REDIS_URL", redis_url)
-    get_settings.cache_clear()
-    try:
-        report = main(
-            [
-                "--model", str(tiny_model_dir), "--dtype", "float32", "--workers", "2",
-                "--conversations", str(CONVERSATIONS), "--turns", str(TURNS), "--first-turn-len", "40",
-                "--turn-len", "12", "--answer-len", "4", "--start-spread", "0.2",
-                "--prefixes", "2", "--prefix-len", "48", "--prefix-requests", str(PREFIX_REQUESTS),
-                "--suffix-len", "8", "--prefix-answer-len", "3", "--prefix-clients", "2",
-                "--num-kv-blocks", "256", "--prefix-kv-blocks", "32", "--sim-workers", "2,4",
-                "--out", str(tmp_path), "--tag", "t",
-            ]
-        )  # fmt: skip
-    finally:
-        get_settings.cache_clear()
+    report = main(
+        [
+            "--model", str(tiny_model_dir), "--dtype", "float32", "--workers", "2",
+            "--conversations", str(CONVERSATIONS), "--turns", str(TURNS), "--first-turn-len", "40",
+            "--turn-len", "12", "--answer-len", "4", "--start-spread", "0.2",
+            "--prefixes", "2", "--prefix-len", "48", "--prefix-requests", str(PREFIX_REQUESTS),
+            "--suffix-len", "8", "--prefix-answer-len", "3", "--prefix-clients", "2",
+            "--num-kv-blocks", "256", "--prefix-kv-blocks", "32", "--sim-workers", "2,4",
+            "--out", str(tmp_path), "--tag", "t",
+        ]
+    )  # fmt: skip
 
     runs = {(r["workload"], r["mode"], r["workers"]): r for r in report["runs"]}
     assert set(runs) == {

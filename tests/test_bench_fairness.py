@@ -12,7 +12,6 @@ import pytest
 
 from bench.fairness import HEAVY, LIGHT, A, B, Phase, Sent, arrivals, flood_summary, weights_summary
 from bench.serve_metrics import RequestResult
-from shared.settings import get_settings
 
 SEQS, FLOOD_S, WEIGHTS_S = 4, 5.0, 4.0
 
@@ -61,23 +60,18 @@ def test_flood_throughput_counts_every_tenants_tokens_in_the_window() -> None:
 
 
 def test_bench_fairness_reports_consistent_figures_for_real_stacks(
-    tiny_model_dir: Path, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, bench_env: str, tmp_path: Path
 ) -> None:
     from bench.fairness import main
 
-    monkeypatch.setenv("INFLIGHTQ_REDIS_URL", redis_url)
-    get_settings.cache_clear()
-    try:
-        report = main(
-            [
-                "--model", str(tiny_model_dir), "--dtype", "float32", "--setups", "standalone:1,cluster:2",
-                "--max-num-seqs", str(SEQS), "--flood-s", str(FLOOD_S), "--warmup-s", "1", "--tail-s", "1",
-                "--weights-s", str(WEIGHTS_S), "--weights-settle-s", "1", "--input-len", "50,90", "--output-len", "3,8",
-                "--out", str(tmp_path),
-            ]
-        )  # fmt: skip
-    finally:
-        get_settings.cache_clear()
+    report = main(
+        [
+            "--model", str(tiny_model_dir), "--dtype", "float32", "--setups", "standalone:1,cluster:2",
+            "--max-num-seqs", str(SEQS), "--flood-s", str(FLOOD_S), "--warmup-s", "1", "--tail-s", "1",
+            "--weights-s", str(WEIGHTS_S), "--weights-settle-s", "1", "--input-len", "50,90", "--output-len", "3,8",
+            "--out", str(tmp_path),
+        ]
+    )  # fmt: skip
 
     assert list(report["setups"]) == ["standalone:1", "cluster:2"]
     for name, row in report["setups"].items():
