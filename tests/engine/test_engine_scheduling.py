@@ -314,6 +314,44 @@ def test_a_tenant_under_its_share_displaces_one_over_it_once_and_never_thrashes(
     assert engine.stats.preemptions_by_reason == {"kv_blocks": 0, "urgency": 0, "fair_share": 2}
 
 
+def test_a_tenant_under_its_share_displaces_past_the_over_share_tenants_waiting_entries(make_engine: Any) -> None:
+    # heavy-3 waits in the engine (pulled before light: a lower share), and displaces nobody (its own
+    # tenant runs both slots); light, behind it, still takes a heavy slot in the next step.
+    engine = make_engine(max_num_seqs=2)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    for n in range(3):
+        engine.add_request(f"heavy-{n}", prompt(20 + n), params, priority=1, tenant="heavy", share=1000.0 * n)
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.waiting] == ["heavy-2"]
+    engine.add_request("light", prompt(7), GREEDY, priority=1, tenant="light", share=3000.0)
+    engine.step()
+    assert engine.stats.preemptions_by_reason["fair_share"] == 1
+    assert {s.request_id for s in engine.scheduler.running} == {"heavy-0", "light"}, "heavy's least urgent displaced"
+    assert sorted(s.request_id for s in engine.scheduler.waiting) == ["heavy-1", "heavy-2"]
+    run_to_end(engine)
+    assert engine.stats.preemptions_by_reason == {"kv_blocks": 0, "urgency": 0, "fair_share": 1}
+
+
+def test_a_tenant_under_its_share_has_its_prompt_prefilled_whole_before_the_over_share_tenants_chunks(
+    make_engine: Any, tiny_ref: Any
+) -> None:
+    engine = make_engine(max_num_seqs=4, max_num_batched_tokens=64, max_prefill_tokens_beside_decodes=8)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    for n in range(2):
+        engine.add_request(f"heavy-{n}", prompt(50 + n, 8), params, priority=1, tenant="heavy", share=10.0 * n)
+    engine.step()
+    engine.add_request("heavy-2", prompt(52, 40), params, priority=1, tenant="heavy", share=20.0)
+    engine.step()  # heavy-2's prompt in 8-token chunks beside heavy-0's and heavy-1's decodes
+    engine.add_request("light", prompt(53, 40), params, priority=1, tenant="light", share=30.0)
+    events = engine.step()  # light runs none, heavy 3: light's whole prompt, and its first token
+    assert "light" in {e.request_id for e in events}
+    computed = {s.request_id: s.num_computed_tokens for s in engine.scheduler.running}
+    assert computed["heavy-2"] == 8, "the over-share tenant's chunk sits this step out"
+    assert engine.stats.preemptions_by_reason["fair_share"] == 0, "a free slot: nobody displaced"
+    events += step_all(engine)
+    assert [e.token_id for e in events if e.request_id == "light"] == reference(tiny_ref, prompt(53, 40), 12)
+
+
 def test_with_fair_share_off_tenants_are_not_told_apart(make_engine: Any) -> None:
     engine = make_engine(max_num_seqs=2, fair_share=False)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)

@@ -13,12 +13,14 @@ from worker.engine.core.policy import (
     Urgency,
     arriving,
     displaces,
+    fair_challenger,
     fair_displacement_due,
     fair_victim,
     how_many_to_steal,
     joins_urgent_prefill,
     level,
     preemption_order,
+    prefills_first,
     runs_before,
     runs_first,
     tenant_load,
@@ -125,3 +127,21 @@ def test_the_fair_victim_is_the_most_loaded_tenants_least_urgent_request() -> No
     ]
     assert fair_victim(light, running, lambda u: u) == running[1]
     assert tenant_load(["a", "a", "b"], "a", 2.0, counting_itself=True) == 1.5
+
+
+def test_the_fair_challenger_is_the_first_waiting_request_past_the_head_that_displaces_one_at_its_level() -> None:
+    running = [Urgency(1.0, n, share=10.0 * n, tenant="a", load=3.0) for n in range(3)]
+    head = arriving(1, share=40.0, tenant="a", load=4.0)  # pulled before the others: the lowest share
+    light = arriving(1, share=90.0, tenant="l", load=1.0)
+    assert fair_challenger([head, arriving(1, share=50.0, tenant="a", load=4.0), light], running) == 2
+    assert fair_challenger([head, light._replace(load=2.5)], running) is None, "within the margin"
+    assert fair_challenger([head, light._replace(effective_priority=2)], running) is None, "never past a level"
+    assert fair_challenger([head], running) is None and fair_challenger([], running) is None
+
+
+def test_a_tenant_far_under_its_share_prefills_first_only_against_another_tenant_at_its_level() -> None:
+    running = [Urgency(1.0, n, tenant="a", load=3.0) for n in range(3)]
+    assert prefills_first(arriving(1, tenant="l", load=1.0), running)
+    assert not prefills_first(arriving(1, tenant="l", load=2.5), running), "within the margin"
+    assert not prefills_first(arriving(1, tenant="a", load=1.0), running), "never within one tenant"
+    assert not prefills_first(arriving(2, tenant="l", load=1.0), running), "a level below"

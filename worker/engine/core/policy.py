@@ -33,8 +33,11 @@ tenant furthest under its share runs first. "A tenant under its share displaces 
 fair clause of ``displaces``, on the engine's slots: a tenant with fewer requests running (per
 weight) than another by ``FAIR_MARGIN`` takes the place of one of that tenant's at its level (its
 share of the queue puts it at par with the backlogged on arrival, so ordering alone would leave it
-waiting for a slot). Once per request, at most once per ``FAIR_DISPLACE_EVERY_STEPS`` steps, and
-the displaced tenant never has fewer running after it: bounded, so it cannot thrash.
+waiting for a slot; ``fair_challenger`` finds it behind the entries pulled earlier for the tenant
+over its share, whose lower shares put them first). Once per request, at most once per
+``FAIR_DISPLACE_EVERY_STEPS`` steps, and the displaced tenant never has fewer running after it:
+bounded, so it cannot thrash. Such a request's prompt is prefilled whole at the start of the next
+step (``prefills_first``), not in chunks behind the over-share tenant's prompts.
 ``runs_first`` compares levels only.
 
 Prefix affinity decides where, never what: an entry offered to the worker that holds its prefix is
@@ -160,6 +163,33 @@ def fair_victim(challenger: Urgency, candidates: Iterable[T], urgency: Callable[
         and displaces_for_fairness(challenger, u)
     ]
     return max(found, key=lambda pair: (pair[0].load, pair[0]))[1] if found else None
+
+
+def fair_challenger(waiting: Seq[Urgency], running: Seq[Urgency]) -> int | None:
+    """When the slots are full and the first waiting request (``waiting``, in admission order) displaces
+    nobody: the first other waiting request at its level that the fair clause lets displace a running
+    one (its index), if any. Ordering alone leaves a tenant under its share behind the entries pulled
+    before it for a tenant over its share (their shares are lower: they were charged first) until a slot frees."""
+    if not waiting:
+        return None
+    head = level(waiting[0])
+    for i, challenger in enumerate(waiting[1:], start=1):
+        if level(challenger) != head:
+            return None  # strict priority: a less urgent level never goes past a more urgent one
+        if fair_victim(challenger, running, lambda u: u) is not None:
+            return i
+    return None
+
+
+def prefills_first(waiting: Urgency, running: Iterable[Urgency]) -> bool:
+    """Whether ``waiting``'s tenant is far enough under its share (the fair clause's margin, against a
+    running request of another tenant at its level) that its prompt is prefilled whole at the start of
+    the next step, before the step's decodes and the chunks of other prompts: chunked behind an
+    over-share tenant's prefills it would wait several full-batch steps for its first token."""
+    return any(
+        r.tenant != waiting.tenant and level(r) == level(waiting) and waiting.load + FAIR_MARGIN <= r.load
+        for r in running
+    )
 
 
 def fair_displacement_due(step: int, last_step: int | None) -> bool:

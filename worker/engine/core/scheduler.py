@@ -28,10 +28,12 @@ from worker.engine.core.policy import (
     Urgency,
     arriving,
     displaces,
+    fair_challenger,
     fair_displacement_due,
     fair_victim,
     joins_urgent_prefill,
     level,
+    prefills_first,
     runs_before,
     runs_first,
     tenant_load,
@@ -142,15 +144,49 @@ class Scheduler:
                     if seq.num_tokens - seq.num_computed_tokens == 1 and seq not in batch.seqs:
                         self._continue(seq, batch)
                 return self._done(batch)
-        remaining = {s: s.num_tokens - s.num_computed_tokens for s in self.running}
+        self._admit_fair_first(batch)
+        remaining = {s: s.num_tokens - s.num_computed_tokens for s in self.running if s not in batch.seqs}
         # Decodes first: they are latency-critical and cost one token each.
-        for seq in [s for s in self.running if remaining[s] == 1]:
+        for seq in [s for s in remaining if remaining[s] == 1]:
             self._continue(seq, batch)
-        for seq in [s for s in self.running if remaining[s] > 1]:
+        for seq in [s for s in remaining if remaining[s] > 1]:
             self._admit(batch, while_head=lambda head, seq=seq: runs_before(self.urgency(head), self.urgency(seq)))
             self._continue(seq, batch)
         self._admit(batch)
         return self._done(batch)
+
+    def _admit_fair_first(self, batch: ScheduledBatch) -> None:
+        """The first waiting request of the most urgent waiting level whose tenant is far under its share
+        (``policy.prefills_first``) starts before the step's decodes with its prompt whole (less a token
+        per decode), displacing for fair share when the slots are full; one per step."""
+        if not self.waiting or not self.running:
+            return
+        waiting, running = self.fair_urgencies(self.waiting), self.fair_urgencies(self.running)
+        top = level(waiting[0])
+        decodes = 0
+        for s, u in zip(self.running, running, strict=True):
+            if s.num_tokens - s.num_computed_tokens == 1:
+                decodes += 1
+            elif level(u) < top:
+                return  # a more urgent prompt still prefills: it keeps the step's prefill budget
+        seq = next(
+            (s for s, u in zip(self.waiting, waiting, strict=True) if level(u) == top and prefills_first(u, running)),
+            None,
+        )
+        if seq is None or (len(self.running) >= self.max_num_seqs and not self._displace_for_fairness(seq, batch)):
+            return
+        if not seq.block_table:
+            hits = self.blocks.match_prefix(seq)
+            self.stats.prefix_cache_queries += seq.num_tokens
+            self.stats.prefix_cache_hits += hits
+        n = min(seq.num_tokens - seq.num_computed_tokens, self._budget(batch) - decodes)
+        if n <= 0 or not self.blocks.allocate(seq, n):
+            self.blocks.free(seq)  # the prefix blocks it grabbed; the usual admission takes it from here
+            return
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.PREFILLING
+        self.running.append(seq)
+        batch.add(seq, n)
 
     def _urgent_waiting(self) -> bool:
         if not self.waiting or not self.running:
@@ -203,8 +239,12 @@ class Scheduler:
                 return
             seq = self.waiting[0]
             if len(self.running) >= self.max_num_seqs and not self._preempt_less_urgent(seq, batch):
-                self._admission_stopped = True
-                return
+                # The head displaces nobody: a request behind it of a tenant under its share still may.
+                challenger = self._fair_challenger(batch, while_head)
+                if challenger is None:
+                    self._admission_stopped = True
+                    return
+                seq = challenger
             if not seq.block_table:  # fresh or preempted: reuse whatever prefix is cached
                 hits = self.blocks.match_prefix(seq)
                 self.stats.prefix_cache_queries += seq.num_tokens
@@ -215,7 +255,7 @@ class Scheduler:
                     self.blocks.free(seq)  # give back the prefix blocks it grabbed; strict priority: stop here
                     self._admission_stopped = True
                     return
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.PREFILLING
             self.running.append(seq)
             batch.add(seq, n)
@@ -241,6 +281,9 @@ class Scheduler:
         if displaces(mine, theirs) and not (mine.tenant != theirs.tenant and level(mine) == level(theirs)):
             self._preempt(taken, batch, "urgency")
             return True
+        return self._displace_for_fairness(seq, batch)
+
+    def _displace_for_fairness(self, seq: Sequence, batch: ScheduledBatch) -> bool:
         if not fair_displacement_due(self.step_count, self._last_fair_step):
             return False
         (mine,) = self.fair_urgencies([seq])
@@ -252,6 +295,17 @@ class Scheduler:
         fair.fair_displaced = True
         self._preempt(fair, batch, "fair_share")
         return True
+
+    def _fair_challenger(self, batch: ScheduledBatch, while_head: Callable[[Sequence], bool]) -> Sequence | None:
+        """A waiting request behind the head that displaces a running one for fair share (``policy.fair_challenger``),
+        its victim preempted; None when there is none or a displacement is not due."""
+        if not fair_displacement_due(self.step_count, self._last_fair_step):
+            return None
+        found = fair_challenger(self.fair_urgencies(self.waiting), self.fair_urgencies(self.running))
+        if found is None:
+            return None
+        seq = self.waiting[found]
+        return seq if while_head(seq) and self._displace_for_fairness(seq, batch) else None
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch, reason: str) -> None:
         batch.drop(seq)
