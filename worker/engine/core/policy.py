@@ -43,7 +43,7 @@ step (``prefills_first``), not in chunks behind the over-share tenant's prompts.
 Prefix affinity decides where, never what: an entry offered to the worker that holds its prefix is
 left to it until ``offer_stealable`` lets another take it (as an urgent entry is left for a worker
 with a free slot until ``how_many_to_steal``); among entries of equal share a worker takes its own
-offers first.
+offers first, after any entry that waited past the steal bound.
 """
 
 from __future__ import annotations
@@ -286,10 +286,25 @@ def _pick_key(c: Candidate) -> tuple[float, int, int, int, int]:
     return (c.share, c.waiting, 0 if c.overdue else 1 if c.own_offer else 2, c.entry_ms, c.entry_seq)
 
 
-def offer_stealable(age_ms: float, steal_after_ms: float, *, owner_live: bool, idle: bool) -> bool:
-    """Whether a worker takes an entry offered to another: it waited ``steal_after_ms``, or the worker it
-    was offered to is gone (its held key expired), or the taker is idle."""
-    return idle or not owner_live or age_ms >= steal_after_ms
+def offer_stealable(
+    age_ms: float,
+    steal_after_ms: float,
+    *,
+    owner_live: bool,
+    idle: bool,
+    prompt_tokens: int = 0,
+    prefill_ms_per_token: float = 0.0,
+) -> bool:
+    """Whether a worker takes an entry offered to another: the taker is idle, or the worker it was offered
+    to is gone (its held key expired), or it waited ``steal_after_ms`` plus the time the taker would spend
+    prefilling its prompt (``prompt_tokens`` at the taker's ``prefill_ms_per_token``): a busy worker that
+    steals sooner spends more computing the prefix again than the holder's queue costs the request."""
+    return idle or not owner_live or age_ms >= steal_bound_ms(steal_after_ms, prompt_tokens, prefill_ms_per_token)
+
+
+def steal_bound_ms(steal_after_ms: float, prompt_tokens: int, prefill_ms_per_token: float) -> float:
+    """How long a busy worker leaves another's offer of ``prompt_tokens`` to it (``offer_stealable``)."""
+    return steal_after_ms + prompt_tokens * prefill_ms_per_token
 
 
 def how_many_to_steal(first_seen: Iterable[float], now: float, wait_s: float) -> int:
