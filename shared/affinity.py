@@ -9,8 +9,9 @@ one script call in the model's slot: a worker's cache keeps a prefix's head bloc
 blocks are freed first), so whether it holds the first k blocks is a binary search over the chain.
 A worker also holds the member ``adapter_member(key)`` for each LoRA adapter it has loaded: a request
 with an adapter whose prefix no worker holds is offered to the (least loaded) worker holding the adapter,
-unless all or none do. Affinity only decides where a request is offered; the queue lets any worker take
-it once the offer waited past the steal bound, or its worker is gone or idle."""
+unless all or none do. Affinity only decides where a request is offered; the queue lets another worker
+take it at once when that one is idle or the holder is gone, and a busy one once the offer waited the
+steal bound plus the time it would take to prefill the prompt (``policy.offer_stealable``)."""
 
 from __future__ import annotations
 

@@ -332,6 +332,7 @@ class QueueCore:
                 request_cost(len(request.prompt_token_ids), request.sampling.max_new_tokens),
                 (tenant_max_queued or 0) if check_depth and tenant else 0,
                 offer_to or "",
+                len(request.prompt_token_ids),
             ],
         )
         if verdict in (b"tenant_overloaded", "tenant_overloaded"):

@@ -13,8 +13,10 @@ them all. Every queue script names keys of the model's slot only, so each is ato
   to the model's notify list, or, for an offer to a worker that is idle (its held set has ``idle``),
   to that worker's own list alone: another idle worker woken first would steal it.
 - ``PULL`` (worker): the fair pick, ``count`` times: among the heads of the backlogged tenants'
-  lanes, its own offers and the offers it may steal, the entry whose tenant has the lowest virtual
-  time (ties: the tenant with fewer waiting, then its own offer, then the older entry); XREADGROUP it; charge the tenant
+  lanes, its own offers and the offers it may steal (at once when idle or their worker is gone, else
+  once they waited the steal bound plus the time this worker would take to prefill their prompt), the
+  entry whose tenant has the lowest virtual time (ties: the tenant with fewer waiting, then an entry
+  past the steal bound, then its own offer, then the older entry); XREADGROUP it; charge the tenant
   ``cost / weight``. ``PEEK`` is the same pick without taking (a full worker's displacement check).
 - ``SETTLE`` (worker): at the request's end, refunds ``(cost - used) / weight`` so the tenant is
   charged what it used, and XACKs and XDELs the entry in the same script: it runs once per entry.
@@ -42,7 +44,9 @@ STREAM_FIELD = "request"
 TENANT_FIELD = "tenant"
 WEIGHT_FIELD = "weight"
 COST_FIELD = "cost"
-ENTRY_FIELDS = frozenset({STREAM_FIELD, TENANT_FIELD, WEIGHT_FIELD, COST_FIELD})
+# The prompt's tokens: what a busy worker stealing the entry from the worker it is offered to would prefill.
+PROMPT_FIELD = "prompt"
+ENTRY_FIELDS = frozenset({STREAM_FIELD, TENANT_FIELD, WEIGHT_FIELD, COST_FIELD, PROMPT_FIELD})
 # Backlogged tenants a pick looks at beyond those it took (each pick raises one tenant's time).
 PICK_SCAN = 32
 # Wake-up tokens kept in a model's notify list; one per idle worker is all that matters.
@@ -113,7 +117,8 @@ end
 # request's priority), 7 clock, 8 offer stream of ``offer_to``, 9 its held set, 10 offered set,
 # 11 its notify list, then the waiting hash of every priority (the limits): all in the model's slot.
 # ARGV: 1 entry JSON, 2 notify keep, 3 max depth (0 = unchecked), 4 group, 5 stream field,
-# 6 tenant ('' none), 7 weight, 8 cost, 9 tenant's max queued (0 = unchecked), 10 offer_to ('' none).
+# 6 tenant ('' none), 7 weight, 8 cost, 9 tenant's max queued (0 = unchecked), 10 offer_to ('' none),
+# 11 prompt tokens.
 # Returns {'ok', entry id}, {'tenant_overloaded', the tenant's waiting} or {'overloaded', waiting}.
 ENQUEUE = (
     _FORMAT
@@ -142,7 +147,8 @@ if redis.call('EXISTS', target) == 0 then
   redis.call('XGROUP', 'CREATE', target, ARGV[4], '0', 'MKSTREAM')
 end
 redis.call('SADD', KEYS[3], target)
-local id = redis.call('XADD', target, '*', ARGV[5], ARGV[1], 'tenant', tenant, 'weight', ARGV[7], 'cost', ARGV[8])
+local id = redis.call('XADD', target, '*', ARGV[5], ARGV[1], 'tenant', tenant, 'weight', ARGV[7], 'cost', ARGV[8],
+  'prompt', ARGV[11])
 if redis.call('HINCRBY', KEYS[6], tenant, 1) == 1 then
   local own = tonumber(redis.call('HGET', KEYS[4], tenant) or '0')
   local low = redis.call('ZRANGE', KEYS[5], 0, 0, 'WITHSCORES')
@@ -164,7 +170,8 @@ return {'ok', id}
 # KEYS: 1 the priority's own stream, 2 share, 3 backlog, 4 waiting, 5 clock, 6 offered set,
 # 7 this worker's offer stream, 8 lanes set (all of one priority, the model's slot).
 # ARGV: 1 'pull' or 'peek', 2 group, 3 consumer, 4 count, 5 '1' when this worker is idle,
-# 6 steal after (ms), 7 lane key prefix, 8 offer key prefix, 9 held key prefix, 10 scan.
+# 6 steal after (ms), 7 lane key prefix, 8 offer key prefix, 9 held key prefix, 10 scan,
+# 11 this worker's prefill time per prompt token (ms; 0 = not measured yet).
 # Returns up to count picks in order, each {stream, entry id, fields, the tenant's virtual time
 # before the pick's charge, tenant}. 'peek' takes nothing and charges nothing: it returns what
 # 'pull' would take. Mirrors ``policy.fair_pick``, ``policy.charge`` and ``policy.offer_stealable``.
@@ -175,6 +182,7 @@ PULL = (
 local peek = ARGV[1] == 'peek'
 local group, me = ARGV[2], ARGV[3]
 local count, idle, steal_ms, scan = tonumber(ARGV[4]), ARGV[5] == '1', tonumber(ARGV[6]), tonumber(ARGV[10])
+local prefill_ms = tonumber(ARGV[11]) or 0
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local vt, left, cursor, heads = {}, {}, {}, {}
@@ -250,7 +258,8 @@ for n = 1, count do
       local live = redis.call('EXISTS', ARGV[9] .. w) == 1
       if h then
         local age = now_ms - id_parts(h[1])
-        if idle or (not live) or age >= steal_ms then consider(stream, h, 1) end
+        local prompt = tonumber(field(h[2], 'prompt') or '0') or 0
+        if idle or (not live) or age >= steal_ms + prompt * prefill_ms then consider(stream, h, 1) end
       elseif not peek and not live and redis.call('XLEN', stream) == 0 then
         redis.call('SREM', KEYS[6], w)
         redis.call('SREM', KEYS[8], stream)
@@ -335,7 +344,16 @@ def pull_keys(keys: Keys, model: str, priority: int, worker: str) -> list[str]:
 
 
 def pull_args(
-    keys: Keys, model: str, priority: int, worker: str, count: int, *, idle: bool, steal_after_ms: int, peek: bool
+    keys: Keys,
+    model: str,
+    priority: int,
+    worker: str,
+    count: int,
+    *,
+    idle: bool,
+    steal_after_ms: int,
+    peek: bool,
+    prefill_ms_per_token: float = 0.0,
 ) -> list[Any]:
     """``PULL``'s ARGV."""
     return [
@@ -349,6 +367,7 @@ def pull_args(
         keys.offers_prefix(model, priority),
         keys.held_prefix(model),
         PICK_SCAN,
+        repr(float(prefill_ms_per_token)),
     ]
 
 

@@ -5,7 +5,11 @@ longest prefix (``shared.affinity``), and a member per LoRA adapter its engine h
 (``shared.affinity.adapter_member``), so a request with an adapter goes to a worker that has it.
 
 After each step the engine loop takes what the engine cached and evicted (``prefix_cache_changes``)
-and hands it to the publisher, which sends it in the step's round trip (SADD, SREM, EXPIRE). The
+and hands it to the publisher, which sends it in the step's round trip (SADD, SREM, EXPIRE). A request
+the worker has started is advertised at once with its prompt's blocks (``promise``), before its
+prefill computes them: a request with the same prefix that arrives meanwhile is offered here, where
+the prefix is about to be, instead of being prefilled again on another worker. What a request promised
+and the cache does not hold when it ends (``settled``: cancelled, failed, or evicted) is removed. The
 heartbeat refreshes the TTL and checks ``LIVE``: a set that is gone or lacks it (it expired during an
 outage, or another worker's recovery took this one for dead) is written again whole at the next
 step. On drain the set is deleted first thing (this worker's offers become stealable at once, and no
@@ -16,14 +20,15 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import redis
 
 from shared.affinity import IDLE, LIVE, adapter_member
 from shared.keys import Keys
-from shared.prefix_hash import to_hex
+from shared.prefix_hash import chain, to_hex
 from shared.settings import Settings
 from worker.engine_port import Engine
 from worker.publisher import Publisher
@@ -58,8 +63,34 @@ class HeldBlocks:
         self._rewrite.set()  # the first write creates it
         self._withdrawn = not settings.affinity
         self.rewrites = 0
+        self.block_size = settings.block_size  # the API's, which must be the engine's
+        self._cache: set[int] = set()  # the engine's cached hashes, as its changes reported them
+        self._promised: Counter[int] = Counter()  # hashes promised by the requests running here
+        self._promises: dict[str, list[int]] = {}  # request id -> the hashes it promised
+        self._promise_add: list[int] = []  # to advertise at the next sync
+        self._promise_drop: list[int] = []  # to withdraw at the next sync
 
     # The engine loop ---------------------------------------------------------------------
+    def promise(self, request_id: str, prompt_token_ids: Sequence[int], tenant: str | None) -> None:
+        """A request started here: its prompt's full blocks are advertised from the next sync on."""
+        if self._withdrawn:
+            return
+        hashes = chain(prompt_token_ids, self.block_size, tenant=tenant)
+        self._promises[request_id] = hashes
+        for h in hashes:
+            if not self._promised[h] and h not in self._cache:
+                self._promise_add.append(h)
+            self._promised[h] += 1
+
+    def settled(self, request_id: str) -> None:
+        """A request ended here (or left): what it promised and the cache does not hold is withdrawn."""
+        for h in self._promises.pop(request_id, ()):
+            self._promised[h] -= 1
+            if not self._promised[h]:
+                del self._promised[h]
+                if h not in self._cache:
+                    self._promise_drop.append(h)
+
     def sync(self) -> None:
         """Hands the publisher what the engine cached and evicted since the last call."""
         if self._withdrawn:
@@ -72,8 +103,20 @@ class HeldBlocks:
         full = self._rewrite.is_set()
         self._rewrite.clear()
         changes = self.engine.prefix_cache_changes(full)
+        if changes.full:
+            self._cache = set(changes.cached)
+        else:
+            self._cache.update(changes.cached)
+            self._cache.difference_update(changes.evicted)
+        # A block evicted while a running request promised it: that request computes it again.
+        add = {h for h in self._promise_add if self._promised[h]} - self._cache
+        drop = {h for h in self._promise_drop if not self._promised[h]} - self._cache
+        self._promise_add, self._promise_drop = [], []
+        if changes.full:
+            add = set(self._promised) - self._cache
+        cached = [to_hex(h) for h in (*changes.cached, *sorted(add))]
+        evicted = [to_hex(h) for h in (*changes.evicted, *sorted(drop)) if not self._promised[h]]
         idle = self.is_idle()
-        cached, evicted = [to_hex(h) for h in changes.cached], [to_hex(h) for h in changes.evicted]
         if idle and (changes.full or not self._idle):
             cached.append(IDLE)
         elif not idle and self._idle:

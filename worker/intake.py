@@ -54,6 +54,7 @@ class WorkerLoad:
     engine_load: Callable[[], EngineLoad]
     in_transit: Callable[[], Sequence[int]]  # priorities of the starts handed to the engine loop, not yet in it
     is_idle: Callable[[], bool]
+    prefill_ms_per_token: Callable[[], float] = lambda: 0.0  # ``PrefillRate``'s; 0: not measured yet
 
 
 class Intake(ResilientLoop):
@@ -168,6 +169,7 @@ class Intake(ResilientLoop):
             idle=idle,
             steal_after_ms=self.steal_after_ms,
             peek=peek,
+            prefill_ms_per_token=self.load.prefill_ms_per_token(),
         )
         picks = [
             (str(stream), str(entry_id), dict(zip(flat[::2], flat[1::2], strict=True)), float(share))

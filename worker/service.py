@@ -42,6 +42,7 @@ from worker.heartbeat import Heartbeat
 from worker.held_blocks import HeldBlocks
 from worker.inbox import Inbox, InboxItem, OwnedEntries
 from worker.intake import Intake, WorkerLoad
+from worker.prefill_rate import PrefillRate
 from worker.priority_latency import PriorityLatency
 from worker.publisher import Publisher
 from worker.reconnect import TRANSIENT
@@ -111,8 +112,12 @@ class WorkerService:
         self.acceptance = Acceptance(
             settings, self.redis, self.publisher, self.name, self.model, self._hand_over, self.counters
         )
+        self.prefill_rate = PrefillRate()
         load = WorkerLoad(
-            engine_load=lambda: self.engine.load, in_transit=lambda: self.inbox.in_transit, is_idle=self.is_idle
+            engine_load=lambda: self.engine.load,
+            in_transit=lambda: self.inbox.in_transit,
+            is_idle=self.is_idle,
+            prefill_ms_per_token=lambda: self.prefill_rate.ms_per_token,
         )
         self.intake = Intake(
             settings, self.redis, self.acceptance, self.capacity, load, self.state, name=self.name, model=self.model
@@ -233,6 +238,8 @@ class WorkerService:
                 self.engine.abort(item.request_id)
         if items:
             self.capacity_changed.set()
+        if any(item.kind == "start" for item in items):
+            self.held.sync()  # the starts' prompts are advertised before the step that prefills them
 
     def _start(self, active: ActiveRequest) -> None:
         if self.draining.is_set():
@@ -266,6 +273,8 @@ class WorkerService:
             self.acceptance.dead_letter(request, active.stream, active.entry_id, f"engine rejected it: {error}")
             return
         self._active[active.id] = active
+        if not request.adapter:  # an adapter's blocks are rooted in its key, which the engine resolves
+            self.held.promise(request.id, request.prompt_token_ids, request.tenant)
         if not active.prior_token_ids and active.attempt == 0:
             self.latency.started(request.priority, time.time() - request.submitted_at)
             self.tenant_usage.started(request.tenant, len(request.prompt_token_ids))
@@ -285,6 +294,7 @@ class WorkerService:
 
     def _step(self) -> None:
         interrupted = self.engine.stats.interrupted_steps
+        forward_s = self.engine.stats.forward_time_s
         try:
             events = self.engine.step()
         except Exception:
@@ -296,9 +306,11 @@ class WorkerService:
                 self.engine.abort(active.id)
                 self._hand_back(active, failed=active.id in suspects)
             return
-        if self.engine.stats.interrupted_steps == interrupted:  # a stopped step ran nobody to the end
+        stats = self.engine.stats
+        if stats.interrupted_steps == interrupted:  # a stopped step ran nobody to the end
             for active in self._active.values():
                 active.steps_survived += 1
+            self.prefill_rate.observe(stats.batch_tokens, stats.batch_seqs, stats.forward_time_s - forward_s)
         self.publisher.publish_tokens(
             (event, self._active[event.request_id].attempt) for event in events if event.request_id in self._active
         )
@@ -343,6 +355,7 @@ class WorkerService:
 
     def _drop(self, request_id: str, *, keep_entry: bool = False) -> None:
         self._active.pop(request_id, None)
+        self.held.settled(request_id)
         if keep_entry:
             self.owned.settling(request_id)
         else:

@@ -68,9 +68,13 @@ def pull(
     idle: bool = False,
     steal_after_ms: int = 60_000,
     peek: bool = False,
+    prefill_ms_per_token: float = 0.0,
 ) -> list[tuple[str, str, dict[str, str], float]]:
     """What a worker's intake does (``Intake.pull``): (stream, entry id, fields, share) per pick."""
-    args = pull_args(keys, MODEL, LEVEL, worker, count, idle=idle, steal_after_ms=steal_after_ms, peek=peek)
+    args = pull_args(
+        keys, MODEL, LEVEL, worker, count, idle=idle, steal_after_ms=steal_after_ms, peek=peek,
+        prefill_ms_per_token=prefill_ms_per_token,
+    )  # fmt: skip
     picks = r.eval(PULL, 8, *pull_keys(keys, MODEL, LEVEL, worker), *args)
     return [(s, e, dict(zip(f[::2], f[1::2], strict=True)), float(v)) for s, e, f, v, _ in picks]
 
@@ -170,6 +174,23 @@ def test_an_offer_goes_to_its_worker_first_and_is_stolen_after_the_bound(queue, 
     redis_client.delete(keys.held(MODEL, "w1"))  # w1 died: its offers go back to the pool at once
     stolen = pull(redis_client, keys, "w2")
     assert stolen and stolen[0][0] == keys.offers(MODEL, LEVEL, "w1")
+
+
+def test_a_busy_worker_leaves_an_offer_as_long_as_prefilling_its_prompt_would_take(queue, redis_client, keys) -> None:
+    """Stealing an offer means computing its prefix again: a busy worker waits the bound plus that time
+    (its own prefill rate times the prompt), an idle one takes it at once, as does anyone once its worker is gone."""
+    redis_client.sadd(keys.held(MODEL, "w1"), "live")
+    put(queue, "t", prompt=100, offer_to="w1")
+    (entry,) = redis_client.xrange(keys.offers(MODEL, LEVEL, "w1"))
+    assert entry[1]["prompt"] == "100"
+    slow = 3_600_000.0  # ms per token: prefilling the prompt here would take longer than the test
+    assert pull(redis_client, keys, "w2", steal_after_ms=0, prefill_ms_per_token=slow, peek=True) == []
+    assert pull(redis_client, keys, "w2", steal_after_ms=0, peek=True), "past the bound at no prefill cost"
+    assert pull(redis_client, keys, "w2", idle=True, steal_after_ms=0, prefill_ms_per_token=slow, peek=True)
+    redis_client.delete(keys.held(MODEL, "w1"))
+    assert pull(redis_client, keys, "w2", steal_after_ms=60_000, prefill_ms_per_token=slow, peek=True)
+    assert not offer_stealable(900, 500, owner_live=True, idle=False, prompt_tokens=100, prefill_ms_per_token=5.0)
+    assert offer_stealable(1000, 500, owner_live=True, idle=False, prompt_tokens=100, prefill_ms_per_token=5.0)
 
 
 def test_work_past_the_steal_bound_goes_before_a_workers_own_younger_offer(queue, redis_client, keys) -> None:

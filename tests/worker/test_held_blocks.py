@@ -103,6 +103,29 @@ def test_the_engine_and_the_api_name_blocks_alike(parts: tuple[LLMEngine, HeldBl
     assert len(expected) == 3 and expected <= in_redis(settings)
 
 
+def test_a_started_prompt_is_advertised_before_its_prefill_and_withdrawn_if_never_cached(
+    parts: tuple[LLMEngine, HeldBlocks, Settings],
+) -> None:
+    engine, held, settings = parts
+    held.block_size = BLOCK  # the engine's, as the API's setting must be
+    prompt, lost = list(range(10, 23)), list(range(40, 53))  # 3 full blocks and one token each
+    engine.add_request("r", prompt, SamplingParams(max_new_tokens=2, ignore_eos=True), tenant="acme")
+    held.promise("r", prompt, "acme")
+    held.promise("gone", lost, None)  # started, then cancelled before any step computed it
+    held.sync()
+    assert held.publisher.flush(timeout=10)
+    promised = {to_hex(h) for h in chain(prompt, BLOCK, tenant="acme")}
+    never = {to_hex(h) for h in chain(lost, BLOCK)}
+    assert not cached(engine) and promised | never <= in_redis(settings), "advertised before the prefill"
+    held.settled("gone")
+    while engine.has_unfinished():
+        step_and_sync(engine, held)
+    held.settled("r")
+    held.sync()
+    assert held.publisher.flush(timeout=10)
+    assert promised <= cached(engine) and in_redis(settings) == advertised(engine), "what is cached stays"
+
+
 def test_a_set_gone_missing_is_written_whole_after_the_next_heartbeat(
     parts: tuple[LLMEngine, HeldBlocks, Settings],
 ) -> None:
