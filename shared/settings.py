@@ -280,8 +280,10 @@ class Settings(BaseSettings):
     affinity_steal_after_ms: int = Field(
         500,
         ge=0,
-        description="How long a request offered to the worker holding its prefix waits for it before any worker may "
-        "take it (an idle worker takes it at once).",
+        description="How long a request offered to the worker holding its prefix waits for it before a busy worker "
+        "may take it, plus the time that worker would take to prefill its prompt (it measures its own prefill "
+        "rate); an idle worker takes it at once, and work nobody holds that waited this long goes before a "
+        "worker's own younger offers.",
     )
     torch_threads: int = Field(
         0,
