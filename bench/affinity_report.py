@@ -127,8 +127,8 @@ def projection_lines(report: dict[str, Any]) -> list[str]:
         "(per workload below).",
         "",
         "| workload | workers | hit rate plain / affinity | prefilled, affinity / plain | TTFT p50 ratio | TTFT p99 "
-        "ratio | throughput ratio | steals | Redis commands / request | requests/s one Redis core serves "
-        "| summaries MB |",
+        "ratio | throughput ratio | steals | Redis commands / request (affinity's own) | requests/s one Redis "
+        "core serves (per worker) | summaries MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind, w in proj["workloads"].items():
@@ -139,7 +139,8 @@ def projection_lines(report: dict[str, Any]) -> list[str]:
                 f"| {kind} (x{n / w['per_worker_base']:g} {'/'.join(w['scaled_with_workers'])}) | {n} | "
                 f"{row['plain']['hit_rate']} / {row['affinity']['hit_rate']} | {ratio['prefilled']} | "
                 f"{ratio['ttft_p50']} | {ratio['ttft_p99']} | {ratio['throughput']} | {row['affinity']['steals']} | "
-                f"{rr.get('commands_per_request', '-')} | {_f(rr.get('max_requests_per_s_one_redis_core'))} | "
+                f"{rr.get('commands_per_request', '-')} ({rr.get('affinity_commands_per_request', '-')}) | "
+                f"{_f(rr.get('max_requests_per_s_one_redis_core'))} ({rr.get('max_requests_per_s_per_worker', '-')}) | "
                 f"{rr.get('summaries_mb', '-')} |"
             )
     lines += ["", "Where it stops scaling:", "", *[f"- {x}" for x in proj.get("limits", [])]]

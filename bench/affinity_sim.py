@@ -10,14 +10,14 @@ sequences pinned); a request reuses the longest cached run of its prompt's block
   pulls a new entry first is drawn at random: a race between them);
 - affinity: a request goes to the offer lane of the worker whose cache holds the longest prefix of it
   (ties: the least loaded; the shared lane when no worker holds more than the others, as the API
-  decides); a worker with a free slot takes its own offers first, then the oldest of the shared lane
-  and of other workers' offers that have waited past the steal bound (any of them when it runs
-  nothing), as the queue's pull script does for one tenant.
+  decides); a worker with a free slot takes what waited past the steal bound first, then its own
+  offers, then the oldest of the shared lane and of other workers' offers that have waited past the
+  steal bound (any of them when it runs nothing), as the queue's pull script does for one tenant.
 
 The workloads are the benchmark's, scaled with the pool (conversations, prefixes and clients per
-worker held as measured). Redis is projected apart: commands and Redis CPU per request fitted
-linearly in the worker count from the benchmark's runs, and the summaries' size from the bytes a
-summary member took there.
+worker held as measured). Redis is projected apart (``redis_projection``): commands, affinity's own
+commands and the model slot's Redis time per request, fitted linearly in the worker count on the
+benchmark's runs, and the summaries' size from the members and bytes per member measured there.
 """
 
 from __future__ import annotations
@@ -189,13 +189,17 @@ class Pool:
     def pull(self, w: Worker, now: float) -> list[Req]:
         taken = []
         while w.load < w.engine.max_num_seqs:
-            # (rank, age, whose): its own offers first, then the oldest of the lane and stealable offers.
-            heads = [(1, self.lane[0].enqueued, -1, self.lane)] if self.lane else []
+            # (rank, age, whose): what waited past the steal bound, then its own offers, then the oldest of
+            # the lane and stealable offers (policy.fair_pick for one tenant).
+            def rank(v: int, q: deque[Req]) -> int:
+                return 0 if now - q[0].enqueued >= self.steal_after_s else 1 if v == w.index else 2
+
+            heads = [(rank(-1, self.lane), self.lane[0].enqueued, -1, self.lane)] if self.lane else []
             for v, q in enumerate(self.offers):
                 if not q:
                     continue
                 if v == w.index or not w.load or now - q[0].enqueued >= self.steal_after_s:
-                    heads.append((0 if v == w.index else 1, q[0].enqueued, v, q))
+                    heads.append((rank(v, q), q[0].enqueued, v, q))
             if not heads:
                 break
             _, _, v, q = min(heads, key=lambda h: h[:3])
@@ -367,39 +371,80 @@ def linear_in_workers(points: dict[int, float]) -> tuple[float, float] | None:
 
 
 def redis_projection(report: dict[str, Any], sim_workers: list[int]) -> dict[str, Any]:
-    """Redis commands per request and the model slot's Redis time per request (its scripts and the
-    summary updates) at each worker count, linear fits on the measured affinity runs; the request rate
-    one Redis core then sustains for the model (all its queue keys share one slot, so one shard's core
-    serves them); and the summaries' size."""
+    """Redis per request at each worker count, fitted linearly in the worker count on the measured
+    affinity runs (INFO commandstats over the run, divided by its requests): all commands, the commands
+    affinity adds over plain pull at the same pool size (the lookup's SISMEMBERs, the pull's scan of the
+    offer streams, the summaries' SADD/SREM; polls and heartbeats, which both run, cancel out), and the
+    model slot's Redis time (its scripts and the summary updates). All of a model's queue keys and
+    summaries share one slot, so one shard's core serves them: ``max_requests_per_s_one_redis_core`` is
+    what that core sustains, and ``max_requests_per_s_per_worker`` the rate per worker at which the pool
+    saturates it. The summaries' size: members per worker as measured (at most its KV blocks) times the
+    bytes a member took."""
     out: dict[str, Any] = {}
     for workload in (MULTI_TURN, SHARED_PREFIX):
         runs = [r for r in report["runs"] if r["workload"] == workload and r["mode"] == "affinity"]
-        plain = [r for r in report["runs"] if r["workload"] == workload and r["mode"] == "plain"]
+        plain = {r["workers"]: r for r in report["runs"] if r["workload"] == workload and r["mode"] == "plain"}
         if not runs:
             continue
         cmds = linear_in_workers({r["workers"]: r["redis"]["commands_per_request"] for r in runs})
+        added = linear_in_workers(
+            {
+                r["workers"]: r["redis"]["commands_per_request"] - plain[r["workers"]]["redis"]["commands_per_request"]
+                for r in runs
+                if r["workers"] in plain
+            }
+        )
         cpu = linear_in_workers({r["workers"]: r["redis"]["model_slot_ms_per_request"] for r in runs})
         summary_bytes = held_member_bytes(runs)
+        members = held_members_per_worker(runs)
+        kv_blocks = report["workloads"][workload]["num_kv_blocks"]
         rows = []
         for n in sim_workers:
             row: dict[str, Any] = {"workers": n}
             if cmds:
                 row["commands_per_request"] = round(cmds[0] + cmds[1] * n, 1)
+            if added:
+                row["affinity_commands_per_request"] = round(added[0] + added[1] * n, 1)
             if cpu:
                 ms = max(1e-6, cpu[0] + cpu[1] * n)
                 row["model_slot_ms_per_request"] = round(ms, 4)
                 row["max_requests_per_s_one_redis_core"] = round(1000 / ms)
+                row["max_requests_per_s_per_worker"] = round(1000 / ms / n, 1)
             if summary_bytes:
-                row["summaries_mb"] = round(n * report["workloads"][workload]["num_kv_blocks"] * summary_bytes / 1e6, 1)
+                held = min(kv_blocks, members) if members else kv_blocks
+                row["summaries_mb"] = round(n * held * summary_bytes / 1e6, 2)
+                row["summaries_mb_full_caches"] = round(n * kv_blocks * summary_bytes / 1e6, 1)
             rows.append(row)
         out[workload] = {
             "fit_commands": cmds,
+            "fit_affinity_commands": added,
             "fit_model_slot_ms": cpu,
-            "plain_commands_per_request": {r["workers"]: r["redis"]["commands_per_request"] for r in plain},
+            "plain_commands_per_request": {n: r["redis"]["commands_per_request"] for n, r in plain.items()},
+            "per_request_by_name": {
+                r["workers"]: {
+                    k: v
+                    for k, v in r["redis"]["commands_per_request_by_name"].items()
+                    if k in ("sismember", "sadd", "srem", "exists", "xinfo|groups", "xrange", "evalsha")
+                }
+                for r in runs
+            },
             "bytes_per_summary_member": summary_bytes,
+            "summary_members_per_worker": members,
+            "kv_blocks_per_worker": kv_blocks,
             "rows": rows,
         }
     return out
+
+
+def held_members_per_worker(runs: list[dict[str, Any]]) -> float | None:
+    """Members of a worker's summary at the end of the measured affinity runs, on average."""
+    members = keys = 0.0
+    for r in runs:
+        for kind, row in r["redis"]["keys_after"].items():
+            if "held" in kind:
+                members += row["set_members"]
+                keys += row["keys"]
+    return round(members / keys, 1) if keys else None
 
 
 def held_member_bytes(runs: list[dict[str, Any]]) -> float | None:
@@ -479,7 +524,16 @@ def limits(projection: dict[str, Any]) -> list[str]:
             c0, c1 = r["fit_commands"]
             lines.append(
                 f"{kind}: Redis commands per request = {c0:.1f} + {c1:.2f} x workers (fit on the measured affinity "
-                f"runs); {rows[-1].get('commands_per_request')} at {rows[-1]['workers']} workers."
+                f"runs, polls and heartbeats included); {rows[-1].get('commands_per_request')} at "
+                f"{rows[-1]['workers']} workers."
+            )
+        if r.get("fit_affinity_commands"):
+            a0, a1 = r["fit_affinity_commands"]
+            lines.append(
+                f"{kind}: affinity's own commands per request (over plain pull at the same pool size) = {a0:.1f} + "
+                f"{a1:.2f} x workers: the lookup reads every live worker's summary and each pull scans every "
+                f"worker's offer stream, so both grow with the pool; {rows[-1].get('affinity_commands_per_request')} "
+                f"at {rows[-1]['workers']} workers."
             )
         if r.get("fit_model_slot_ms") and rows[-1].get("max_requests_per_s_one_redis_core"):
             s0, s1 = r["fit_model_slot_ms"]
@@ -487,12 +541,17 @@ def limits(projection: dict[str, Any]) -> list[str]:
                 f"{kind}: the model slot's Redis time per request (queue scripts, summary updates) = {s0:.3f} + "
                 f"{s1:.4f} x workers ms; one Redis core (the model's queue keys share one slot) serves at most "
                 f"{rows[0]['max_requests_per_s_one_redis_core']} requests/s at {rows[0]['workers']} workers and "
-                f"{rows[-1]['max_requests_per_s_one_redis_core']} at {rows[-1]['workers']}."
+                f"{rows[-1]['max_requests_per_s_one_redis_core']} at {rows[-1]['workers']}: the pool saturates it "
+                f"once each worker finishes more than {rows[-1].get('max_requests_per_s_per_worker')} requests/s "
+                f"at {rows[-1]['workers']} workers."
             )
         if r.get("bytes_per_summary_member"):
             lines.append(
-                f"{kind}: a summary member takes {r['bytes_per_summary_member']} bytes; at {rows[-1]['workers']} "
-                f"workers the summaries take {rows[-1].get('summaries_mb')} MB, all in the model's one slot."
+                f"{kind}: a summary member takes {r['bytes_per_summary_member']} bytes; a worker's summary held "
+                f"{r.get('summary_members_per_worker')} members at the run's end ({r['kv_blocks_per_worker']} KV "
+                f"blocks per worker); at {rows[-1]['workers']} workers the summaries take "
+                f"{rows[-1].get('summaries_mb')} MB ({rows[-1].get('summaries_mb_full_caches')} MB with every cache "
+                "full), all in the model's one slot."
             )
     return lines
 
