@@ -178,3 +178,94 @@ def test_the_fused_cpu_path_steps_aside_for_adapter_rows(
     for prompt, name, out in zip(batch, names, outs, strict=True):
         ref = PeftModel.from_pretrained(copy.deepcopy(ref_base), adapters[name].path).eval() if name else ref_base
         assert out.token_ids == reference(ref, prompt, MAX_NEW), f"adapter {name} diverged on the fused path"
+
+
+def test_a_hub_adapter_resolves_through_the_local_hub_cache(
+    adapters: dict[str, LoRARequest], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An adapter named by hub id (no such local directory) loads from huggingface_hub's cache, laid out as
+    ``snapshot_download`` leaves it (refs/main naming a snapshot); offline, an id not in the cache is refused."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    from worker.engine.model.lora import resolve_adapter_dir
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someone--tiny-lora"
+    shutil.copytree(adapters["mlp"].path, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)  # no local someone/tiny-lora directory
+
+    assert resolve_adapter_dir("someone/tiny-lora") == repo / "snapshots" / commit
+    assert resolve_adapter_dir(adapters["mlp"].path) == Path(adapters["mlp"].path)
+    with pytest.raises(AdapterError, match="someone/absent"):
+        resolve_adapter_dir("someone/absent")
+
+
+def test_a_hub_adapter_runs_as_its_local_copy_does(
+    make_engine: Any,
+    adapters: dict[str, LoRARequest],
+    peft_references: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import shutil
+
+    from huggingface_hub import constants
+
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    repo = tmp_path / "hub" / "models--someone--tiny-lora"
+    shutil.copytree(adapters["attn"].path, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    llm = make_llm(make_engine)
+    prompt = prompts(1, seed=17)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(max_new_tokens=MAX_NEW), lora_request=LoRARequest("hub", "someone/tiny-lora")
+    )
+    assert out[0].token_ids == peft_references("attn", prompt)
+
+
+def test_the_lora_rows_kernel_adds_what_the_torch_ops_add(
+    tiny_model_dir: Path, adapters: dict[str, LoRARequest]
+) -> None:
+    """bf16: the kernel's deltas (each row its own adapter's A and B, a sibling group in one call) against the
+    torch ops' (mask over the step's adapters, prefill chunks apart), rows of three adapters and of none."""
+    from worker.engine.model.lora import AdapterSet
+    from worker.engine.model.model_loader import load_model
+
+    model, _ = load_model(str(tiny_model_dir), torch.bfloat16, "cpu")
+    kernel_set, torch_set = AdapterSet(model, 4, cpu_kernels=True), AdapterSet(model, 4, cpu_kernels=False)
+    for request in adapters.values():
+        kernel_set.acquire(request), torch_set.acquire(request)
+    keys = {name: r.key for name, r in adapters.items()}
+    entries = [(0, 1, keys["all"]), (1, 1, None), (2, 3, keys["attn"]), (5, 1, keys["mlp"]), (6, 1, keys["attn"])]
+    with_kernel, with_torch = kernel_set.step_for(entries), torch_set.step_for(entries)
+    assert with_kernel is not None and with_torch is not None
+    if with_kernel.kernel is None:
+        pytest.skip("the CPU kernels are not built here")
+    assert with_torch.kernel is None
+    attention = model.model.layers[1].self_attn
+    siblings, width = [], 0
+    for projection in (attention.q_proj, attention.k_proj, attention.v_proj):
+        siblings.append((projection, width, width + projection.out_features))
+        width += projection.out_features
+    torch.manual_seed(0)
+    x = torch.randn(7, attention.q_proj.in_features, dtype=torch.bfloat16)
+    y = torch.randn(7, width, dtype=torch.bfloat16)
+    got = with_kernel.siblings(siblings, x, y.clone())
+    want = with_torch.siblings(siblings, x, y.clone())
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[1], y[1])  # the base row is left alone
+    assert not torch.equal(got[0], y[0]) and not torch.equal(got[2:5], y[2:5])
+    down = model.model.layers[0].mlp.down_proj
+    x = torch.randn(7, down.in_features, dtype=torch.bfloat16)
+    y = torch.randn(7, down.out_features, dtype=torch.bfloat16)
+    torch.testing.assert_close(with_kernel.module(down, x, y.clone()), with_torch.module(down, x, y.clone()))

@@ -1,15 +1,19 @@
 """LoRA adapters in PEFT's format, several of them and the base model mixed in one batch.
 
 An adapter is a directory holding ``adapter_config.json`` and ``adapter_model.safetensors``, as
-PEFT's ``save_pretrained`` writes it. For each linear layer it targets it holds ``A`` [r, in] and
-``B`` [out, r], and the layer's output becomes ``y + scale * B(A x)`` (PEFT's order of operations,
-so float64 results match PEFT's model).
+PEFT's ``save_pretrained`` writes it, or a hub id whose snapshot holds them. For each linear layer
+it targets it holds ``A`` [r, in] and ``B`` [out, r], and the layer's output becomes
+``y + scale * B(A x)`` (PEFT's order of operations, so float64 results match PEFT's model).
 
-A step may hold rows of several adapters and rows of none. ``LoraStep`` groups them: the decode
-rows (one per sequence) in one grouped op per layer, ``((x @ A_cat.T) * mask) @ B_cat.T``, where
-``A_cat`` / ``B_cat`` concatenate the step's adapters along the rank and the mask keeps each row's
-own adapter's columns (zeros elsewhere add nothing, so a row without an adapter keeps the base
-output exactly); each prefill chunk, many rows of one adapter, with its own A and B.
+A step may hold rows of several adapters and rows of none. ``LoraStep`` gives each row its
+adapter's slot; on the CPU kernels (a 16-bit or fp32 model) one op per projection group (q/k/v,
+o, gate/up, down) adds every row's delta with its own adapter's A and B (``lora_rows``, in
+``kernels/lora_rows.cpp``): each row reads only its adapter's weights, and a step pays four calls a
+layer. Elsewhere (fp64, GPUs, no kernels) the decode rows go through one grouped torch op per layer,
+``((x @ A_cat.T) * mask) @ B_cat.T``, where ``A_cat`` / ``B_cat`` concatenate the step's adapters
+along the rank and the mask keeps each row's own adapter's columns (zeros elsewhere add nothing,
+so a row without an adapter keeps the base output exactly); each prefill chunk, many rows of one
+adapter, with its own A and B.
 
 Where it hooks in: every linear layer inside the decoder's layers gets a ``LoraLinear`` forward
 (once the engine loads its first adapter) that adds the step's delta when the step has adapter
@@ -38,6 +42,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 MAX_COMBINATIONS = 8  # concatenated weights kept for this many distinct sets of a step's adapters
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the model dtypes lora_rows takes
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,11 @@ class LoraWeights:
     a: torch.Tensor  # [r, in]
     b: torch.Tensor  # [out, r]
     scale: float
+
+    @property
+    def bt(self) -> torch.Tensor:
+        """B transposed [r, out], contiguous where the set stores B as a transposed view (lora_rows reads it)."""
+        return self.b.T
 
 
 @dataclass
@@ -83,12 +93,33 @@ def _pattern_value(patterns: dict[str, Any], name: str, default: Any) -> Any:
     return default
 
 
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # owner/name: a hub repository, where no such local directory exists
+
+
+def resolve_adapter_dir(path: str | Path) -> Path:
+    """The local directory of an adapter: ``path`` itself, or for a hub id (``owner/name``, not a local
+    directory) its snapshot through huggingface_hub, from the local cache first with ``HF_HUB_OFFLINE``."""
+    directory = Path(path).expanduser()
+    if directory.is_dir() or not HUB_ID.match(str(path)):
+        return directory
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                str(path), allow_patterns=[CONFIG_FILE, WEIGHTS_FILE], local_files_only=constants.HF_HUB_OFFLINE
+            )
+        )
+    except Exception as exc:  # not on the hub, no network and not cached, offline and not cached
+        raise AdapterError(f"{path}: neither a local directory nor a hub adapter found ({exc})") from exc
+
+
 def read_adapter(path: str | Path, targets: dict[str, nn.Linear]) -> tuple[dict[str, Any], dict[str, LoraWeights]]:
     """The adapter's config and its weights per module (on the CPU, as stored), checked against ``targets``
-    (the model's linears that may carry an adapter, by name)."""
+    (the model's linears that may carry an adapter, by name); ``path`` a local directory or a hub id."""
     from safetensors.torch import load_file
 
-    directory = Path(path).expanduser()
+    directory = resolve_adapter_dir(path)
     config_file, weights_file = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     if not config_file.is_file() or not weights_file.is_file():
         raise AdapterError(f"{directory} does not hold {CONFIG_FILE} and {WEIGHTS_FILE}")
@@ -140,10 +171,19 @@ class LoraStep:
         combination: Callable[..., Any],
         compute_dtype: torch.dtype,
         name_of: dict[int, str] | None = None,
+        kernel: Callable[[tuple[str, ...], list[Adapter]], Any] | None = None,
     ) -> None:
         self.compute_dtype = compute_dtype
         self.name_of = name_of or {}  # id of a target linear -> its name
         self.num_rows = sum(n for _, n, _ in entries)
+        # The kernel's layout: every adapter of the step, and each row's slot among them (-1: none).
+        self.kernel = kernel
+        self.adapters = list({a.key: a for _, _, a in entries if a is not None}.values())
+        slot_of = {a.key: i for i, a in enumerate(self.adapters)}
+        self.slots = torch.cat(
+            [torch.full((n,), slot_of[a.key] if a is not None else -1, dtype=torch.long) for _, n, a in entries]
+        )
+        self._lists: dict[tuple[str, ...], Any] = {}
         # Single-row entries (decodes) go through the grouped op; longer ones (prefill chunks) one by one.
         singles = [(row, adapter) for row, n, adapter in entries if n == 1 and adapter is not None]
         self.chunks = [(row, row + n, adapter) for row, n, adapter in entries if n > 1 and adapter is not None]
@@ -160,8 +200,29 @@ class LoraStep:
             self._slot = {a.key: i for i, a in enumerate(adapters)}
             self._single_adapters = [a for _, a in singles]
 
+    def kernel_applies(self, x: torch.Tensor) -> bool:
+        return self.kernel is not None and x.dtype in KERNEL_DTYPES and x.device.type == "cpu"
+
+    def apply_kernel(
+        self, names: tuple[str, ...], bounds: tuple[int, ...], x: torch.Tensor, y: torch.Tensor
+    ) -> torch.Tensor:
+        """``y`` (the projections ``names``' outputs for ``x``, each at its columns ``bounds[2p]:bounds[2p+1]``)
+        with every row's delta added in place by the ``lora_rows`` kernel (``kernel_applies`` says where)."""
+        lists = self._lists.get(names)
+        if lists is None:
+            assert self.kernel is not None
+            lists = self._lists[names] = self.kernel(names, self.adapters)
+        if lists is False:  # no adapter of the step targets these projections
+            return y
+        a, bt, scales = lists
+        y2 = y.view(-1, y.shape[-1]) if y.is_contiguous() else y.reshape(-1, y.shape[-1]).contiguous()
+        torch.ops.inflightq.lora_rows(y2, x.reshape(-1, x.shape[-1]).contiguous(), self.slots, a, bt, scales, bounds)
+        return y2.view(y.shape)
+
     def __call__(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base layer's output for ``x``) with the adapters' deltas of layer ``name`` added."""
+        if self.kernel_applies(x):
+            return self.apply_kernel((name,), (0, y.shape[-1]), x, y)
         if self.uniform is not None:
             weights = self.uniform.layers.get(name)
             if weights is None:
@@ -198,6 +259,9 @@ class LoraStep:
 
     def siblings(self, linears: Sequence[tuple[nn.Module, int, int]], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """A fused sibling group's output ``y`` (each linear's columns lo:hi) with each sibling's delta added."""
+        if self.kernel_applies(x):
+            names = tuple(self.name_of.get(id(linear), "") for linear, _, _ in linears)
+            return self.apply_kernel(names, tuple(b for _, lo, hi in linears for b in (lo, hi)), x, y)
         out: torch.Tensor | None = None
         for linear, lo, hi in linears:
             part = y[..., lo:hi]
@@ -243,17 +307,19 @@ class AdapterSet:
     the model's device in the deltas' dtype (the model's; fp32 for a 16-bit model on a CPU), and the
     ``LoraLinear`` forwards reading the step in progress."""
 
-    def __init__(self, model: nn.Module, max_loaded: int) -> None:
+    def __init__(self, model: nn.Module, max_loaded: int, cpu_kernels: bool = True) -> None:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         # The deltas' matmuls: a CPU's 16-bit matmuls of these small shapes run far slower than fp32 ones.
         half = self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu"
         self.compute_dtype = torch.float32 if half else self.dtype
+        # The lora_rows kernel (CPU, fp32 deltas, the CPU kernels on and built); the torch ops elsewhere.
+        self.kernel = cpu_kernels and self.device.type == "cpu" and self.compute_dtype == torch.float32
         self.max_loaded = max_loaded
         self.targets = lora_targets(model)
         self.name_of = {id(linear): name for name, linear in self.targets.items()}
         self._adapters: OrderedDict[str, Adapter] = OrderedDict()  # by key, least recently used first
-        self._combinations: OrderedDict[tuple[str, ...], dict[str, _Combination | None]] = OrderedDict()
+        self._combinations: OrderedDict[tuple[str, ...], dict[Any, Any]] = OrderedDict()
         self._lock = threading.Lock()
         self.step: LoraStep | None = None  # set by the runner around a forward with adapter rows
         self.loads = 0
@@ -298,10 +364,10 @@ class AdapterSet:
                 return adapter
         started = time.perf_counter()
         _, raw = read_adapter(request.path, self.targets)
-        layers = {
+        layers = {  # B kept as a view of its transpose, the layout lora_rows reads
             name: LoraWeights(
                 w.a.to(self.device, self.compute_dtype).contiguous(),
-                w.b.to(self.device, self.compute_dtype).contiguous(),
+                w.b.T.to(self.device, self.compute_dtype).contiguous().T,
                 w.scale,
             )
             for name, w in raw.items()
@@ -350,7 +416,38 @@ class AdapterSet:
             return None
         with self._lock:
             grouped = [(row, n, self._adapters[key] if key is not None else None) for row, n, key in entries]
-        return LoraStep(grouped, self._combination, self.compute_dtype, self.name_of)
+        built = hasattr(getattr(torch.ops, "inflightq", None), "lora_rows")
+        kernel = self._kernel_lists if self.kernel and built else None
+        return LoraStep(grouped, self._combination, self.compute_dtype, self.name_of, kernel)
+
+    def _kernel_lists(self, names: tuple[str, ...], adapters: list[Adapter]) -> Any:
+        """``lora_rows``' weight lists for the projections ``names`` and the step's ``adapters`` (slot-major:
+        A [r, in], B transposed [r, out] and the scale of adapter s's projection p at s * len(names) + p; empty
+        tensors where an adapter leaves a projection out), or False where none of them targets any; kept per
+        set of adapters like the torch path's concatenations."""
+        combo = tuple(a.key for a in adapters)
+        with self._lock:
+            layers = self._combinations.get(combo)
+            if layers is None:
+                layers = self._combinations[combo] = {}
+                while len(self._combinations) > MAX_COMBINATIONS:
+                    self._combinations.popitem(last=False)
+            else:
+                self._combinations.move_to_end(combo)
+        found = layers.get(names)
+        if found is None:
+            empty = torch.empty(0, device=self.device, dtype=torch.float32)
+            weights = [a.layers.get(name) for a in adapters for name in names]
+            if all(w is None for w in weights):
+                found = False
+            else:
+                found = (
+                    [w.a if w is not None else empty for w in weights],
+                    [w.bt if w is not None else empty for w in weights],
+                    [w.scale if w is not None else 0.0 for w in weights],
+                )
+            layers[names] = found
+        return found
 
     def _combination(self, name: str, adapters: list[Adapter]) -> tuple[Any, ...] | None:
         combo = tuple(a.key for a in adapters)

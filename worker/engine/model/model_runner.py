@@ -90,7 +90,7 @@ class ModelRunner:
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         # After the reroutes: the LoRA forwards wrap the rerouted linears (a step without adapters never calls them
         # on the fused paths).
-        self.adapters = AdapterSet(model, config.max_loras) if config.max_loras > 0 else None
+        self.adapters = AdapterSet(model, config.max_loras, config.cpu_kernels) if config.max_loras > 0 else None
         self.warmup_s = self.compiled.warmup(self._warmup_step) if self.compiled is not None else 0.0
         if graphs is not None:
             assert config.max_model_len is not None  # the engine sets it before building the runner

@@ -2,8 +2,8 @@
 (``paged_decode.cpp``), the fused RMSNorm (``rms_norm.cpp``), the small-row bf16 linear
 (``decode_linear.cpp``), the decoder layer's elementwise steps (``decoder_layer_ops.cpp``) and
 a decode step's whole layer as one op (``decode_layer.cpp``), the greedy pick
-(``greedy_argmax.cpp``) and the sampled rows' filters and draw (``sample_rows.cpp``), all in
-this folder, one shared library.
+(``greedy_argmax.cpp``), the sampled rows' filters and draw (``sample_rows.cpp``) and a step's
+LoRA deltas (``lora_rows.cpp``), all in this folder, one shared library.
 
 The kernel is compiled with ``torch.utils.cpp_extension`` for this machine's CPU
 (``-march=native``) into ``~/.cache/inflightq/kernels/<key>``, where the key hashes the source,
@@ -39,6 +39,7 @@ SOURCES = tuple(
         "decode_layer.cpp",
         "greedy_argmax.cpp",
         "sample_rows.cpp",
+        "lora_rows.cpp",
     )
 )
 # Part of the build key: a change rebuilds.
