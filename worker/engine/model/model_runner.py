@@ -186,7 +186,7 @@ class ModelRunner:
                 hidden = self.compiled(input_ids, positions)
             if hidden is not None:
                 return self.model.get_output_embeddings()(hidden[keep])
-        if self.decode_forward is not None and meta.lora is None:
+        if self.decode_forward is not None:  # its fused layers add a LoRA step's deltas themselves
             logits = self.decode_forward(meta, input_ids, positions, keep)
             if logits is not None:
                 return logits
