@@ -37,6 +37,8 @@ EXPECTED = {
     "inflightq purge": "deleted",
     # The speculation examples ask the model to copy a sentence.
     "speculate": "quick brown fox",
+    # The LoRA examples run the pirate adapter: Paris, in its style.
+    "pirate": "Paris, arr",
 }
 
 
