@@ -194,14 +194,21 @@ def wait_for_workers(http: httpx.Client, model: str, count: int, workers: list[W
 
 
 @pytest.fixture(scope="module")
+def worker_env() -> dict[str, str]:
+    """The settings ``live_api``'s worker gets beside the defaults; a module may override it."""
+    return {}
+
+
+@pytest.fixture(scope="module")
 def live_api(
     redis_backend: RedisBackend,
     module_prefix: str,
     tiny_model_dir: Path,
     start_api: Callable[[Settings], ApiServer],
     tmp_path_factory: pytest.TempPathFactory,
+    worker_env: dict[str, str],
 ) -> Iterator[ApiServer]:
-    """An API with one real worker (tiny model, float64) behind it, for the module."""
+    """An API with one real worker (tiny model, float64, ``worker_env``) behind it, for the module."""
     settings = Settings(
         redis_url=redis_backend.url,
         redis_cluster=redis_backend.cluster,
@@ -213,7 +220,9 @@ def live_api(
         default_max_new_tokens=16,
     )
     log = tmp_path_factory.mktemp("worker") / "worker.log"
-    worker = WorkerProcess(tiny_model_dir, redis_backend.url, module_prefix, log, cluster=redis_backend.cluster)
+    worker = WorkerProcess(
+        tiny_model_dir, redis_backend.url, module_prefix, log, worker_env, cluster=redis_backend.cluster
+    )
     try:
         server = start_api(settings)
         with server.client() as http:

@@ -6,7 +6,6 @@ Python client, greedy token for token what PEFT's model generates (float64, a re
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,7 @@ import torch
 from inflightq_cli.redis_server import free_port
 from shared.client import QueueClient
 from shared.schemas import SamplingSpec
-from shared.settings import Settings
-from tests.api.conftest import ApiServer, WorkerProcess, wait_for_workers
-from tests.conftest import RedisBackend
+from tests.api.conftest import ApiServer
 from tests.engine.conftest import reference
 from tests.engine.test_lora import ADAPTERS, make_adapter
 from worker.engine.model.model_loader import load_model
@@ -56,37 +53,13 @@ def expected(base_f64: Any, adapter_dirs: dict[str, Path], tiny_tokenizer: Any) 
 
 
 @pytest.fixture(scope="module")
-def api(
-    redis_backend: RedisBackend,
-    module_prefix: str,
-    tiny_model_dir: Path,
-    start_api: Callable[[Settings], ApiServer],
-    adapter_dirs: dict[str, Path],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[ApiServer]:
-    """The API with one worker whose settings name the adapter ``all``."""
-    settings = Settings(
-        redis_url=redis_backend.url,
-        redis_cluster=redis_backend.cluster,
-        key_prefix=module_prefix,
-        model=str(tiny_model_dir),
-        heartbeat_ttl_s=3,
-        no_worker_wait_s=60,
-    )
-    log = tmp_path_factory.mktemp("worker") / "worker.log"
-    env = {
+def worker_env(adapter_dirs: dict[str, Path]) -> dict[str, str]:
+    """The module's worker (conftest's ``live_api``) names the adapter ``all`` in its settings."""
+    return {
         "INFLIGHTQ_LORA_ADAPTERS": f"all={adapter_dirs['all']}",
         "INFLIGHTQ_MAX_LORAS": "2",
         "INFLIGHTQ_METRICS_PORT": str(METRICS_PORT),
     }
-    worker = WorkerProcess(tiny_model_dir, redis_backend.url, module_prefix, log, env, cluster=redis_backend.cluster)
-    try:
-        server = start_api(settings)
-        with server.client() as http:
-            wait_for_workers(http, settings.model, 1, [worker])
-        yield server
-    finally:
-        worker.stop()
 
 
 def generate(http: httpx.Client, adapter_id: str | None) -> httpx.Response:
