@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime as dt
+import json
 import os
 import random
 import re
@@ -565,6 +566,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sim-workers", default="2,4,16,32,64", help="worker counts the simulation projects to")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkout", default="", help="run the stack's processes from this source tree (default: here)")
+    p.add_argument(
+        "--single-from",
+        default="",
+        help="an earlier result JSON of this benchmark (same box and settings) whose one-worker runs are this "
+        "run's hit-rate anchors, instead of running them again (a run split over several commands)",
+    )
     p.add_argument("--shared-redis", action="store_true", help="INFLIGHTQ_REDIS_URL instead of a private Redis")
     p.add_argument("--out", default="bench/results", help="folder for affinity-<date>.*; '' to skip writing")
     p.add_argument("--tag", default="")
@@ -578,11 +585,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def plan(args: argparse.Namespace) -> list[RunSpec]:
-    """One worker on each workload first, then per worker count and workload plain pull and affinity,
-    alternating which goes first: a run cut short still has both workloads at the first worker count."""
+def plan(args: argparse.Namespace, have_single: frozenset[str] = frozenset()) -> list[RunSpec]:
+    """One worker on each workload first (unless ``have_single`` has it), then per worker count and
+    workload plain pull and affinity, alternating which goes first: a run cut short still has both
+    workloads at the first worker count."""
     workloads = [x for x in args.workloads.split(",") if x]
-    specs = [RunSpec(workload, SINGLE, 1) for workload in workloads]
+    specs = [RunSpec(workload, SINGLE, 1) for workload in workloads if workload not in have_single]
     i = 0
     for n in (int(x) for x in args.workers.split(",")):
         for workload in workloads:
@@ -638,8 +646,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     from bench.affinity_report import print_targets, write
 
+    if args.single_from:
+        earlier = json.loads(Path(args.single_from).read_text())
+        for run in earlier["runs"]:
+            if run["mode"] == SINGLE and run["workload"] in args.workloads.split(","):
+                report["runs"].append(run | {"from": Path(args.single_from).name})
+    have_single = frozenset(r["workload"] for r in report["runs"] if r["mode"] == SINGLE)
     try:
-        for spec in plan(args):
+        for spec in plan(args, have_single):
             print(f"run: {spec.workload}, {spec.mode}, {spec.workers} worker(s)", flush=True)
             row = run_one(spec, settings, w, args)
             report["runs"].append(row)

@@ -61,7 +61,8 @@ def runs_table(report: dict[str, Any], workload: str) -> list[str]:
         per = ", ".join(_f(x, 2) for x in p["hit_rate_by_worker"])
         follow = r.get("follow_up_ttft_ms")
         lines.append(
-            f"| {r['workers']} | {LABELS[r['mode']]} | {a['completed']} / {a['requests']} | "
+            f"| {r['workers']} | {LABELS[r['mode']]}{' (from ' + r['from'] + ')' if r.get('from') else ''} | "
+            f"{a['completed']} / {a['requests']} | "
             f"**{_f(p['hit_rate'], 3)}** ({per}) | {_f(p['prefilled_tokens'])} | "
             f"{_f(a['ttft_ms']['p50'])} / {_f(a['ttft_ms']['p99'])} | "
             f"{_f(follow['p50']) if follow else '-'} / {_f(follow['p99']) if follow else '-'} | "
