@@ -70,16 +70,19 @@ def test_a_match_shorter_than_ngram_min_proposes_nothing() -> None:
     assert speculator.propose(speculator.new_state(), [5, 6, 7, 1, 9, 6, 7], 4) == [1, 9, 6, 7]
 
 
-def test_a_proposal_is_as_long_as_the_runs_recently_kept() -> None:
+def test_a_proposal_is_as_long_as_the_runs_recently_kept_and_worth_their_rows() -> None:
     speculator = Speculator(SpeculationConfig(num_tokens=4, ngram_max=2, ngram_min=1, min_acceptance=0.0))
     state = speculator.new_state()
     tokens = [1, 2, 3, 4, 5, 6, 7, 1]
     lengths = []
     for kept in (0, 0, 0, *[4] * 8):  # rejected three times, then kept whole
-        lengths.append(len(speculator.propose(state, tokens, 8)))
-        speculator.record(state, lengths[-1], min(kept, lengths[-1]))
-    assert lengths[:4] == [4, 3, 2, 1]
+        lengths.append(len(speculator.propose(state, tokens, speculator.length(state, 1))))
+        speculator.record(state, max(lengths[-1], 1), min(kept, lengths[-1]))
+    assert lengths[0] == 4 and lengths[3] < 4  # one stream: proposes in full, less after rejections
     assert lengths[3:] == sorted(lengths[3:]) and lengths[-1] == 4
+    # A fresh record is worth fewer rows in a larger step, and none in a large enough one.
+    fresh = speculator.new_state()
+    assert [speculator.length(fresh, decodes) for decodes in (1, 8, 32)] == [4, 1, 0]
 
 
 def test_low_acceptance_pauses_proposals_for_longer_each_time() -> None:
@@ -265,6 +268,7 @@ def test_sampled_tokens_after_a_draft_keep_the_model_distribution(make_engine: A
         return [likeliest[tokens[-1]]][:limit] if len(tokens) == len(context) + 1 else []
 
     engine.speculator.propose = propose
+    engine.speculator.length = lambda state, decodes: 1  # in a step of hundreds of decodes too
     n = 3000
     for i in range(n):
         params = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=3, seed=i)

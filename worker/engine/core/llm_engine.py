@@ -25,6 +25,7 @@ from worker.engine.core.scheduler import Scheduler
 from worker.engine.core.sequence import Sequence, SequenceStatus
 from worker.engine.core.speculation import SpeculationConfig, Speculator
 from worker.engine.core.step_interrupt import StepInterrupt, StepInterrupted
+from worker.engine.model.fast_linear import decode_layouts_in_order
 from worker.engine.model.lora import Adapter, AdapterSet, LoRARequest
 from worker.engine.model.model_loader import Resolve
 from worker.engine.model.model_runner import ModelRunner
@@ -94,6 +95,9 @@ class LLMEngine:
                 )
             )
             self.scheduler.propose = self._propose
+        # Rows up to which a decode step runs on decode_linear and the one-op decode step (0: none here).
+        fast = decode_layouts_in_order(model)
+        self._fast_rows = min((p.decode_numel // p.in_features for p in fast), default=0)
         self._seqs: dict[str, Sequence] = {}
         self._adapter_of: dict[str, Adapter] = {}  # request id -> the adapter it pins while in the engine
         self._pending: list[EngineEvent] = []  # events decided outside a step (e.g. a resume already complete)
@@ -283,13 +287,16 @@ class LLMEngine:
         wanted = params.speculate if params.speculate is not None else self.config.speculate_by_default
         return self.speculator is not None and wanted and not params.needs_history and not params.watermark
 
-    def _propose(self, seq: Sequence, limit: int) -> list[int]:
-        """The scheduler's question for a decode: tokens to check beside its next one (at most ``limit``)."""
+    def _propose(self, seq: Sequence, limit: int, decodes: int, drafted: int) -> list[int]:
+        """The scheduler's question for a decode: tokens to check beside its next one (at most ``limit``),
+        in a step of at most ``decodes`` decodes whose earlier decodes proposed ``drafted`` tokens."""
         if seq.speculation is None or self.speculator is None:
             return []
         # The step adds up to 1 + len(draft) tokens: within max_new_tokens and the model's length.
         room = min(seq.params.max_new_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-        limit = min(limit, room)
+        limit = min(limit, room, self.speculator.length(seq.speculation, decodes))
+        if decodes < self._fast_rows:  # a step of few rows stays on the small-matmul kernel (decode_linear)
+            limit = min(limit, self._fast_rows - decodes - drafted)
         draft = self.speculator.propose(seq.speculation, seq.token_ids, limit)
         if draft and seq.matcher is not None:
             draft = allowed_prefix(seq.matcher, draft)  # a forbidden token would not be drawn: never check it

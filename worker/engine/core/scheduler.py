@@ -90,8 +90,10 @@ class Scheduler:
         self.policy = policy
         self.max_prefill_tokens_beside_decodes = max_prefill_tokens_beside_decodes
         self.clock = clock
-        # A decode's proposed next tokens (at most the int given), or none; set by the engine when it speculates.
-        self.propose: Callable[[Sequence, int], list[int]] | None = None
+        # A decode's proposed next tokens, or none; set by the engine when it speculates. Called with the
+        # most it may propose, the step's decodes (at most) and the tokens the step's decodes proposed so far.
+        self.propose: Callable[[Sequence, int, int, int], list[int]] | None = None
+        self._decodes = 0  # running sequences that decode this step, at most
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.step_count = 0
@@ -132,6 +134,8 @@ class Scheduler:
         self.running.sort(key=self.urgency)
         self.waiting.sort(key=self.urgency)
         self._admission_stopped = False
+        if self.propose is not None:
+            self._decodes = sum(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
         if self._urgent_waiting():
             top = self.urgency(self.waiting[0])
             self._admit(batch, while_head=lambda head: joins_urgent_prefill(self.urgency(head), top))
@@ -221,7 +225,11 @@ class Scheduler:
         if seq.status is SequenceStatus.WAITING or budget <= 0:
             return  # preempted earlier this step, or no budget left: it sits this step out
         n = min(remaining, budget)
-        seq.draft = self.propose(seq, budget - 1) if remaining == 1 and self.propose is not None else []
+        seq.draft = (
+            self.propose(seq, budget - 1, self._decodes, batch.num_draft_tokens)
+            if remaining == 1 and self.propose is not None
+            else []
+        )
         if seq.draft and not self.blocks.allocate(seq, n + len(seq.draft)):
             seq.draft = []  # a proposal never preempts anyone: the decode goes on without it
         while not self.blocks.allocate(seq, n):

@@ -9,11 +9,14 @@ beside the sequence's ordinary next token (``llm_engine``) and keeps the agreein
 Each sequence keeps an index from n-gram to where it last ended, extended by the tokens added
 since the previous proposal, so a proposal costs a few dictionary look-ups, not a scan.
 
-Adaptive, per sequence: a proposal is as long as the sequence's recent agreeing runs (one token
-more than their running mean, up to ``num_tokens``), since each proposed token is one more row of
-the step whether it is kept or not; and a sequence whose proposals are mostly rejected stops
-proposing for a while (doubling each time it fails again), so traffic that does not copy from its
-input pays for a short probe now and then instead of a long proposal every step.
+Adaptive, per sequence and per step: each proposed token is one more row of the step whether it is
+kept or not, and a row costs more of the step the more rows the step already has (a step of R rows
+costs about ``row_worth + R`` rows' worth of arithmetic; one row is mostly the read of the weights).
+A sequence's j-th proposed token is kept with probability about q**j, q its recent share of tokens
+kept before the first rejection; it is worth its row when q**j >= R / (row_worth + R) for a step of R
+decodes: long proposals for one stream that copies, short or none in a large batch, and a sequence
+whose proposals are mostly rejected stops proposing for a while (doubling each time it fails again),
+so traffic that does not copy from its input pays for a short probe now and then.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from typing import Any
 
 # Weight of the latest step in a sequence's running acceptance rate.
 _RATE_WEIGHT = 0.5
+# How much of a sequence's kept/missed record each new proposal leaves standing.
+_HISTORY_DECAY = 0.7
 _FIRST_PAUSE_STEPS = 4
 _MAX_PAUSE_STEPS = 256
 
@@ -33,6 +38,9 @@ class SpeculationConfig:
     ngram_max: int = 3  # longest suffix looked up
     ngram_min: int = 2  # shortest suffix whose match is trusted
     min_acceptance: float = 0.3  # below this running share of proposed tokens accepted, pause
+    # A step's fixed cost (the weights' read, per-step work) in rows: a step of R rows costs about
+    # row_worth + R rows (this CPU's decode steps, 1-24 rows: docs/benchmarks.md).
+    row_worth: float = 8.0
 
 
 @dataclass
@@ -42,7 +50,10 @@ class SpeculationState:
     maps: list[dict[Any, int]] = field(default_factory=list)  # per n: n-gram -> end of its latest occurrence
     indexed: int = 1  # n-grams ending before this position are in the index
     rate: float = 1.0  # running share of proposed tokens accepted
-    run: float = 0.0  # running mean of the tokens kept per proposal (set from num_tokens at the start)
+    # Decayed counts of tokens kept and of proposals cut by a rejection: q = kept / (kept + missed),
+    # started at 2/3: a fresh sequence proposes in full at one stream, a token in a batch of 8.
+    kept: float = 1.0
+    missed: float = 0.5
     paused: int = 0  # steps left without proposing
     pause_steps: int = _FIRST_PAUSE_STEPS  # the next pause's length
     proposed: int = 0
@@ -55,11 +66,22 @@ class Speculator:
         self.config = config
 
     def new_state(self) -> SpeculationState:
-        return SpeculationState(maps=[{} for _ in range(self.config.ngram_max + 1)], run=self.config.num_tokens - 1)
+        return SpeculationState(maps=[{} for _ in range(self.config.ngram_max + 1)])
+
+    def length(self, state: SpeculationState, decodes: int) -> int:
+        """How many tokens the sequence should propose in a step of ``decodes`` decoding sequences: the
+        most j (up to num_tokens) whose chance of being kept, q**j, beats the row's share of the step."""
+        q = state.kept / (state.kept + state.missed)
+        worth = decodes / (self.config.row_worth + decodes)
+        j, chance = 0, q
+        while j < self.config.num_tokens and chance >= worth:
+            j += 1
+            chance *= q
+        return j
 
     def propose(self, state: SpeculationState, tokens: list[int], limit: int) -> list[int]:
         """Up to ``min(num_tokens, limit)`` tokens likely to follow ``tokens``; [] when paused or unmatched."""
-        limit = min(limit, self.config.num_tokens, 1 + int(state.run + 0.5))
+        limit = min(limit, self.config.num_tokens)
         if limit <= 0:
             return []
         if state.paused:
@@ -79,7 +101,8 @@ class Speculator:
         state.proposed += proposed
         state.accepted += accepted
         state.rate = (1 - _RATE_WEIGHT) * state.rate + _RATE_WEIGHT * accepted / proposed
-        state.run = (1 - _RATE_WEIGHT) * state.run + _RATE_WEIGHT * accepted
+        state.kept = _HISTORY_DECAY * state.kept + accepted
+        state.missed = _HISTORY_DECAY * state.missed + (accepted < proposed)
         if state.rate >= self.config.min_acceptance:
             state.pause_steps = _FIRST_PAUSE_STEPS
             return
