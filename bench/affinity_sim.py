@@ -10,9 +10,11 @@ sequences pinned); a request reuses the longest cached run of its prompt's block
   pulls a new entry first is drawn at random: a race between them);
 - affinity: a request goes to the offer lane of the worker whose cache holds the longest prefix of it
   (ties: the least loaded; the shared lane when no worker holds more than the others, as the API
-  decides); a worker with a free slot takes what waited past the steal bound first, then its own
-  offers, then the oldest of the shared lane and of other workers' offers that have waited past the
-  steal bound (any of them when it runs nothing), as the queue's pull script does for one tenant.
+  decides; a worker holds the prompts it has taken from the moment it takes them, as it advertises
+  them); a worker with a free slot takes what waited past the steal bound first, then its own offers,
+  then the oldest of the shared lane and of other workers' offers that have waited past the steal
+  bound plus its time to prefill their prompt (any of them when it runs nothing), as the queue's pull
+  script does for one tenant.
 
 The workloads are the benchmark's, scaled with the pool (conversations, prefixes and clients per
 worker held as measured). Redis is projected apart (``redis_projection``): commands, affinity's own
@@ -25,7 +27,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,15 +80,17 @@ class Worker:
         self.waiting: deque[Req] = deque()  # taken from Redis, waiting for KV blocks
         self.stepping = False
         self.queries = self.hits = self.prefilled = self.generated = 0
+        self.promised: Counter[tuple[Any, ...]] = Counter()  # prompt blocks of the requests taken, advertised at once
 
     @property
     def load(self) -> int:
         return len(self.running) + len(self.waiting)
 
-    def held_prefix(self, blocks: list[tuple[Any, ...]]) -> int:
+    def held_prefix(self, blocks: list[tuple[Any, ...]], *, advertised: bool = False) -> int:
+        """Leading blocks of ``blocks`` the cache holds (``advertised``: or that a request taken here promised)."""
         n = 0
         for b in blocks:
-            if b not in self.cache:
+            if b not in self.cache and not (advertised and self.promised[b]):
                 break
             n += 1
         return n
@@ -141,6 +145,7 @@ class Worker:
             self._unpin(b)
         self.private -= req.private
         self.running.remove(req)
+        self.promised.subtract(req.blocks[: req.prompt // self.engine.block_size])
 
     def step(self) -> tuple[float, list[Req], list[Req]]:
         """One engine step: its duration, the requests whose first token it sampled, those it finished."""
@@ -177,7 +182,9 @@ class Pool:
     def enqueue(self, req: Req, now: float) -> None:
         req.enqueued = now
         if self.affinity:
-            held = [w.held_prefix(req.blocks[: req.prompt // w.engine.block_size]) for w in self.workers]
+            held = [
+                w.held_prefix(req.blocks[: req.prompt // w.engine.block_size], advertised=True) for w in self.workers
+            ]
             best = max(held)
             # No offer when every worker holds as much (a template's system prompt): the lane balances those.
             if best and min(held) < best:
@@ -198,7 +205,9 @@ class Pool:
             for v, q in enumerate(self.offers):
                 if not q:
                     continue
-                if v == w.index or not w.load or now - q[0].enqueued >= self.steal_after_s:
+                # A busy worker steals past the bound plus the time it would take to prefill the prompt.
+                bound = self.steal_after_s + q[0].prompt * w.costs.prefill_s
+                if v == w.index or not w.load or now - q[0].enqueued >= bound:
                     heads.append((rank(v, q), q[0].enqueued, v, q))
             if not heads:
                 break
@@ -299,6 +308,7 @@ def simulate(
     def kick(w: Worker, now: float) -> None:
         for r in pool.pull(w, now):
             w.waiting.append(r)
+            w.promised.update(r.blocks[: r.prompt // engine.block_size])
         while w.waiting and w.admit(w.waiting[0]):
             w.waiting.popleft()
         if not w.stepping and w.running:
