@@ -145,3 +145,16 @@ def test_a_tenant_far_under_its_share_prefills_first_only_against_another_tenant
     assert not prefills_first(arriving(1, tenant="l", load=2.5), running), "within the margin"
     assert not prefills_first(arriving(1, tenant="a", load=1.0), running), "never within one tenant"
     assert not prefills_first(arriving(2, tenant="l", load=1.0), running), "a level below"
+
+
+def test_the_fair_clause_is_symmetric_about_the_weighted_share() -> None:
+    # Weights 3:1 on 16 slots: the light tenant's share is 4. It displaces the heavy one below it, the
+    # heavy one displaces it above it, and at 4 neither moves (a running request's load counts its own).
+    def heavy(running: int) -> Urgency:
+        return Urgency(1.0, 0, tenant="h", load=running / 3, weight=3.0)
+
+    def light(running: int) -> Urgency:
+        return Urgency(1.0, 0, tenant="l", load=float(running), weight=1.0)
+
+    assert displaces(light(3 + 1), heavy(13)) and not displaces(light(4 + 1), heavy(12))
+    assert displaces(heavy(11 + 1), light(5)) and not displaces(heavy(12 + 1), light(4))

@@ -30,8 +30,9 @@ The pull point picks the entry whose tenant's share is lowest (``fair_pick``); t
 (``shared.work_queue``) mirrors these functions, and a test checks the two agree. Inside the
 engine the share is a part of ``Urgency`` between the level and the rest, so within a level the
 tenant furthest under its share runs first. "A tenant under its share displaces one over it" is the
-fair clause of ``displaces``, on the engine's slots: a tenant with fewer requests running (per
-weight) than another by ``FAIR_MARGIN`` takes the place of one of that tenant's at its level (its
+fair clause of ``displaces``, on the engine's slots: a tenant takes the place of another tenant's
+request at its level when, after the swap, it still runs no more requests per weight than that one
+(symmetric about the weighted share, so weights 3:1 settle at 3:1 of the slots; its
 share of the queue puts it at par with the backlogged on arrival, so ordering alone would leave it
 waiting for a slot; ``fair_challenger`` finds it behind the entries pulled earlier for the tenant
 over its share, whose lower shares put them first). Once per request, at most once per
@@ -72,6 +73,7 @@ class Urgency(NamedTuple):
     tenant: str = ""  # the fair clause of ``displaces`` is between tenants
     shielded: bool = False  # displaced once for fair share: never again for it
     load: float = 0.0  # its tenant's requests running per weight, itself counted (the fair clause only)
+    weight: float = 1.0  # its tenant's weight: what one of its requests adds to ``load``
 
     @property
     def key(self) -> tuple[int, float, float, float]:
@@ -106,8 +108,10 @@ class Policy:
         """``seq``'s urgency at scheduler step ``step``; ``load``: its tenant's (``tenant_load``)."""
         age = (step - seq.arrival_step) / self.aging_steps if self.aging_steps else 0.0
         if not self.fair_share:
-            return Urgency(seq.priority - age, seq.arrival, 0.0, "", seq.fair_displaced, load)
-        return Urgency(seq.priority - age, seq.arrival, seq.share, seq.tenant or "", seq.fair_displaced, load)
+            return Urgency(seq.priority - age, seq.arrival, 0.0, "", seq.fair_displaced, load, seq.weight)
+        return Urgency(
+            seq.priority - age, seq.arrival, seq.share, seq.tenant or "", seq.fair_displaced, load, seq.weight
+        )
 
 
 def arriving(
@@ -139,17 +143,23 @@ def displaces(challenger: Urgency, holder: Urgency) -> bool:
     return (challenger.effective_priority, challenger.arrival) < (holder.effective_priority, holder.arrival)
 
 
-# How many fewer requests running (per weight, the waiting one counted) a tenant must have than
-# another to displace one of its: two tenants a slot apart are as fair as the slots allow.
-FAIR_MARGIN = 1.0
+# How far under the holder's tenant (requests running per weight) the challenger's must still be
+# after the swap: 0, the least that never inverts the two (one slot apart is as fair as slots allow).
+FAIR_MARGIN = 0.0
 # The engine displaces for fair share at most once per this many steps: each costs a recompute.
 FAIR_DISPLACE_EVERY_STEPS = 4
 
 
 def displaces_for_fairness(challenger: Urgency, holder: Urgency) -> bool:
-    """The fair clause: ``challenger``'s tenant runs at least ``FAIR_MARGIN`` fewer requests per
-    weight than ``holder``'s (``load``), and ``holder`` was not displaced for fair share before."""
-    return not holder.shielded and challenger.load + FAIR_MARGIN <= holder.load
+    """The fair clause: ``challenger``'s tenant, running it (``load`` counts it), runs no more requests per
+    weight than ``holder``'s without ``holder`` (by ``FAIR_MARGIN``), and ``holder`` was not displaced for
+    fair share before."""
+    after = holder.load - 1.0 / _positive(holder.weight)
+    return not holder.shielded and challenger.load + FAIR_MARGIN <= after + 1e-9  # loads are ratios: rounding
+
+
+def _positive(weight: float) -> float:
+    return weight if weight > 0 else 1.0
 
 
 def fair_victim(challenger: Urgency, candidates: Iterable[T], urgency: Callable[[T], Urgency]) -> T | None:
@@ -187,7 +197,9 @@ def prefills_first(waiting: Urgency, running: Iterable[Urgency]) -> bool:
     the next step, before the step's decodes and the chunks of other prompts: chunked behind an
     over-share tenant's prefills it would wait several full-batch steps for its first token."""
     return any(
-        r.tenant != waiting.tenant and level(r) == level(waiting) and waiting.load + FAIR_MARGIN <= r.load
+        r.tenant != waiting.tenant
+        and level(r) == level(waiting)
+        and displaces_for_fairness(waiting, r._replace(shielded=False))
         for r in running
     )
 
