@@ -9,7 +9,8 @@ A step may hold rows of several adapters and rows of none. ``LoraStep`` gives ea
 adapter's slot; on the CPU kernels (a 16-bit or fp32 model) one op per projection group (q/k/v,
 o, gate/up, down) adds every row's delta with its own adapter's A and B (``lora_rows``, in
 ``kernels/lora_rows.cpp``): each row reads only its adapter's weights, and a step pays four calls a
-layer. Elsewhere (fp64, GPUs, no kernels) the decode rows go through one grouped torch op per layer,
+layer (a 16-bit model's adapters held in its dtype, the sums in fp32). Elsewhere (fp64, GPUs, no
+kernels) the decode rows go through one grouped torch op per layer,
 ``((x @ A_cat.T) * mask) @ B_cat.T``, where ``A_cat`` / ``B_cat`` concatenate the step's adapters
 along the rank and the mask keeps each row's own adapter's columns (zeros elsewhere add nothing,
 so a row without an adapter keeps the base output exactly); each prefill chunk, many rows of one
@@ -315,6 +316,9 @@ class AdapterSet:
         self.compute_dtype = torch.float32 if half else self.dtype
         # The lora_rows kernel (CPU, fp32 deltas, the CPU kernels on and built); the torch ops elsewhere.
         self.kernel = cpu_kernels and self.device.type == "cpu" and self.compute_dtype == torch.float32
+        # The kernel reads a 16-bit model's adapters in its dtype (sums in fp32): a step streams every adapter
+        # its rows use, and at many adapters those reads are most of what the deltas cost.
+        self._half = half
         self.max_loaded = max_loaded
         self.targets = lora_targets(model)
         self.name_of = {id(linear): name for name, linear in self.targets.items()}
@@ -364,11 +368,10 @@ class AdapterSet:
                 return adapter
         started = time.perf_counter()
         _, raw = read_adapter(request.path, self.targets)
+        dtype = self.dtype if self._half and self.kernel_built() else self.compute_dtype
         layers = {  # B kept as a view of its transpose, the layout lora_rows reads
             name: LoraWeights(
-                w.a.to(self.device, self.compute_dtype).contiguous(),
-                w.b.T.to(self.device, self.compute_dtype).contiguous().T,
-                w.scale,
+                w.a.to(self.device, dtype).contiguous(), w.b.T.to(self.device, dtype).contiguous().T, w.scale
             )
             for name, w in raw.items()
         }
@@ -416,9 +419,12 @@ class AdapterSet:
             return None
         with self._lock:
             grouped = [(row, n, self._adapters[key] if key is not None else None) for row, n, key in entries]
-        built = hasattr(getattr(torch.ops, "inflightq", None), "lora_rows")
-        kernel = self._kernel_lists if self.kernel and built else None
+        kernel = self._kernel_lists if self.kernel_built() else None
         return LoraStep(grouped, self._combination, self.compute_dtype, self.name_of, kernel)
+
+    def kernel_built(self) -> bool:
+        """Whether steps run the lora_rows kernel: it applies here and the CPU kernels' library is loaded."""
+        return self.kernel and hasattr(getattr(torch.ops, "inflightq", None), "lora_rows")
 
     def _kernel_lists(self, names: tuple[str, ...], adapters: list[Adapter]) -> Any:
         """``lora_rows``' weight lists for the projections ``names`` and the step's ``adapters`` (slot-major:
