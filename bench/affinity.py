@@ -537,6 +537,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help=f"smaller workloads: {QUICK}")
     p.add_argument("--workers", default="2,4", help="worker counts (each against plain pull)")
     p.add_argument("--workloads", default=f"{MULTI_TURN},{SHARED_PREFIX}")
+    p.add_argument("--modes", default=f"{PLAIN},{AFFINITY}", help="placements run at each worker count")
     p.add_argument("--max-num-seqs", type=int, default=8, help="per worker: the pool fills, so work waits in Redis")
     p.add_argument(
         "--num-kv-blocks",
@@ -595,7 +596,7 @@ def plan(args: argparse.Namespace, have_single: frozenset[str] = frozenset()) ->
     for n in (int(x) for x in args.workers.split(",")):
         for workload in workloads:
             modes = (PLAIN, AFFINITY) if i % 2 == 0 else (AFFINITY, PLAIN)
-            specs += [RunSpec(workload, m, n) for m in modes]
+            specs += [RunSpec(workload, m, n) for m in modes if m in args.modes.split(",")]
             i += 1
     return specs
 
