@@ -304,19 +304,20 @@ def offer_stealable(
     *,
     owner_live: bool,
     idle: bool,
-    prompt_tokens: int = 0,
+    held_tokens: int = 0,
     prefill_ms_per_token: float = 0.0,
 ) -> bool:
     """Whether a worker takes an entry offered to another: the taker is idle, or the worker it was offered
     to is gone (its held key expired), or it waited ``steal_after_ms`` plus the time the taker would spend
-    prefilling its prompt (``prompt_tokens`` at the taker's ``prefill_ms_per_token``): a busy worker that
-    steals sooner spends more computing the prefix again than the holder's queue costs the request."""
-    return idle or not owner_live or age_ms >= steal_bound_ms(steal_after_ms, prompt_tokens, prefill_ms_per_token)
+    prefilling again what that worker holds of it (``held_tokens`` at the taker's ``prefill_ms_per_token``):
+    a busy worker that steals sooner spends more computing the prefix again than the holder's queue costs
+    the request, and an offer for a short shared head (a chat template's) is not held back for long."""
+    return idle or not owner_live or age_ms >= steal_bound_ms(steal_after_ms, held_tokens, prefill_ms_per_token)
 
 
-def steal_bound_ms(steal_after_ms: float, prompt_tokens: int, prefill_ms_per_token: float) -> float:
-    """How long a busy worker leaves another's offer of ``prompt_tokens`` to it (``offer_stealable``)."""
-    return steal_after_ms + prompt_tokens * prefill_ms_per_token
+def steal_bound_ms(steal_after_ms: float, held_tokens: int, prefill_ms_per_token: float) -> float:
+    """How long a busy worker leaves another's offer, of which that one holds ``held_tokens`` (``offer_stealable``)."""
+    return steal_after_ms + held_tokens * prefill_ms_per_token
 
 
 def how_many_to_steal(first_seen: Iterable[float], now: float, wait_s: float) -> int:
