@@ -28,8 +28,12 @@ class Affinity:
 
     async def offer_to(self, request: QueuedRequest, workers: Sequence[WorkerHeartbeat]) -> str | None:
         """The worker to offer ``request`` to, or None (any worker takes it)."""
+        return (await self.offer(request, workers))[0]
+
+    async def offer(self, request: QueuedRequest, workers: Sequence[WorkerHeartbeat]) -> tuple[str | None, int]:
+        """The worker to offer ``request`` to (None: any worker takes it) and the prompt tokens it holds cached."""
         if not self.settings.affinity or len(workers) < 2:
-            return None
+            return None, 0
         by_load = sorted(workers, key=lambda w: (w.running + w.waiting) / max(1, w.max_num_seqs))
         names = [w.name for w in by_load]
         adapter = None
@@ -41,9 +45,10 @@ class Affinity:
             adapter,
         )  # fmt: skip
         if len(args) < 2 and not adapter:
-            return None
+            return None, 0
         worker, blocks = holder(await self._script(keys=keys, args=args), names)
         metrics.AFFINITY_LOOKUPS.labels(request.model, "offered" if worker else "none").inc()
-        if worker is not None:
-            metrics.AFFINITY_OFFERED_TOKENS.labels(request.model).inc(blocks * self.settings.block_size)
-        return worker
+        if worker is None:
+            return None, 0
+        metrics.AFFINITY_OFFERED_TOKENS.labels(request.model).inc(blocks * self.settings.block_size)
+        return worker, blocks * self.settings.block_size

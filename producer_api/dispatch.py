@@ -126,8 +126,9 @@ class Dispatcher:
                 await self.limiter.charge_tokens(key, submitted_tokens([request]))
             # Only when set: the tenant's queued limit is the enqueue script's argument.
             options: dict[str, Any] = {} if terms.max_queued is None else {"tenant_max_queued": terms.max_queued}
-            if (offer_to := await self.offer_to(request, workers)) is not None:
-                options["offer_to"] = offer_to
+            offer_to, held = await self.offer(request, workers)
+            if offer_to is not None:
+                options |= {"offer_to": offer_to, "offered_tokens": held}
             request_id: str = await self.client.enqueue(request, **options)
         except (LimitError, OverloadedError) as error:
             metrics.TENANT_REJECTIONS.labels(self.tenants.labels(request.tenant), error.code).inc()
@@ -138,11 +139,15 @@ class Dispatcher:
 
     async def offer_to(self, request: QueuedRequest, workers: list[WorkerHeartbeat]) -> str | None:
         """The live worker holding the longest prefix of ``request`` (``producer_api.affinity``), if any."""
+        return (await self.offer(request, workers))[0]
+
+    async def offer(self, request: QueuedRequest, workers: list[WorkerHeartbeat]) -> tuple[str | None, int]:
+        """That worker (None: no offer) and the prompt tokens it holds cached."""
         if not self.settings.affinity:
-            return None
+            return None, 0
         if self._affinity is None:
             self._affinity = Affinity(self.settings, self.client.redis)
-        return await self._affinity.offer_to(request, workers)
+        return await self._affinity.offer(request, workers)
 
     async def submit_all(self, requests: list[QueuedRequest], *, key: ApiKey | None = None) -> list[str]:
         """All or nothing: if one of n choices is refused (429), the accepted ones are cancelled.

@@ -71,10 +71,17 @@ class AsyncQueueClient:
         check_depth: bool = True,
         offer_to: str | None = None,
         tenant_max_queued: int | None = 0,
+        offered_tokens: int = 0,
     ) -> str:
         """See ``QueueCore.enqueue``."""
         return await self._run(
-            self._core.enqueue(request, check_depth=check_depth, offer_to=offer_to, tenant_max_queued=tenant_max_queued)
+            self._core.enqueue(
+                request,
+                check_depth=check_depth,
+                offer_to=offer_to,
+                tenant_max_queued=tenant_max_queued,
+                offered_tokens=offered_tokens,
+            )
         )
 
     async def ensure_groups(self, model: str) -> None:

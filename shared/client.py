@@ -74,10 +74,17 @@ class QueueClient:
         check_depth: bool = True,
         offer_to: str | None = None,
         tenant_max_queued: int | None = 0,
+        offered_tokens: int = 0,
     ) -> str:
         """See ``QueueCore.enqueue``."""
         return self._run(
-            self._core.enqueue(request, check_depth=check_depth, offer_to=offer_to, tenant_max_queued=tenant_max_queued)
+            self._core.enqueue(
+                request,
+                check_depth=check_depth,
+                offer_to=offer_to,
+                tenant_max_queued=tenant_max_queued,
+                offered_tokens=offered_tokens,
+            )
         )
 
     def ensure_groups(self, model: str) -> None:

@@ -280,12 +280,14 @@ class QueueCore:
         check_depth: bool = True,
         offer_to: str | None = None,
         tenant_max_queued: int | None = 0,
+        offered_tokens: int = 0,
     ) -> Steps[str]:
         """Queues ``request`` as it is: one that ``shared.request_builder`` built (``submit``
         does), so its defaults, priority range and seed are already in place.
 
-        ``offer_to``: the worker that holds the request's prefix; the entry is offered to it first
-        (others take it after the steal bound, at once when it is dead). ``tenant_max_queued``: how
+        ``offer_to``: the worker that holds the request's prefix (``offered_tokens`` of it); the entry
+        is offered to it first (a busy worker takes it after the steal bound plus the time it would take
+        to prefill those tokens, an idle one at once, any at once when it is dead). ``tenant_max_queued``: how
         many requests of ``request.tenant`` may wait for this model (0 or None: no limit); past it
         ``TenantOverloadedError``. ``check_depth=False`` skips both limits (batch work)."""
         yield from self.ensure_groups(request.model)
@@ -332,7 +334,7 @@ class QueueCore:
                 request_cost(len(request.prompt_token_ids), request.sampling.max_new_tokens),
                 (tenant_max_queued or 0) if check_depth and tenant else 0,
                 offer_to or "",
-                len(request.prompt_token_ids),
+                offered_tokens if offer_to else 0,
             ],
         )
         if verdict in (b"tenant_overloaded", "tenant_overloaded"):

@@ -14,7 +14,8 @@ them all. Every queue script names keys of the model's slot only, so each is ato
   to that worker's own list alone: another idle worker woken first would steal it.
 - ``PULL`` (worker): the fair pick, ``count`` times: among the heads of the backlogged tenants'
   lanes, its own offers and the offers it may steal (at once when idle or their worker is gone, else
-  once they waited the steal bound plus the time this worker would take to prefill their prompt), the
+  once they waited the steal bound plus the time this worker would take to prefill what their worker
+  holds of them), the
   entry whose tenant has the lowest virtual time (ties: the tenant with fewer waiting, then an entry
   past the steal bound, then its own offer, then the older entry); XREADGROUP it; charge the tenant
   ``cost / weight``. ``PEEK`` is the same pick without taking (a full worker's displacement check).
@@ -44,9 +45,9 @@ STREAM_FIELD = "request"
 TENANT_FIELD = "tenant"
 WEIGHT_FIELD = "weight"
 COST_FIELD = "cost"
-# The prompt's tokens: what a busy worker stealing the entry from the worker it is offered to would prefill.
-PROMPT_FIELD = "prompt"
-ENTRY_FIELDS = frozenset({STREAM_FIELD, TENANT_FIELD, WEIGHT_FIELD, COST_FIELD, PROMPT_FIELD})
+# An offer's prompt tokens that its worker holds cached: what another worker taking it would prefill again.
+HELD_FIELD = "held"
+ENTRY_FIELDS = frozenset({STREAM_FIELD, TENANT_FIELD, WEIGHT_FIELD, COST_FIELD, HELD_FIELD})
 # Backlogged tenants a pick looks at beyond those it took (each pick raises one tenant's time).
 PICK_SCAN = 32
 # Wake-up tokens kept in a model's notify list; one per idle worker is all that matters.
@@ -118,7 +119,7 @@ end
 # 11 its notify list, then the waiting hash of every priority (the limits): all in the model's slot.
 # ARGV: 1 entry JSON, 2 notify keep, 3 max depth (0 = unchecked), 4 group, 5 stream field,
 # 6 tenant ('' none), 7 weight, 8 cost, 9 tenant's max queued (0 = unchecked), 10 offer_to ('' none),
-# 11 prompt tokens.
+# 11 tokens of the prompt offer_to holds cached.
 # Returns {'ok', entry id}, {'tenant_overloaded', the tenant's waiting} or {'overloaded', waiting}.
 ENQUEUE = (
     _FORMAT
@@ -148,7 +149,7 @@ if redis.call('EXISTS', target) == 0 then
 end
 redis.call('SADD', KEYS[3], target)
 local id = redis.call('XADD', target, '*', ARGV[5], ARGV[1], 'tenant', tenant, 'weight', ARGV[7], 'cost', ARGV[8],
-  'prompt', ARGV[11])
+  'held', ARGV[11])
 if redis.call('HINCRBY', KEYS[6], tenant, 1) == 1 then
   local own = tonumber(redis.call('HGET', KEYS[4], tenant) or '0')
   local low = redis.call('ZRANGE', KEYS[5], 0, 0, 'WITHSCORES')
@@ -258,8 +259,8 @@ for n = 1, count do
       local live = redis.call('EXISTS', ARGV[9] .. w) == 1
       if h then
         local age = now_ms - id_parts(h[1])
-        local prompt = tonumber(field(h[2], 'prompt') or '0') or 0
-        if idle or (not live) or age >= steal_ms + prompt * prefill_ms then consider(stream, h, 1) end
+        local held = tonumber(field(h[2], 'held') or '0') or 0
+        if idle or (not live) or age >= steal_ms + held * prefill_ms then consider(stream, h, 1) end
       elseif not peek and not live and redis.call('XLEN', stream) == 0 then
         redis.call('SREM', KEYS[6], w)
         redis.call('SREM', KEYS[8], stream)

@@ -114,6 +114,9 @@ def test_a_request_is_offered_to_the_worker_holding_its_prefix(
     if affinity:
         assert sync.xlen(offers) == 1  # the follow-up, although b is the busier worker
         assert sync.xlen(a_offers) == 1  # the question about a's document
+        # Each offer carries what its worker holds of it: a busy taker would prefill that again.
+        assert sync.xrange(offers)[0][1]["held"] == str(5 * BLOCK)
+        assert sync.xrange(a_offers)[0][1]["held"] == str(4 * BLOCK)
         assert sync.xlen(lane) == 1  # the unrelated prompt: nobody holds its first block
         # An offer to an idle worker wakes it alone; the rest wake whichever worker waits.
         assert sync.llen(keys.notify_worker(MODEL, "b")) == 1 and sync.llen(keys.notify(MODEL)) == 2

@@ -47,6 +47,7 @@ def put(
     new: int = 8,
     offer_to: str | None = None,
     limit: int = 0,
+    held: int = 0,
 ) -> str:
     request = QueuedRequest(
         model=MODEL,
@@ -56,7 +57,7 @@ def put(
         tenant=tenant,
         tenant_weight=weight,
     )
-    return queue.enqueue(request, offer_to=offer_to, tenant_max_queued=limit)
+    return queue.enqueue(request, offer_to=offer_to, tenant_max_queued=limit, offered_tokens=held)
 
 
 def pull(
@@ -176,21 +177,25 @@ def test_an_offer_goes_to_its_worker_first_and_is_stolen_after_the_bound(queue, 
     assert stolen and stolen[0][0] == keys.offers(MODEL, LEVEL, "w1")
 
 
-def test_a_busy_worker_leaves_an_offer_as_long_as_prefilling_its_prompt_would_take(queue, redis_client, keys) -> None:
-    """Stealing an offer means computing its prefix again: a busy worker waits the bound plus that time
-    (its own prefill rate times the prompt), an idle one takes it at once, as does anyone once its worker is gone."""
+def test_a_busy_worker_leaves_an_offer_as_long_as_prefilling_what_its_worker_holds_would_take(
+    queue, redis_client, keys
+) -> None:
+    """Stealing an offer means computing the prefix its worker holds again: a busy worker waits the bound plus
+    that time (its own prefill rate times the held tokens), an idle one takes it at once, as does anyone once
+    its worker is gone; an offer for a short shared head is hardly held back."""
     redis_client.sadd(keys.held(MODEL, "w1"), "live")
-    put(queue, "t", prompt=100, offer_to="w1")
+    put(queue, "t", prompt=100, offer_to="w1", held=96)
     (entry,) = redis_client.xrange(keys.offers(MODEL, LEVEL, "w1"))
-    assert entry[1]["prompt"] == "100"
+    assert entry[1]["held"] == "96"
     slow = 3_600_000.0  # ms per token: prefilling the prompt here would take longer than the test
     assert pull(redis_client, keys, "w2", steal_after_ms=0, prefill_ms_per_token=slow, peek=True) == []
     assert pull(redis_client, keys, "w2", steal_after_ms=0, peek=True), "past the bound at no prefill cost"
     assert pull(redis_client, keys, "w2", idle=True, steal_after_ms=0, prefill_ms_per_token=slow, peek=True)
     redis_client.delete(keys.held(MODEL, "w1"))
     assert pull(redis_client, keys, "w2", steal_after_ms=60_000, prefill_ms_per_token=slow, peek=True)
-    assert not offer_stealable(900, 500, owner_live=True, idle=False, prompt_tokens=100, prefill_ms_per_token=5.0)
-    assert offer_stealable(1000, 500, owner_live=True, idle=False, prompt_tokens=100, prefill_ms_per_token=5.0)
+    assert not offer_stealable(900, 500, owner_live=True, idle=False, held_tokens=96, prefill_ms_per_token=5.0)
+    assert offer_stealable(980, 500, owner_live=True, idle=False, held_tokens=96, prefill_ms_per_token=5.0)
+    assert offer_stealable(600, 500, owner_live=True, idle=False, held_tokens=16, prefill_ms_per_token=5.0)
 
 
 def test_work_past_the_steal_bound_goes_before_a_workers_own_younger_offer(queue, redis_client, keys) -> None:
