@@ -11,7 +11,7 @@ A worker also holds the member ``adapter_member(key)`` for each LoRA adapter it 
 with an adapter whose prefix no worker holds is offered to the (least loaded) worker holding the adapter,
 unless all or none do. Affinity only decides where a request is offered; the queue lets another worker
 take it at once when that one is idle or the holder is gone, and a busy one once the offer waited the
-steal bound plus the time it would take to prefill the prompt (``policy.offer_stealable``)."""
+steal bound plus the time it would take to prefill what the holder holds (``policy.offer_stealable``)."""
 
 from __future__ import annotations
 
