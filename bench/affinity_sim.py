@@ -13,7 +13,7 @@ sequences pinned); a request reuses the longest cached run of its prompt's block
   decides; a worker holds the prompts it has taken from the moment it takes them, as it advertises
   them); a worker with a free slot takes what waited past the steal bound first, then its own offers,
   then the oldest of the shared lane and of other workers' offers that have waited past the steal
-  bound plus its time to prefill their prompt (any of them when it runs nothing), as the queue's pull
+  bound plus its time to prefill what their worker holds (any of them when it runs nothing), as the queue's pull
   script does for one tenant.
 
 The workloads are the benchmark's, scaled with the pool (conversations, prefixes and clients per
@@ -64,6 +64,7 @@ class Req:
     decode_left: int = 0
     hit_blocks: int = 0
     private: int = 0  # blocks it holds that are not (yet) in the cache
+    offered: int = 0  # prompt tokens the worker it is offered to holds
     pinned: list[tuple[Any, ...]] = field(default_factory=list)
 
 
@@ -189,6 +190,7 @@ class Pool:
             # No offer when every worker holds as much (a template's system prompt): the lane balances those.
             if best and min(held) < best:
                 target = min((w for w, h in zip(self.workers, held, strict=True) if h == best), key=lambda w: w.load)
+                req.offered = best * target.engine.block_size
                 self.offers[target.index].append(req)
                 return
         self.lane.append(req)
@@ -205,8 +207,8 @@ class Pool:
             for v, q in enumerate(self.offers):
                 if not q:
                     continue
-                # A busy worker steals past the bound plus the time it would take to prefill the prompt.
-                bound = self.steal_after_s + q[0].prompt * w.costs.prefill_s
+                # A busy worker steals past the bound plus the time it would take to prefill what the holder holds.
+                bound = self.steal_after_s + q[0].offered * w.costs.prefill_s
                 if v == w.index or not w.load or now - q[0].enqueued >= bound:
                     heads.append((rank(v, q), q[0].enqueued, v, q))
             if not heads:
