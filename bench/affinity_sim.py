@@ -399,6 +399,8 @@ def redis_projection(report: dict[str, Any], sim_workers: list[int]) -> dict[str
         if not runs:
             continue
         cmds = linear_in_workers({r["workers"]: r["redis"]["commands_per_request"] for r in runs})
+        if cmds and cmds[1] < 0:  # polls per request outweigh the growth: held flat at the largest measured
+            cmds = (max(r["redis"]["commands_per_request"] for r in runs), 0.0)
         added = linear_in_workers(
             {
                 r["workers"]: r["redis"]["commands_per_request"] - plain[r["workers"]]["redis"]["commands_per_request"]
@@ -407,6 +409,10 @@ def redis_projection(report: dict[str, Any], sim_workers: list[int]) -> dict[str
             }
         )
         cpu = linear_in_workers({r["workers"]: r["redis"]["model_slot_ms_per_request"] for r in runs})
+        if cpu and cpu[1] < 0:
+            # Fewer ms per request with more workers: polls per request (a slower run polls more per request)
+            # outweigh the growth; held flat at the largest measured value instead of projected to zero.
+            cpu = (max(r["redis"]["model_slot_ms_per_request"] for r in runs), 0.0)
         summary_bytes = held_member_bytes(runs)
         members = held_members_per_worker(runs)
         kv_blocks = report["workloads"][workload]["num_kv_blocks"]
@@ -549,14 +555,23 @@ def limits(projection: dict[str, Any]) -> list[str]:
             )
         if r.get("fit_model_slot_ms") and rows[-1].get("max_requests_per_s_one_redis_core"):
             s0, s1 = r["fit_model_slot_ms"]
-            lines.append(
-                f"{kind}: the model slot's Redis time per request (queue scripts, summary updates) = {s0:.3f} + "
-                f"{s1:.4f} x workers ms; one Redis core (the model's queue keys share one slot) serves at most "
-                f"{rows[0]['max_requests_per_s_one_redis_core']} requests/s at {rows[0]['workers']} workers and "
-                f"{rows[-1]['max_requests_per_s_one_redis_core']} at {rows[-1]['workers']}: the pool saturates it "
-                f"once each worker finishes more than {rows[-1].get('max_requests_per_s_per_worker')} requests/s "
-                f"at {rows[-1]['workers']} workers."
-            )
+            if not s1:
+                lines.append(
+                    f"{kind}: the model slot's Redis time per request did not grow with the pool between the "
+                    "measured sizes (polls per request, which grow with a run's length, dominate it); held flat at "
+                    f"{s0:.3f} ms, one Redis core serves at most {rows[-1]['max_requests_per_s_one_redis_core']} "
+                    f"requests/s: {rows[-1].get('max_requests_per_s_per_worker')} per worker at {rows[-1]['workers']} "
+                    "workers."
+                )
+            else:
+                lines.append(
+                    f"{kind}: the model slot's Redis time per request (queue scripts, summary updates) = {s0:.3f} + "
+                    f"{s1:.4f} x workers ms; one Redis core (the model's queue keys share one slot) serves at most "
+                    f"{rows[0]['max_requests_per_s_one_redis_core']} requests/s at {rows[0]['workers']} workers and "
+                    f"{rows[-1]['max_requests_per_s_one_redis_core']} at {rows[-1]['workers']}: the pool saturates it "
+                    f"once each worker finishes more than {rows[-1].get('max_requests_per_s_per_worker')} requests/s "
+                    f"at {rows[-1]['workers']} workers."
+                )
         if r.get("bytes_per_summary_member"):
             lines.append(
                 f"{kind}: a summary member takes {r['bytes_per_summary_member']} bytes; a worker's summary held "
