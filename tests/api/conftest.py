@@ -194,7 +194,7 @@ def wait_for_workers(http: httpx.Client, model: str, count: int, workers: list[W
 
 
 @pytest.fixture(scope="module")
-def worker_env() -> dict[str, str]:
+def live_worker_env() -> dict[str, str]:
     """The settings ``live_api``'s worker gets beside the defaults; a module may override it."""
     return {}
 
@@ -206,9 +206,9 @@ def live_api(
     tiny_model_dir: Path,
     start_api: Callable[[Settings], ApiServer],
     tmp_path_factory: pytest.TempPathFactory,
-    worker_env: dict[str, str],
+    live_worker_env: dict[str, str],
 ) -> Iterator[ApiServer]:
-    """An API with one real worker (tiny model, float64, ``worker_env``) behind it, for the module."""
+    """An API with one real worker (tiny model, float64, ``live_worker_env``) behind it, for the module."""
     settings = Settings(
         redis_url=redis_backend.url,
         redis_cluster=redis_backend.cluster,
@@ -221,7 +221,7 @@ def live_api(
     )
     log = tmp_path_factory.mktemp("worker") / "worker.log"
     worker = WorkerProcess(
-        tiny_model_dir, redis_backend.url, module_prefix, log, worker_env, cluster=redis_backend.cluster
+        tiny_model_dir, redis_backend.url, module_prefix, log, live_worker_env, cluster=redis_backend.cluster
     )
     try:
         server = start_api(settings)

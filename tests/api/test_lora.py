@@ -53,7 +53,7 @@ def expected(base_f64: Any, adapter_dirs: dict[str, Path], tiny_tokenizer: Any) 
 
 
 @pytest.fixture(scope="module")
-def worker_env(adapter_dirs: dict[str, Path]) -> dict[str, str]:
+def live_worker_env(adapter_dirs: dict[str, Path]) -> dict[str, str]:
     """The module's worker (conftest's ``live_api``) names the adapter ``all`` in its settings."""
     return {
         "INFLIGHTQ_LORA_ADAPTERS": f"all={adapter_dirs['all']}",

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.api.conftest import live_api, module_prefix, start_api, tiny_tokenizer  # noqa: F401
+from tests.api.conftest import live_api, live_worker_env, module_prefix, start_api, tiny_tokenizer  # noqa: F401
 
 # litellm fetches a price list from GitHub at import unless told to use its bundled copy.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
