@@ -507,6 +507,15 @@ class LoraLinear:
         return getattr(base, name)
 
 
+def uninstall(model: nn.Module) -> None:
+    """Gives the targets of a model object an earlier engine served adapters on their own forwards back: an
+    engine that serves none must not run the earlier engine's LoRA forwards (their last step's rows)."""
+    for linear in lora_targets(model).values():
+        forward = linear.__dict__.get("forward")
+        if isinstance(forward, LoraLinear):
+            linear.forward = forward.base  # type: ignore[method-assign]
+
+
 def lora_targets(model: nn.Module) -> dict[str, nn.Linear]:
     """The linear layers an adapter may target: those inside the decoder's layers, by their module names."""
     layers = model.get_decoder().layers if hasattr(model, "get_decoder") else None

@@ -30,6 +30,7 @@ from worker.engine.model.fused_decoder_layer import fuse_decoder_layers
 from worker.engine.model.fused_norms import fuse_rms_norms
 from worker.engine.model.fused_projections import fuse_sibling_projections
 from worker.engine.model.lora import AdapterSet, LoraStep
+from worker.engine.model.lora import uninstall as uninstall_lora
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class ModelRunner:
         # After the reroutes: the LoRA forwards wrap the rerouted linears (a step without adapters never calls them
         # on the fused paths).
         self.adapters = AdapterSet(model, config.max_loras, config.cpu_kernels) if config.max_loras > 0 else None
+        if self.adapters is None:
+            uninstall_lora(model)
         self.warmup_s = self.compiled.warmup(self._warmup_step) if self.compiled is not None else 0.0
         if graphs is not None:
             assert config.max_model_len is not None  # the engine sets it before building the runner
