@@ -426,11 +426,8 @@ class AdapterSet:
         """Whether steps run the lora_rows kernel: it applies here and the CPU kernels' library is loaded."""
         return self.kernel and hasattr(getattr(torch.ops, "inflightq", None), "lora_rows")
 
-    def _kernel_lists(self, names: tuple[str, ...], adapters: list[Adapter]) -> Any:
-        """``lora_rows``' weight lists for the projections ``names`` and the step's ``adapters`` (slot-major:
-        A [r, in], B transposed [r, out] and the scale of adapter s's projection p at s * len(names) + p; empty
-        tensors where an adapter leaves a projection out), or False where none of them targets any; kept per
-        set of adapters like the torch path's concatenations."""
+    def _layers_of(self, adapters: list[Adapter]) -> dict[Any, Any]:
+        """The per-layer cache kept for this set of adapters (most recently used last, at most MAX_COMBINATIONS)."""
         combo = tuple(a.key for a in adapters)
         with self._lock:
             layers = self._combinations.get(combo)
@@ -440,6 +437,14 @@ class AdapterSet:
                     self._combinations.popitem(last=False)
             else:
                 self._combinations.move_to_end(combo)
+        return layers
+
+    def _kernel_lists(self, names: tuple[str, ...], adapters: list[Adapter]) -> Any:
+        """``lora_rows``' weight lists for the projections ``names`` and the step's ``adapters`` (slot-major:
+        A [r, in], B transposed [r, out] and the scale of adapter s's projection p at s * len(names) + p; empty
+        tensors where an adapter leaves a projection out), or False where none of them targets any; kept per
+        set of adapters like the torch path's concatenations."""
+        layers = self._layers_of(adapters)
         found = layers.get(names)
         if found is None:
             empty = torch.empty(0, device=self.device, dtype=torch.float32)
@@ -456,15 +461,7 @@ class AdapterSet:
         return found
 
     def _combination(self, name: str, adapters: list[Adapter]) -> tuple[Any, ...] | None:
-        combo = tuple(a.key for a in adapters)
-        with self._lock:
-            layers = self._combinations.get(combo)
-            if layers is None:
-                layers = self._combinations[combo] = {}
-                while len(self._combinations) > MAX_COMBINATIONS:
-                    self._combinations.popitem(last=False)
-            else:
-                self._combinations.move_to_end(combo)
+        layers = self._layers_of(adapters)
         if name not in layers:
             layers[name] = _concatenate(name, adapters)
         found = layers[name]
