@@ -170,6 +170,8 @@ def run_vllm(spec: dict, timeout: float) -> dict:
         # Room for every stream's whole request (vLLM's CPU build takes it in GiB), unless set by the caller.
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE") or str(_kv_gib(weights, config)),
         "VLLM_TARGET_DEVICE": "cpu",  # its CPU platform, whatever the distribution's version says (install.sh)
+        # Every core for its model, as ours has (by default it keeps one for its front end), unless set.
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or "0",
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",

@@ -276,3 +276,47 @@ def test_the_lora_rows_kernel_adds_what_the_torch_ops_add(
     x = torch.randn(7, down.in_features, dtype=torch.bfloat16)
     y = torch.randn(7, down.out_features, dtype=torch.bfloat16)
     torch.testing.assert_close(with_kernel.module(down, x, y.clone()), with_torch.module(down, x, y.clone()), **one_ulp)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    ("width_in", "outs", "tiled"), [(48, (80, 32), False), (48, (80, 32), True), (40, (24, 8), False)]
+)
+def test_the_lora_rows_kernel_matches_the_formula_for_blocks_of_rows(
+    dtype: torch.dtype, width_in: int, outs: tuple[int, int], tiled: bool
+) -> None:
+    """Rows of one adapter in blocks (twenty rows: more than a block), of other adapters interleaved and of
+    none, a projection an adapter leaves out; sizes that are and are not multiples of 16 (the vector path
+    and the plain loops), B transposed as [r, out] and tiled [out/16, r, 16]: each row gets
+    y + round(scale * B(A x)), computed here in float64."""
+    from worker.engine.model.kernels.cpu_kernel import paged_decode_available
+
+    if not paged_decode_available():
+        pytest.skip("the CPU kernels are not built here")
+    torch.manual_seed(3)
+    rank, adapters = 8, 3
+    slots = torch.tensor([0] * 12 + [1, -1, 2, 0, 1] + [0] * 8 + [-1, 2], dtype=torch.long)
+    x = torch.randn(len(slots), width_in).to(dtype)
+    y = torch.randn(len(slots), sum(outs)).to(dtype)
+    a, bt, scales = [], [], []
+    for s in range(adapters):
+        for p, out in enumerate(outs):
+            absent = s == 2 and p == 1
+            a.append(torch.empty(0) if absent else (torch.randn(rank, width_in) / 4).to(dtype))
+            bt.append(torch.empty(0) if absent else (torch.randn(rank, out) / 4).to(dtype))
+            scales.append(0.0 if absent else 0.5 + s)
+    bounds = [0, outs[0], outs[0], outs[0] + outs[1]]
+    got = y.clone()
+    held = [w.view(rank, -1, 16).transpose(0, 1).contiguous() if tiled and w.numel() else w for w in bt]
+    torch.ops.inflightq.lora_rows(got, x, slots, a, held, scales, bounds)
+    want = y.double().clone()
+    for i, s in enumerate(slots.tolist()):
+        for p in range(len(outs)):
+            weights = s * len(outs) + p
+            if s < 0 or a[weights].numel() == 0:
+                continue
+            delta = (bt[weights].double().T @ (a[weights].double() @ x[i].double())) * scales[weights]
+            want[i, bounds[2 * p] : bounds[2 * p + 1]] += delta.to(dtype).double()
+    torch.testing.assert_close(got.double(), want.to(dtype).double(), rtol=2**-7, atol=2**-5)
+    assert torch.equal(got[13], y[13]) and torch.equal(got[25], y[25])  # rows of no adapter left alone
+    assert torch.equal(got[14, outs[0] :], y[14, outs[0] :])  # the projection adapter 2 leaves out

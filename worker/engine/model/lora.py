@@ -26,6 +26,7 @@ step with adapter rows. A step without keeps every fast path untouched.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -53,7 +54,7 @@ class LoRARequest:
     name: str
     path: str
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
         """Names the adapter's weights: the prefix cache keeps blocks of different keys apart."""
         return f"{self.name}@{self.path}"
@@ -64,11 +65,12 @@ class LoraWeights:
     a: torch.Tensor  # [r, in]
     b: torch.Tensor  # [out, r]
     scale: float
+    held_bt: torch.Tensor | None = None  # B transposed as lora_rows reads it, where the set packs it
 
     @property
     def bt(self) -> torch.Tensor:
-        """B transposed [r, out], contiguous where the set stores B as a transposed view (lora_rows reads it)."""
-        return self.b.T
+        """B transposed as lora_rows reads it: [r, out], or tiled [out/16, r, 16] where the set packed it."""
+        return self.held_bt if self.held_bt is not None else self.b.T
 
 
 @dataclass
@@ -77,7 +79,7 @@ class Adapter:
     layers: dict[str, LoraWeights]  # module name (``model.layers.0.self_attn.q_proj``) -> its weights
     pins: int = 0  # sequences in the engine using it; a pinned adapter is never evicted
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
         return self.request.key
 
@@ -173,17 +175,21 @@ class LoraStep:
         compute_dtype: torch.dtype,
         name_of: dict[int, str] | None = None,
         kernel: Callable[[tuple[str, ...], list[Adapter]], Any] | None = None,
+        sibling_keys: dict[int, tuple[Any, tuple[str, ...], tuple[int, ...]]] | None = None,
     ) -> None:
         self.compute_dtype = compute_dtype
         self.name_of = name_of or {}  # id of a target linear -> its name
+        # id of a fused sibling group -> it, its linears' names and columns (kept across steps: groups stay put)
+        self.sibling_keys = sibling_keys if sibling_keys is not None else {}
         self.num_rows = sum(n for _, n, _ in entries)
         # The kernel's layout: every adapter of the step, and each row's slot among them (-1: none).
         self.kernel = kernel
         self.adapters = list({a.key: a for _, _, a in entries if a is not None}.values())
         slot_of = {a.key: i for i, a in enumerate(self.adapters)}
-        self.slots = torch.cat(
-            [torch.full((n,), slot_of[a.key] if a is not None else -1, dtype=torch.long) for _, n, a in entries]
-        )
+        slots: list[int] = []
+        for _, n, a in entries:
+            slots += [slot_of[a.key] if a is not None else -1] * n
+        self.slots = torch.tensor(slots, dtype=torch.long)
         self._lists: dict[tuple[str, ...], Any] = {}
         # Single-row entries (decodes) go through the grouped op; longer ones (prefill chunks) one by one.
         singles = [(row, adapter) for row, n, adapter in entries if n == 1 and adapter is not None]
@@ -261,8 +267,12 @@ class LoraStep:
     def siblings(self, linears: Sequence[tuple[nn.Module, int, int]], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """A fused sibling group's output ``y`` (each linear's columns lo:hi) with each sibling's delta added."""
         if self.kernel_applies(x):
-            names = tuple(self.name_of.get(id(linear), "") for linear, _, _ in linears)
-            return self.apply_kernel(names, tuple(b for _, lo, hi in linears for b in (lo, hi)), x, y)
+            found = self.sibling_keys.get(id(linears))
+            if found is None or found[0] is not linears:  # the id of a group no longer alive: recomputed
+                names = tuple(self.name_of.get(id(linear), "") for linear, _, _ in linears)
+                bounds = tuple(b for _, lo, hi in linears for b in (lo, hi))
+                found = self.sibling_keys[id(linears)] = (linears, names, bounds)
+            return self.apply_kernel(found[1], found[2], x, y)
         out: torch.Tensor | None = None
         for linear, lo, hi in linears:
             part = y[..., lo:hi]
@@ -324,6 +334,8 @@ class AdapterSet:
         self.name_of = {id(linear): name for name, linear in self.targets.items()}
         self._adapters: OrderedDict[str, Adapter] = OrderedDict()  # by key, least recently used first
         self._combinations: OrderedDict[tuple[str, ...], dict[Any, Any]] = OrderedDict()
+        self._last_layers: tuple[list[Adapter], dict[Any, Any]] | None = None  # the last set asked for
+        self._sibling_keys: dict[int, tuple[Any, tuple[str, ...], tuple[int, ...]]] = {}  # LoraStep.sibling_keys
         self._lock = threading.Lock()
         self.step: LoraStep | None = None  # set by the runner around a forward with adapter rows
         self.loads = 0
@@ -368,13 +380,15 @@ class AdapterSet:
                 return adapter
         started = time.perf_counter()
         _, raw = read_adapter(request.path, self.targets)
-        dtype = self.dtype if self._half and self.kernel_built() else self.compute_dtype
-        layers = {  # B kept as a view of its transpose, the layout lora_rows reads
-            name: LoraWeights(
-                w.a.to(self.device, dtype).contiguous(), w.b.T.to(self.device, dtype).contiguous().T, w.scale
-            )
-            for name, w in raw.items()
-        }
+        if self.kernel_built():
+            layers = self._packed(raw, self.dtype if self._half else self.compute_dtype)
+        else:
+            layers = {
+                name: LoraWeights(
+                    w.a.to(self.device, self.compute_dtype), w.b.to(self.device, self.compute_dtype), w.scale
+                )
+                for name, w in raw.items()
+            }
         with self._lock:
             adapter = self._adapters.get(request.key)  # another thread may have loaded it meanwhile
             if not self._installed:
@@ -387,6 +401,29 @@ class AdapterSet:
             self._adapters.move_to_end(request.key)
             self._evict()
             return adapter
+
+    def _packed(self, raw: dict[str, LoraWeights], dtype: torch.dtype) -> dict[str, LoraWeights]:
+        """The adapter's weights for lora_rows, in one buffer in the model's layer order (each A, then its B
+        transposed, tiled [out/16, r, 16] where out allows): a step reads an adapter as a few long streams,
+        not hundreds of short ones the memory system has to start afresh (docs/benchmarks.md, LoRA)."""
+        names = [name for name in self.targets if name in raw]
+        total = sum(raw[name].a.numel() + raw[name].b.numel() for name in names)
+        buffer = torch.empty(total, dtype=dtype, device=self.device)
+        layers, offset = {}, 0
+        for name in names:
+            w = raw[name]
+            (rank, width_in), out = w.a.shape, w.b.shape[0]
+            a = buffer[offset : offset + rank * width_in].view(rank, width_in)
+            a.copy_(w.a)
+            offset += a.numel()
+            bt = w.b.T.to(dtype)
+            if out % 16 == 0:
+                bt = bt.reshape(rank, out // 16, 16).transpose(0, 1)
+            held = buffer[offset : offset + bt.numel()].view(bt.shape)
+            held.copy_(bt)
+            offset += held.numel()
+            layers[name] = LoraWeights(a, w.b.to(self.device, dtype), w.scale, held)
+        return layers
 
     def release(self, adapter: Adapter) -> None:
         with self._lock:
@@ -407,6 +444,7 @@ class AdapterSet:
                 self.evictions += 1
                 for combo in [c for c in self._combinations if key in c]:
                     del self._combinations[combo]
+                self._last_layers = None
 
     def begin_step(self, seqs: Sequence[Any]) -> bool:
         """Clears the last step's rows; whether any of ``seqs`` (the engine's sequences) runs an adapter."""
@@ -420,7 +458,7 @@ class AdapterSet:
         with self._lock:
             grouped = [(row, n, self._adapters[key] if key is not None else None) for row, n, key in entries]
         kernel = self._kernel_lists if self.kernel_built() else None
-        return LoraStep(grouped, self._combination, self.compute_dtype, self.name_of, kernel)
+        return LoraStep(grouped, self._combination, self.compute_dtype, self.name_of, kernel, self._sibling_keys)
 
     def kernel_built(self) -> bool:
         """Whether steps run the lora_rows kernel: it applies here and the CPU kernels' library is loaded."""
@@ -428,6 +466,9 @@ class AdapterSet:
 
     def _layers_of(self, adapters: list[Adapter]) -> dict[Any, Any]:
         """The per-layer cache kept for this set of adapters (most recently used last, at most MAX_COMBINATIONS)."""
+        last = self._last_layers
+        if last is not None and last[0] is adapters:  # the same step's list: every layer asks, once per group
+            return last[1]
         combo = tuple(a.key for a in adapters)
         with self._lock:
             layers = self._combinations.get(combo)
@@ -437,6 +478,7 @@ class AdapterSet:
                     self._combinations.popitem(last=False)
             else:
                 self._combinations.move_to_end(combo)
+            self._last_layers = (adapters, layers)
         return layers
 
     def _kernel_lists(self, names: tuple[str, ...], adapters: list[Adapter]) -> Any:

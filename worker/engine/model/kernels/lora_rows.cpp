@@ -7,11 +7,14 @@
 //   leaves p out; the sums in fp32 either way):
 //     y[i, lo:hi] += narrow((Bt.T @ (A @ x[i])) * scales[s*P+p])
 //   in place, in PEFT's order (B(Ax), then the scale), the delta rounded to y's dtype before the add
-//   as lora.py's torch path rounds it. Rows with slot -1 are left alone.
+//   as lora.py's torch path rounds it. Rows with slot -1 are left alone. Bt may come tiled,
+//   [out/16, r, 16] (16 columns of every rank row after another), which the vector path reads as one
+//   stream where [r, out] is r streams.
 //
-// Each row reads only its own adapter's r x (in + out) weights: the torch alternatives (a mask over
-// every adapter's columns, or padded batched matmuls) either multiply every row by every adapter or
-// spend a handful of ops per projection, and at decode sizes an op's dispatch costs more than its
+// The rows of each adapter are taken together, in blocks: a block reads its adapter's r x (in + out)
+// weights once for all its rows, and no row touches another adapter's. The torch alternatives (a mask
+// over every adapter's columns, or padded batched matmuls) either multiply every row by every adapter
+// or spend a handful of ops per projection, and at decode sizes an op's dispatch costs more than its
 // arithmetic. Built with the other CPU kernels by cpu_kernel.py; registered as
 // torch.ops.inflightq.lora_rows; used by worker/engine/model/lora.py.
 
@@ -21,57 +24,230 @@
 
 #include "rounding.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 using namespace inflightq_rounding;
 
+constexpr int64_t BLOCK_ROWS = 8;        // rows of one adapter whose deltas one task computes together
+constexpr int64_t SERIAL_MACS = 1 << 16;  // below this much arithmetic in a call, one thread (no fork/join)
+
+// One task: the deltas of up to BLOCK_ROWS rows of one adapter for one projection. The adapter's A and
+// B rows are widened once and used for every row of the block: a step streams each adapter's weights
+// once per block instead of once per row, which at many rows and adapters is most of the deltas' cost.
 template <typename scalar_t, typename weight_t>
-void lora_task(scalar_t* y, const scalar_t* x, int64_t in, const weight_t* a, const weight_t* bt, int64_t r,
-               int64_t out, float scale, std::vector<float>& xs, std::vector<float>& t, std::vector<float>& d) {
-  xs.resize(in);
-  t.resize(r);
-  d.assign(out, 0.f);
+void lora_block(scalar_t* y, int64_t width, const scalar_t* x, int64_t in, const int64_t* rows, int64_t n,
+                const weight_t* a, const weight_t* bt, bool tiled, int64_t r, int64_t out, float scale,
+                std::vector<float>& xs, std::vector<float>& w, std::vector<float>& t, std::vector<float>& d) {
+  xs.resize(n * in);
+  w.resize(std::max(in, out));
+  t.resize(n * r);
+  d.assign(n * out, 0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    const scalar_t* xi = x + rows[i] * in;
+    float* xsi = xs.data() + i * in;
 #pragma omp simd
-  for (int64_t k = 0; k < in; ++k) xs[k] = widen(x[k]);
+    for (int64_t k = 0; k < in; ++k) xsi[k] = widen(xi[k]);
+  }
+  float* wp = w.data();
   for (int64_t j = 0; j < r; ++j) {
     const weight_t* row = a + j * in;
-    float acc = 0.f;
+#pragma omp simd
+    for (int64_t k = 0; k < in; ++k) wp[k] = widen(row[k]);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {  // four rows' sums side by side: four chains of adds instead of one
+      const float *x0 = xs.data() + i * in, *x1 = x0 + in, *x2 = x1 + in, *x3 = x2 + in;
+      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+      for (int64_t k = 0; k < in; ++k) {
+        s0 += wp[k] * x0[k];
+        s1 += wp[k] * x1[k];
+        s2 += wp[k] * x2[k];
+        s3 += wp[k] * x3[k];
+      }
+      t[i * r + j] = s0;
+      t[(i + 1) * r + j] = s1;
+      t[(i + 2) * r + j] = s2;
+      t[(i + 3) * r + j] = s3;
+    }
+    for (; i < n; ++i) {
+      const float* xsi = xs.data() + i * in;
+      float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-    for (int64_t k = 0; k < in; ++k) acc += widen(row[k]) * xs[k];
-    t[j] = acc;
+      for (int64_t k = 0; k < in; ++k) acc += wp[k] * xsi[k];
+      t[i * r + j] = acc;
+    }
   }
   for (int64_t j = 0; j < r; ++j) {
-    const weight_t* row = bt + j * out;
-    const float tj = t[j];
+    if (tiled) {
+      for (int64_t o = 0; o < out; ++o) wp[o] = widen(bt[(o / 16) * r * 16 + j * 16 + o % 16]);
+    } else {
+      const weight_t* row = bt + j * out;
 #pragma omp simd
-    for (int64_t o = 0; o < out; ++o) d[o] += widen(row[o]) * tj;
+      for (int64_t o = 0; o < out; ++o) wp[o] = widen(row[o]);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const float tj = t[i * r + j];
+      float* di = d.data() + i * out;
+#pragma omp simd
+      for (int64_t o = 0; o < out; ++o) di[o] += wp[o] * tj;
+    }
   }
+  for (int64_t i = 0; i < n; ++i) {
+    scalar_t* yi = y + rows[i] * width;
+    const float* di = d.data() + i * out;
 #pragma omp simd
-  for (int64_t o = 0; o < out; ++o) {
-    y[o] = narrow<scalar_t>(widen(y[o]) + round_to<scalar_t>(d[o] * scale));
+    for (int64_t o = 0; o < out; ++o) yi[o] = narrow<scalar_t>(widen(yi[o]) + round_to<scalar_t>(di[o] * scale));
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// lora_block for a bf16 model on AVX-512, its sizes multiples of 16: the same sums held in registers,
+// N rows at a time (each A and B vector loaded once for all of them), fused multiply-adds.
+template <int N, typename weight_t>
+void lora_block16(c10::BFloat16* y, int64_t width, const c10::BFloat16* x, int64_t in, const int64_t* rows,
+                  const weight_t* a, const weight_t* bt, bool tiled, int64_t r, int64_t out, float scale,
+                  std::vector<float>& xs, std::vector<float>& t) {
+  xs.resize(N * in);
+  t.resize(N * r);
+  for (int i = 0; i < N; ++i)
+    for (int64_t k = 0; k < in; k += 16) _mm512_storeu_ps(xs.data() + i * in + k, widen16(x + rows[i] * in + k));
+  constexpr int U = N >= 4 ? 1 : (N == 1 ? 4 : 2);  // sums per row: at least four chains of adds in flight
+  for (int64_t j = 0; j < r; ++j) {
+    const weight_t* row = a + j * in;
+    __m512 acc[N][U];
+#pragma GCC unroll 8
+    for (int i = 0; i < N; ++i)
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) acc[i][u] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 * U <= in; k += 16 * U) {
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) {
+        const __m512 w = widen16(row + k + 16 * u);
+#pragma GCC unroll 8
+        for (int i = 0; i < N; ++i)
+          acc[i][u] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xs.data() + i * in + k + 16 * u), acc[i][u]);
+      }
+    }
+    for (; k < in; k += 16) {
+      const __m512 w = widen16(row + k);
+#pragma GCC unroll 8
+      for (int i = 0; i < N; ++i) acc[i][0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xs.data() + i * in + k), acc[i][0]);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < N; ++i) {
+      __m512 sum = acc[i][0];
+#pragma GCC unroll 4
+      for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[i][u]);
+      t[i * r + j] = _mm512_reduce_add_ps(sum);
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t o = 0; o < out; o += 16) {
+    __m512 acc[N];
+#pragma GCC unroll 8
+    for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < r; ++j) {
+      // B transposed's rows are r streams read side by side: ask four lines ahead on each.
+      
+      const __m512 w = widen16(tiled ? bt + o * r + j * 16 : bt + j * out + o);
+#pragma GCC unroll 8
+      for (int i = 0; i < N; ++i) acc[i] = _mm512_fmadd_ps(w, _mm512_set1_ps(t[i * r + j]), acc[i]);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < N; ++i) {
+      c10::BFloat16* yi = y + rows[i] * width + o;
+      const __m512 sum = _mm512_add_ps(widen16(yi), bf16_round16(_mm512_mul_ps(acc[i], sv)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(yi), _mm512_cvtepi32_epi16(bf16_bits16(sum)));
+    }
+  }
+}
+
+template <typename weight_t>
+bool lora_block_avx512(c10::BFloat16* y, int64_t width, const c10::BFloat16* x, int64_t in, const int64_t* rows,
+                       int64_t n, const weight_t* a, const weight_t* bt, bool tiled, int64_t r, int64_t out,
+                       float scale, std::vector<float>& xs, std::vector<float>& t) {
+  if (in % 16 != 0 || out % 16 != 0) return false;
+  switch (n) {
+#define INFLIGHTQ_LORA_BLOCK(K) \
+  case K:                       \
+    lora_block16<K>(y, width, x, in, rows, a, bt, tiled, r, out, scale, xs, t); \
+    return true;
+    INFLIGHTQ_LORA_BLOCK(1)
+    INFLIGHTQ_LORA_BLOCK(2)
+    INFLIGHTQ_LORA_BLOCK(3)
+    INFLIGHTQ_LORA_BLOCK(4)
+    INFLIGHTQ_LORA_BLOCK(5)
+    INFLIGHTQ_LORA_BLOCK(6)
+    INFLIGHTQ_LORA_BLOCK(7)
+    INFLIGHTQ_LORA_BLOCK(8)
+#undef INFLIGHTQ_LORA_BLOCK
+    default:
+      return false;
+  }
+}
+#endif
+
+struct Task {
+  int64_t weights;  // index into the lists: slot * groups + projection
+  int64_t first;    // the block's first entry in `order`
+  int64_t n;        // its rows
+};
+
 template <typename scalar_t, typename weight_t>
 void run(at::Tensor& y, const at::Tensor& x, const int64_t* slot, at::TensorList a, at::TensorList bt,
-         at::ArrayRef<double> scales, at::IntArrayRef bounds, int64_t groups) {
+         at::ArrayRef<double> scales, at::IntArrayRef bounds, int64_t groups, int64_t adapters) {
   const int64_t rows = y.size(0), in = x.size(1), width = y.size(1);
-  scalar_t* yp = y.data_ptr<scalar_t>();
-  const scalar_t* xp = x.const_data_ptr<scalar_t>();
-  at::parallel_for(0, rows * groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> xs, t, d;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / groups, p = task % groups, s = slot[i];
-      if (s < 0) continue;
+  // The rows of each adapter, together (a counting sort by slot), cut into blocks per projection.
+  std::vector<int64_t> start(adapters + 1, 0), order(rows);
+  for (int64_t i = 0; i < rows; ++i)
+    if (slot[i] >= 0) ++start[slot[i] + 1];
+  for (int64_t s = 0; s < adapters; ++s) start[s + 1] += start[s];
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < rows; ++i)
+    if (slot[i] >= 0) order[next[slot[i]]++] = i;
+  std::vector<Task> tasks;
+  int64_t macs = 0;
+  for (int64_t s = 0; s < adapters; ++s) {
+    for (int64_t p = 0; p < groups; ++p) {
       const at::Tensor& wa = a[s * groups + p];
       if (wa.numel() == 0) continue;
-      const at::Tensor& wb = bt[s * groups + p];
-      lora_task<scalar_t, weight_t>(yp + i * width + bounds[2 * p], xp + i * in, in, wa.const_data_ptr<weight_t>(),
-                                    wb.const_data_ptr<weight_t>(), wa.size(0), wb.size(1),
-                                    static_cast<float>(scales[s * groups + p]), xs, t, d);
+      for (int64_t first = start[s]; first < start[s + 1]; first += BLOCK_ROWS) {
+        const int64_t n = std::min(BLOCK_ROWS, start[s + 1] - first);
+        tasks.push_back({s * groups + p, first, n});
+        macs += n * wa.numel() + n * bt[s * groups + p].numel();  // r x in, then r x out
+      }
+    }
+  }
+  const int64_t count = static_cast<int64_t>(tasks.size());
+  scalar_t* yp = y.data_ptr<scalar_t>();
+  const scalar_t* xp = x.const_data_ptr<scalar_t>();
+  at::parallel_for(0, count, macs < SERIAL_MACS ? std::max<int64_t>(count, 1) : 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> xs, w, t, d;
+    for (int64_t k = begin; k < end; ++k) {
+      
+      const Task& task = tasks[k];
+      const int64_t p = task.weights % groups;
+      const at::Tensor& wa = a[task.weights];
+      const at::Tensor& wb = bt[task.weights];
+      const int64_t* block = order.data() + task.first;
+      const float scale = static_cast<float>(scales[task.weights]);
+      const bool tiled = wb.dim() == 3;
+      const int64_t r = wa.size(0), out = tiled ? wb.size(0) * 16 : wb.size(1);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        if (lora_block_avx512<weight_t>(yp + bounds[2 * p], width, xp, in, block, task.n, wa.const_data_ptr<weight_t>(),
+                                        wb.const_data_ptr<weight_t>(), tiled, r, out, scale, xs, t))
+          continue;
+      }
+#endif
+      lora_block<scalar_t, weight_t>(yp + bounds[2 * p], width, xp, in, block, task.n, wa.const_data_ptr<weight_t>(),
+                                     wb.const_data_ptr<weight_t>(), tiled, r, out, scale, xs, w, t, d);
     }
   });
 }
@@ -97,17 +273,19 @@ void lora_rows(at::Tensor y, const at::Tensor& x, const at::Tensor& slots, at::T
     if (weight_dtype == at::ScalarType::Undefined) weight_dtype = a[i].scalar_type();
     TORCH_CHECK(a[i].scalar_type() == weight_dtype, "lora_rows: every A and Bt of one dtype");
     TORCH_CHECK(a[i].is_contiguous() && bt[i].is_contiguous(), "lora_rows: contiguous A, Bt");
-    TORCH_CHECK(a[i].dim() == 2 && a[i].size(1) == in && bt[i].dim() == 2 && bt[i].size(0) == a[i].size(0) &&
-                    bt[i].size(1) == bounds[2 * p + 1] - bounds[2 * p] && bounds[2 * p + 1] <= width,
-                "lora_rows: A [r, in] and Bt [r, out] fit the row and the projection's columns");
+    const int64_t out = bounds[2 * p + 1] - bounds[2 * p], r = a[i].size(0);
+    const bool plain = bt[i].dim() == 2 && bt[i].size(0) == r && bt[i].size(1) == out;
+    const bool tiled = bt[i].dim() == 3 && bt[i].size(0) * 16 == out && bt[i].size(1) == r && bt[i].size(2) == 16;
+    TORCH_CHECK(a[i].dim() == 2 && a[i].size(1) == in && (plain || tiled) && bounds[2 * p + 1] <= width,
+                "lora_rows: A [r, in] and Bt [r, out] (or tiled [out/16, r, 16]) fit the row and the projection's columns");
   }
   const int64_t* slot = slots.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < rows; ++i) TORCH_CHECK(slot[i] < adapters, "lora_rows: slot out of range");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "lora_rows", [&] {
     if (weight_dtype == at::kFloat || weight_dtype == at::ScalarType::Undefined) {
-      run<scalar_t, float>(y, x, slot, a, bt, scales, bounds, groups);
+      run<scalar_t, float>(y, x, slot, a, bt, scales, bounds, groups, adapters);
     } else {
-      run<scalar_t, scalar_t>(y, x, slot, a, bt, scales, bounds, groups);
+      run<scalar_t, scalar_t>(y, x, slot, a, bt, scales, bounds, groups, adapters);
     }
   });
 }
