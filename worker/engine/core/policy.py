@@ -125,8 +125,12 @@ def arriving(
 def tenant_load(running_tenants: Iterable[str], tenant: str, weight: float, *, counting_itself: bool) -> float:
     """A tenant's requests running per weight, from the tenants of the running requests; a waiting
     request counts itself (as it would run)."""
-    running = sum(1 for t in running_tenants if t == tenant) + (1 if counting_itself else 0)
-    return running / (weight if weight > 0 else 1.0)
+    return load_of(sum(1 for t in running_tenants if t == tenant), weight, counting_itself=counting_itself)
+
+
+def load_of(running: int, weight: float, *, counting_itself: bool) -> float:
+    """``tenant_load`` from the count of the tenant's running requests."""
+    return (running + (1 if counting_itself else 0)) / (weight if weight > 0 else 1.0)
 
 
 def runs_before(first: Urgency, then: Urgency) -> bool:

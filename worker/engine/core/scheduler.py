@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,10 +34,10 @@ from worker.engine.core.policy import (
     fair_victim,
     joins_urgent_prefill,
     level,
+    load_of,
     prefills_first,
     runs_before,
     runs_first,
-    tenant_load,
     victim,
 )
 from worker.engine.core.sequence import Sequence, SequenceStatus
@@ -104,16 +105,17 @@ class Scheduler:
         return self.policy.urgency(seq, self.step_count)
 
     def fair_urgencies(self, seqs: list[Sequence]) -> list[Urgency]:
-        """``seqs``' urgencies with their tenant's load (``policy.tenant_load``): what the fair clause reads."""
-        running = [s.tenant or "" for s in self.running]
-        return [
-            self.policy.urgency(
-                s,
-                self.step_count,
-                tenant_load(running, s.tenant or "", s.weight, counting_itself=s.status is SequenceStatus.WAITING),
-            )
-            for s in seqs
-        ]
+        """``seqs``' urgencies with their tenant's load (``policy.load_of``): what the fair clause reads."""
+        counts = Counter(s.tenant or "" for s in self.running)
+        loads: dict[tuple[str, float, bool], float] = {}  # one load per tenant, weight and side, not per request
+        urgencies = []
+        for s in seqs:
+            key = (s.tenant or "", s.weight, s.status is SequenceStatus.WAITING)
+            load = loads.get(key)
+            if load is None:
+                load = loads[key] = load_of(counts[key[0]], key[1], counting_itself=key[2])
+            urgencies.append(self.policy.urgency(s, self.step_count, load))
+        return urgencies
 
     def add(self, seq: Sequence) -> None:
         seq.arrival_step = self.step_count
@@ -164,6 +166,10 @@ class Scheduler:
         (``policy.prefills_first``) starts before the step's decodes with its prompt whole (less a token
         per decode), displacing for fair share when the slots are full; one per step."""
         if not self.waiting or not self.running:
+            return
+        # The clause is between tenants: with one tenant (or none) in the engine it never applies, and its
+        # urgencies (each request's tenant load) are a per-step cost that grows with the queue.
+        if len({s.tenant or "" for s in self.waiting} | {s.tenant or "" for s in self.running}) < 2:
             return
         waiting, running = self.fair_urgencies(self.waiting), self.fair_urgencies(self.running)
         top = level(waiting[0])

@@ -35,6 +35,10 @@ using namespace inflightq_rounding;
 
 constexpr int64_t BLOCK_ROWS = 8;        // rows of one adapter whose deltas one task computes together
 constexpr int64_t SERIAL_MACS = 1 << 16;  // below this much arithmetic in a call, one thread (no fork/join)
+// How far ahead of its reads the vector path asks for an adapter's weights: a block streams a few KB
+// of them, too short for the hardware prefetchers to run far ahead before it ends, so without this
+// its reads wait on memory a line or two at a time.
+constexpr int64_t PREFETCH_AHEAD = 2048;
 
 // One task: the deltas of up to BLOCK_ROWS rows of one adapter for one projection. The adapter's A and
 // B rows are widened once and used for every row of the block: a step streams each adapter's weights
@@ -126,6 +130,7 @@ void lora_block16(c10::BFloat16* y, int64_t width, const c10::BFloat16* x, int64
       for (int u = 0; u < U; ++u) acc[i][u] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 16 * U <= in; k += 16 * U) {
+      __builtin_prefetch(reinterpret_cast<const char*>(row + k) + PREFETCH_AHEAD, 0, 3);
 #pragma GCC unroll 4
       for (int u = 0; u < U; ++u) {
         const __m512 w = widen16(row + k + 16 * u);
@@ -155,7 +160,9 @@ void lora_block16(c10::BFloat16* y, int64_t width, const c10::BFloat16* x, int64
     for (int64_t j = 0; j < r; ++j) {
       // B transposed's rows are r streams read side by side: ask four lines ahead on each.
       
-      const __m512 w = widen16(tiled ? bt + o * r + j * 16 : bt + j * out + o);
+      const weight_t* wp = tiled ? bt + o * r + j * 16 : bt + j * out + o;
+      if (tiled && (j & 1) == 0) __builtin_prefetch(reinterpret_cast<const char*>(wp) + PREFETCH_AHEAD, 0, 3);
+      const __m512 w = widen16(wp);
 #pragma GCC unroll 8
       for (int i = 0; i < N; ++i) acc[i] = _mm512_fmadd_ps(w, _mm512_set1_ps(t[i * r + j]), acc[i]);
     }
