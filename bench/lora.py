@@ -97,6 +97,26 @@ def merge(cells: dict[tuple[int, int], list[dict]], streams_list: list[int], cou
     return merged
 
 
+def base_rows(merged: dict, streams_list: list[int], counts: list[int]) -> list[dict]:
+    """One row per cell: tokens/s and TPOT, each against the base model's cell at the same streams."""
+    rows = []
+    for streams in streams_list:
+        anchor = merged.get((streams, 0), merged[streams, counts[0]])
+        for count in counts:
+            tok_s, tpot = merged[streams, count]
+            rows.append(
+                {
+                    "streams": streams,
+                    "adapters": count,
+                    "tok_s": round(tok_s, 2),
+                    "tpot_ms": None if tpot is None else round(tpot, 2),
+                    "throughput_vs_base": _ratio(tok_s, anchor[0]),
+                    "tpot_vs_base": _ratio(tpot, anchor[1]),
+                }
+            )
+    return rows
+
+
 def _ratio(a: float | None, b: float | None, digits: int = 3) -> float | None:
     return round(a / b, digits) if a is not None and b else None
 
@@ -111,24 +131,10 @@ def peer_rows(peer: dict, ours: list[dict], streams_list: list[int], counts: lis
     cells: dict[tuple[int, int], list[dict]] = {}
     for cell in peer["cells"]:
         cells.setdefault((cell["streams"], cell["adapters"]), []).append(cell)
-    merged = merge(cells, streams_list, counts)
     our_tok_s = {(r["streams"], r["adapters"]): r["tok_s"] for r in ours}
-    rows = []
-    for streams in streams_list:
-        anchor = merged.get((streams, 0), merged[streams, counts[0]])
-        for count in counts:
-            tok_s, tpot = merged[streams, count]
-            rows.append(
-                {
-                    "streams": streams,
-                    "adapters": count,
-                    "tok_s": round(tok_s, 2),
-                    "tpot_ms": None if tpot is None else round(tpot, 2),
-                    "throughput_vs_base": _ratio(tok_s, anchor[0]),
-                    "tpot_vs_base": _ratio(tpot, anchor[1]),
-                    "ours_vs_vllm": _ratio(our_tok_s.get((streams, count)), tok_s),
-                }
-            )
+    rows = base_rows(merge(cells, streams_list, counts), streams_list, counts)
+    for row in rows:
+        row["ours_vs_vllm"] = _ratio(our_tok_s.get((row["streams"], row["adapters"])), row["tok_s"])
     return rows
 
 
@@ -280,26 +286,13 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"vLLM: the same cells ({PEER_SCRIPT.name}, up to {args.peer_timeout:.0f} s) ...", file=sys.stderr)
             peer = run_vllm(spec, args.peer_timeout)
             peer["settings"] = {k: v for k, v in spec.items() if k not in ("prompts", "adapters")}
-    rows = []
     print("| streams | adapters | tok/s | x base | TPOT ms | x base |\n|---|---|---|---|---|---|")
-    merged = merge(cells, streams_list, counts)
-    for streams in streams_list:
-        anchor = merged.get((streams, 0), merged[streams, counts[0]])
-        for count in counts:
-            tok_s, tpot = merged[streams, count]
-            rows.append(
-                {
-                    "streams": streams,
-                    "adapters": count,
-                    "tok_s": round(tok_s, 2),
-                    "tpot_ms": round(tpot, 2),
-                    "throughput_vs_base": round(tok_s / anchor[0], 3),
-                    "tpot_vs_base": round(tpot / anchor[1], 3),
-                }
-            )
-            print(
-                f"| {streams} | {count} | {tok_s:.1f} | {tok_s / anchor[0]:.2f} | {tpot:.1f} | {tpot / anchor[1]:.2f} |"
-            )
+    rows = base_rows(merge(cells, streams_list, counts), streams_list, counts)
+    for r in rows:
+        print(
+            f"| {r['streams']} | {r['adapters']} | {r['tok_s']:.1f} | {r['throughput_vs_base']:.2f} "
+            f"| {r['tpot_ms']:.1f} | {r['tpot_vs_base']:.2f} |"
+        )
     results = {"header": header, "rank": args.rank, "max_new_tokens": args.max_new_tokens, "rows": rows}
     if peer is not None:
         if "error" in peer:
