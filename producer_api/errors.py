@@ -68,6 +68,12 @@ def normalize(exc: BaseException) -> InflightqError:
     if isinstance(exc, redis.exceptions.ClusterDownError | redis.exceptions.TryAgainError):
         # A Cluster between a master's failure and its replica's promotion: retry shortly.
         return UnavailableError("the queue (Redis Cluster) is failing over")
+    if isinstance(exc, redis.exceptions.SlotNotCoveredError) or (
+        type(exc) is redis.exceptions.RedisClusterException and "connect" in str(exc)
+    ):
+        # The client's view of the Cluster while it finds a promoted master (no node of a slot, or none of
+        # the nodes it knew answering); not a RedisError, so without this it would read as our bug (500).
+        return UnavailableError("the queue (Redis Cluster) is failing over")
     if isinstance(exc, StarletteHTTPException):
         if exc.status_code == 404:
             return NotFoundError("no such route")

@@ -154,7 +154,7 @@ def test_a_killed_master_fails_over_without_losing_or_repeating_a_token(
                 else:
                     refused.append(response.status_code)
             cluster.wait_failover(timeout=30)
-            statuses = {j: http.get(f"/v1/jobs/{j}").json()["status"] for j in on_victim}
+            statuses = {j: job_status(http, j) for j in on_victim}
             # Otherwise the test proves nothing about generating across the failover.
             assert "running" in statuses.values() or "queued" in statuses.values(), statuses
 
@@ -198,10 +198,26 @@ def test_a_killed_master_fails_over_without_losing_or_repeating_a_token(
         r.close()
 
 
+def job_status(http: httpx.Client, job_id: str, timeout: float = 15) -> str:
+    """The job's status, asked again while the API answers 503: right after a failover its cluster client
+    may still be finding the promoted master, and says so with a 503 (a client retries those)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        response = http.get(f"/v1/jobs/{job_id}")
+        if response.status_code != 503 or time.monotonic() > deadline:
+            assert response.status_code == 200, f"{job_id}: {response.status_code} {response.text}"
+            return response.json()["status"]
+        time.sleep(0.1)
+
+
 def wait_done(http: httpx.Client, job_id: str, timeout: float = 60) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        job = http.get(f"/v1/jobs/{job_id}").json()
+        response = http.get(f"/v1/jobs/{job_id}")
+        job = response.json()
+        if response.status_code == 503 and time.monotonic() <= deadline:  # see job_status
+            time.sleep(0.1)
+            continue
         if job["status"] in ("done", "error", "cancelled", "expired") or time.monotonic() > deadline:
             return job
         time.sleep(0.1)
