@@ -8,8 +8,9 @@ it targets it holds ``A`` [r, in] and ``B`` [out, r], and the layer's output bec
 A step may hold rows of several adapters and rows of none. ``LoraStep`` gives each row its
 adapter's slot; on the CPU kernels (a 16-bit or fp32 model) one op per projection group (q/k/v,
 o, gate/up, down) adds every row's delta with its own adapter's A and B (``lora_rows``, in
-``kernels/lora_rows.cpp``): each row reads only its adapter's weights, and a step pays four calls a
-layer (a 16-bit model's adapters held in its dtype, the sums in fp32). Elsewhere (fp64, GPUs, no
+``kernels/lora_rows.cpp``): each adapter's rows are taken together and read only its weights, which
+sit in one buffer per adapter (``AdapterSet._packed``), and a step pays four calls a layer (a
+16-bit model's adapters held in its dtype, the sums in fp32). Elsewhere (fp64, GPUs, no
 kernels) the decode rows go through one grouped torch op per layer,
 ``((x @ A_cat.T) * mask) @ B_cat.T``, where ``A_cat`` / ``B_cat`` concatenate the step's adapters
 along the rank and the mask keeps each row's own adapter's columns (zeros elsewhere add nothing,
