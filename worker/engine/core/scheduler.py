@@ -106,16 +106,15 @@ class Scheduler:
 
     def fair_urgencies(self, seqs: list[Sequence]) -> list[Urgency]:
         """``seqs``' urgencies with their tenant's load (``policy.load_of``): what the fair clause reads."""
-        counts = Counter(s.tenant or "" for s in self.running)
-        loads: dict[tuple[str, float, bool], float] = {}  # one load per tenant, weight and side, not per request
-        urgencies = []
-        for s in seqs:
-            key = (s.tenant or "", s.weight, s.status is SequenceStatus.WAITING)
-            load = loads.get(key)
-            if load is None:
-                load = loads[key] = load_of(counts[key[0]], key[1], counting_itself=key[2])
-            urgencies.append(self.policy.urgency(s, self.step_count, load))
-        return urgencies
+        counts = Counter(s.tenant or "" for s in self.running)  # once, not a scan of the running per request
+        return [
+            self.policy.urgency(
+                s,
+                self.step_count,
+                load_of(counts[s.tenant or ""], s.weight, counting_itself=s.status is SequenceStatus.WAITING),
+            )
+            for s in seqs
+        ]
 
     def add(self, seq: Sequence) -> None:
         seq.arrival_step = self.step_count

@@ -158,8 +158,7 @@ void lora_block16(c10::BFloat16* y, int64_t width, const c10::BFloat16* x, int64
 #pragma GCC unroll 8
     for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < r; ++j) {
-      // B transposed's rows are r streams read side by side: ask four lines ahead on each.
-      
+      // Tiled, B is one stream (two ranks' 16 columns a cache line): ask ahead once a line.
       const weight_t* wp = tiled ? bt + o * r + j * 16 : bt + j * out + o;
       if (tiled && (j & 1) == 0) __builtin_prefetch(reinterpret_cast<const char*>(wp) + PREFETCH_AHEAD, 0, 3);
       const __m512 w = widen16(wp);
@@ -237,7 +236,6 @@ void run(at::Tensor& y, const at::Tensor& x, const int64_t* slot, at::TensorList
   at::parallel_for(0, count, macs < SERIAL_MACS ? std::max<int64_t>(count, 1) : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> xs, w, t, d;
     for (int64_t k = begin; k < end; ++k) {
-      
       const Task& task = tasks[k];
       const int64_t p = task.weights % groups;
       const at::Tensor& wa = a[task.weights];
