@@ -298,6 +298,8 @@ def test_the_lora_rows_kernel_matches_the_formula_for_blocks_of_rows(
     slots = torch.tensor([0] * 12 + [1, -1, 2, 0, 1] + [0] * 8 + [-1, 2], dtype=torch.long)
     x = torch.randn(len(slots), width_in).to(dtype)
     y = torch.randn(len(slots), sum(outs)).to(dtype)
+    from worker.engine.model.lora import LoraWeights, weights_table
+
     a, bt, scales = [], [], []
     for s in range(adapters):
         for p, out in enumerate(outs):
@@ -308,7 +310,9 @@ def test_the_lora_rows_kernel_matches_the_formula_for_blocks_of_rows(
     bounds = [0, outs[0], outs[0], outs[0] + outs[1]]
     got = y.clone()
     held = [w.view(rank, -1, 16).transpose(0, 1).contiguous() if tiled and w.numel() else w for w in bt]
-    torch.ops.inflightq.lora_rows(got, x, slots, a, held, scales, bounds)
+    weights = [LoraWeights(a[i], bt[i].T, scales[i], held[i]) if a[i].numel() else None for i in range(len(a))]
+    table = weights_table(weights, bounds)
+    torch.ops.inflightq.lora_rows(got, x, slots, table.table, bounds, table.dtype)
     want = y.double().clone()
     for i, s in enumerate(slots.tolist()):
         for p in range(len(outs)):
@@ -320,3 +324,38 @@ def test_the_lora_rows_kernel_matches_the_formula_for_blocks_of_rows(
     torch.testing.assert_close(got.double(), want.to(dtype).double(), rtol=2**-7, atol=2**-5)
     assert torch.equal(got[13], y[13]) and torch.equal(got[25], y[25])  # rows of no adapter left alone
     assert torch.equal(got[14, outs[0] :], y[14, outs[0] :])  # the projection adapter 2 leaves out
+
+
+def test_the_lora_rows_kernel_refuses_what_it_cannot_read() -> None:
+    """The weights table is checked as it is built (shapes, layout, one dtype) and as the kernel reads it
+    (its width, slots in range, each projection's columns inside y): a clear error, never a wild read."""
+    from worker.engine.model.kernels.cpu_kernel import paged_decode_available
+    from worker.engine.model.lora import LoraWeights, weights_table
+
+    if not paged_decode_available():
+        pytest.skip("the CPU kernels are not built here")
+    a, b = torch.randn(4, 32), torch.randn(48, 4)
+    good = LoraWeights(a, b, 1.0, b.T.contiguous())
+    with pytest.raises(ValueError, match="fitting the projection"):
+        weights_table([good], [0, 40])  # B's 48 columns against a 40-column projection
+    with pytest.raises(ValueError, match="contiguous"):
+        weights_table([LoraWeights(a, b, 1.0)], [0, 48])  # B.T as it comes: not contiguous
+    with pytest.raises(ValueError, match="one dtype"):
+        weights_table([good, LoraWeights(a.double(), b, 1.0, b.T.contiguous().double())], [0, 48])
+    table = weights_table([good], [0, 48])
+    y, x, op = torch.zeros(2, 48), torch.randn(2, 32), torch.ops.inflightq.lora_rows
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        op(y, x, torch.tensor([0, 1]), table.table, [0, 48], table.dtype)
+    with pytest.raises(RuntimeError, match="inside y"):
+        op(y, x, torch.tensor([0, -1]), table.table, [0, 64], table.dtype)
+    with pytest.raises(RuntimeError, match="weights table"):
+        op(y, x, torch.tensor([0, -1]), table.table[:, :4].contiguous(), [0, 48], table.dtype)
+    with pytest.raises(RuntimeError, match="fp32 or y's dtype"):
+        op(y, x, torch.tensor([0, -1]), table.table, [0, 48], torch.bfloat16)
+    op(y, x, torch.tensor([0, -1]), table.table, [0, 48], table.dtype)
+    torch.testing.assert_close(y[0], b @ (a @ x[0]))
+    assert torch.equal(y[1], torch.zeros(48))
+    wide = torch.zeros(2, 64)  # y a column slice (strided): computed apart and written back in place
+    op(wide[:, 8:56], x, torch.tensor([0, -1]), table.table, [0, 48], table.dtype)
+    torch.testing.assert_close(wide[0, 8:56], y[0])
+    assert not wide[:, :8].any() and not wide[:, 56:].any() and not wide[1].any()

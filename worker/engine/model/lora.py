@@ -165,6 +165,44 @@ def read_adapter(path: str | Path, targets: dict[str, nn.Linear]) -> tuple[dict[
     return config, layers
 
 
+@dataclass(frozen=True)
+class WeightsTable:
+    """``lora_rows``' weights for one projection group and one set of adapters: per adapter and projection
+    the addresses of A and B transposed, the rank, whether B is tiled and the scale (int64 [S * P, 5]), with
+    the tensors it points into held here, so they live as long as the table."""
+
+    table: torch.Tensor
+    dtype: torch.dtype  # the weights': fp32 or the model's
+    held: tuple[torch.Tensor, ...]
+
+
+def weights_table(weights: Sequence[LoraWeights | None], bounds: Sequence[int]) -> WeightsTable:
+    """The table of ``weights`` (slot-major: adapter s's projection p at s * P + p, None where it leaves p
+    out), each projection p's output at columns ``bounds[2p]:bounds[2p+1]``; checks what the kernel trusts:
+    one dtype, contiguous A [r, in] of one ``in``, Bt [r, out] or tiled [out/16, r, 16] of p's width."""
+    groups = len(bounds) // 2
+    present = [w for w in weights if w is not None]
+    dtype, width_in = present[0].a.dtype, present[0].a.shape[1]
+    rows: list[list[int]] = []
+    held: list[torch.Tensor] = []
+    for i, w in enumerate(weights):
+        if w is None:
+            rows.append([0, 0, 0, 0, 0])
+            continue
+        out, a, bt = bounds[2 * (i % groups) + 1] - bounds[2 * (i % groups)], w.a, w.bt
+        rank = a.shape[0]
+        tiled = bt.dim() == 3
+        fits = bt.shape == ((out // 16, rank, 16) if tiled else (rank, out))
+        if a.dtype != dtype or bt.dtype != dtype or a.device.type != "cpu" or bt.device.type != "cpu":
+            raise ValueError("lora_rows' weights are CPU tensors of one dtype")
+        if a.dim() != 2 or a.shape[1] != width_in or not fits or not a.is_contiguous() or not bt.is_contiguous():
+            raise ValueError("lora_rows' weights are contiguous A [r, in] and B transposed fitting the projection")
+        scale_bits = int(torch.tensor(w.scale, dtype=torch.float32).view(torch.int32))
+        rows.append([a.data_ptr(), bt.data_ptr(), rank, int(tiled), scale_bits])
+        held += [a, bt]
+    return WeightsTable(torch.tensor(rows, dtype=torch.long), dtype, tuple(held))
+
+
 class LoraStep:
     """One step's rows grouped by adapter: ``entries`` is the runner's row layout, each entry
     (first row, rows, adapter or None) in the flattened batch's order."""
@@ -175,7 +213,7 @@ class LoraStep:
         combination: Callable[..., Any],
         compute_dtype: torch.dtype,
         name_of: dict[int, str] | None = None,
-        kernel: Callable[[tuple[str, ...], list[Adapter]], Any] | None = None,
+        kernel: Callable[[tuple[str, ...], tuple[int, ...], list[Adapter]], Any] | None = None,
         sibling_keys: dict[int, tuple[Any, tuple[str, ...], tuple[int, ...]]] | None = None,
     ) -> None:
         self.compute_dtype = compute_dtype
@@ -191,7 +229,7 @@ class LoraStep:
         for _, n, a in entries:
             slots += [slot_of[a.key] if a is not None else -1] * n
         self.slots = torch.tensor(slots, dtype=torch.long)
-        self._lists: dict[tuple[str, ...], Any] = {}
+        self._tables: dict[tuple[str, ...], WeightsTable | bool] = {}
         # Single-row entries (decodes) go through the grouped op; longer ones (prefill chunks) one by one.
         singles = [(row, adapter) for row, n, adapter in entries if n == 1 and adapter is not None]
         self.chunks = [(row, row + n, adapter) for row, n, adapter in entries if n > 1 and adapter is not None]
@@ -209,23 +247,26 @@ class LoraStep:
             self._single_adapters = [a for _, a in singles]
 
     def kernel_applies(self, x: torch.Tensor) -> bool:
-        return self.kernel is not None and x.dtype in KERNEL_DTYPES and x.device.type == "cpu"
+        # The set gives a kernel only on the CPU (AdapterSet.kernel): the dtype is what is left to check.
+        return self.kernel is not None and x.dtype in KERNEL_DTYPES
 
     def apply_kernel(
         self, names: tuple[str, ...], bounds: tuple[int, ...], x: torch.Tensor, y: torch.Tensor
     ) -> torch.Tensor:
         """``y`` (the projections ``names``' outputs for ``x``, each at its columns ``bounds[2p]:bounds[2p+1]``)
         with every row's delta added in place by the ``lora_rows`` kernel (``kernel_applies`` says where)."""
-        lists = self._lists.get(names)
-        if lists is None:
+        found = self._tables.get(names)
+        if found is None:
             assert self.kernel is not None
-            lists = self._lists[names] = self.kernel(names, self.adapters)
-        if lists is False:  # no adapter of the step targets these projections
+            found = self._tables[names] = self.kernel(names, bounds, self.adapters)
+        if found is False:  # no adapter of the step targets these projections
             return y
-        a, bt, scales = lists
-        y2 = y.view(-1, y.shape[-1]) if y.is_contiguous() else y.reshape(-1, y.shape[-1]).contiguous()
-        torch.ops.inflightq.lora_rows(y2, x.reshape(-1, x.shape[-1]).contiguous(), self.slots, a, bt, scales, bounds)
-        return y2.view(y.shape)
+        if y.dim() == 2 and x.dim() == 2:  # the fused layers' rows: no reshaping on the path of every call
+            torch.ops.inflightq.lora_rows(y, x, self.slots, found.table, bounds, found.dtype)
+            return y
+        y2 = y.reshape(-1, y.shape[-1])
+        torch.ops.inflightq.lora_rows(y2, x.reshape(-1, x.shape[-1]), self.slots, found.table, bounds, found.dtype)
+        return y if y2.data_ptr() == y.data_ptr() else y.copy_(y2.view(y.shape))  # reshape viewed y, or copied it
 
     def __call__(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base layer's output for ``x``) with the adapters' deltas of layer ``name`` added."""
@@ -262,6 +303,14 @@ class LoraStep:
 
     def module(self, linear: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``__call__`` for the layer ``linear`` (a fused decoder layer's projection, which knows the module)."""
+        if self.kernel_applies(x):
+            found = self.sibling_keys.get(id(linear))
+            if found is None or found[0] is not linear:
+                name = self.name_of.get(id(linear))
+                if name is None:
+                    return y
+                found = self.sibling_keys[id(linear)] = (linear, (name,), (0, y.shape[-1]))
+            return self.apply_kernel(found[1], found[2], x, y)
         name = self.name_of.get(id(linear))
         return y if name is None else self(name, x, y)
 
@@ -458,7 +507,7 @@ class AdapterSet:
             return None
         with self._lock:
             grouped = [(row, n, self._adapters[key] if key is not None else None) for row, n, key in entries]
-        kernel = self._kernel_lists if self.kernel_built() else None
+        kernel = self._kernel_table if self.kernel_built() else None
         return LoraStep(grouped, self._combination, self.compute_dtype, self.name_of, kernel, self._sibling_keys)
 
     def kernel_built(self) -> bool:
@@ -482,24 +531,17 @@ class AdapterSet:
             self._last_layers = (adapters, layers)
         return layers
 
-    def _kernel_lists(self, names: tuple[str, ...], adapters: list[Adapter]) -> Any:
-        """``lora_rows``' weight lists for the projections ``names`` and the step's ``adapters`` (slot-major:
-        A [r, in], B transposed [r, out] and the scale of adapter s's projection p at s * len(names) + p; empty
-        tensors where an adapter leaves a projection out), or False where none of them targets any; kept per
-        set of adapters like the torch path's concatenations."""
+    def _kernel_table(
+        self, names: tuple[str, ...], bounds: tuple[int, ...], adapters: list[Adapter]
+    ) -> WeightsTable | bool:
+        """``lora_rows``' weights table for the projections ``names`` (at columns ``bounds``) and the step's
+        ``adapters`` (row s * len(names) + p: adapter s's projection p), or False where none of them targets
+        any; kept per set of adapters like the torch path's concatenations."""
         layers = self._layers_of(adapters)
         found = layers.get(names)
         if found is None:
-            empty = torch.empty(0, device=self.device, dtype=torch.float32)
             weights = [a.layers.get(name) for a in adapters for name in names]
-            if all(w is None for w in weights):
-                found = False
-            else:
-                found = (
-                    [w.a if w is not None else empty for w in weights],
-                    [w.bt if w is not None else empty for w in weights],
-                    [w.scale if w is not None else 0.0 for w in weights],
-                )
+            found = False if all(w is None for w in weights) else weights_table(weights, bounds)
             layers[names] = found
         return found
 

@@ -1,15 +1,21 @@
 // A step's LoRA deltas for one projection group (q/k/v, o, gate/up or down) as one op: each row with
 // its own adapter's A and B, rows of several adapters and of none in one call.
 //
-//   lora_rows(y, x, slots, a, bt, scales, bounds): for each row i with slots[i] = s >= 0 and each
-//   projection p of the group (its columns bounds[2p]:bounds[2p+1] of y), with A = a[s*P+p] [r, in]
-//   and Bt = bt[s*P+p] [r, out_p] (B transposed; fp32 or y's dtype, an empty tensor where the adapter
-//   leaves p out; the sums in fp32 either way):
-//     y[i, lo:hi] += narrow((Bt.T @ (A @ x[i])) * scales[s*P+p])
+//   lora_rows(y, x, slots, table, bounds, weights_dtype): for each row i with slots[i] = s >= 0 and
+//   each projection p of the group (its columns bounds[2p]:bounds[2p+1] of y), with the weights of
+//   table row s*P+p: A [r, in] and Bt [r, out_p] (B transposed; of weights_dtype, fp32 or y's dtype;
+//   the sums in fp32 either way) and its scale:
+//     y[i, lo:hi] += narrow((Bt.T @ (A @ x[i])) * scale)
 //   in place, in PEFT's order (B(Ax), then the scale), the delta rounded to y's dtype before the add
 //   as lora.py's torch path rounds it. Rows with slot -1 are left alone. Bt may come tiled,
 //   [out/16, r, 16] (16 columns of every rank row after another), which the vector path reads as one
 //   stream where [r, out] is r streams.
+//
+// The table is int64 [adapters * P, 5]: A's address (0 where the adapter leaves p out), Bt's address,
+// r, 1 where Bt is tiled, and the scale's fp32 bits. lora.py builds it from the adapters' tensors and
+// holds them while a step may call this, checking their shapes, dtype and layout as it builds. A
+// table instead of lists of tensors because a decode step calls this four times a layer, and turning
+// the lists into C++ arguments cost more than the arithmetic at a few rows.
 //
 // The rows of each adapter are taken together, in blocks: a block reads its adapter's r x (in + out)
 // weights once for all its rows, and no row touches another adapter's. The torch alternatives (a mask
@@ -26,6 +32,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -33,6 +40,7 @@ namespace {
 
 using namespace inflightq_rounding;
 
+constexpr int64_t TABLE_WIDTH = 5;  // int64s per row of the weights table: A, Bt, rank, tiled, scale's bits
 constexpr int64_t BLOCK_ROWS = 8;        // rows of one adapter whose deltas one task computes together
 constexpr int64_t SERIAL_MACS = 1 << 16;  // below this much arithmetic in a call, one thread (no fork/join)
 // How far ahead of its reads the vector path asks for an adapter's weights: a block streams a few KB
@@ -199,15 +207,31 @@ bool lora_block_avx512(c10::BFloat16* y, int64_t width, const c10::BFloat16* x, 
 }
 #endif
 
+// One adapter's weights for one projection, as a row of the table lora.py builds (five int64s).
+struct Weights {
+  const void* a;   // A [r, in], contiguous; null where the adapter leaves the projection out
+  const void* bt;  // B transposed, contiguous: [r, out], or tiled [out/16, r, 16]
+  int64_t r;
+  bool tiled;
+  float scale;
+};
+
+Weights weights_at(const int64_t* row) {
+  float scale;
+  const auto bits = static_cast<uint32_t>(row[4]);
+  std::memcpy(&scale, &bits, sizeof scale);
+  return {reinterpret_cast<const void*>(row[0]), reinterpret_cast<const void*>(row[1]), row[2], row[3] != 0, scale};
+}
+
 struct Task {
-  int64_t weights;  // index into the lists: slot * groups + projection
+  int64_t weights;  // the table's row: slot * groups + projection
   int64_t first;    // the block's first entry in `order`
   int64_t n;        // its rows
 };
 
 template <typename scalar_t, typename weight_t>
-void run(at::Tensor& y, const at::Tensor& x, const int64_t* slot, at::TensorList a, at::TensorList bt,
-         at::ArrayRef<double> scales, at::IntArrayRef bounds, int64_t groups, int64_t adapters) {
+void run(at::Tensor& y, const at::Tensor& x, const int64_t* slot, const int64_t* table, at::IntArrayRef bounds,
+         int64_t groups, int64_t adapters) {
   const int64_t rows = y.size(0), in = x.size(1), width = y.size(1);
   // The rows of each adapter, together (a counting sort by slot), cut into blocks per projection.
   std::vector<int64_t> start(adapters + 1, 0), order(rows);
@@ -220,13 +244,15 @@ void run(at::Tensor& y, const at::Tensor& x, const int64_t* slot, at::TensorList
   std::vector<Task> tasks;
   int64_t macs = 0;
   for (int64_t s = 0; s < adapters; ++s) {
+    if (start[s] == start[s + 1]) continue;
     for (int64_t p = 0; p < groups; ++p) {
-      const at::Tensor& wa = a[s * groups + p];
-      if (wa.numel() == 0) continue;
+      const int64_t w = s * groups + p;
+      if (table[w * TABLE_WIDTH] == 0) continue;
+      const int64_t r = table[w * TABLE_WIDTH + 2], out = bounds[2 * p + 1] - bounds[2 * p];
       for (int64_t first = start[s]; first < start[s + 1]; first += BLOCK_ROWS) {
         const int64_t n = std::min(BLOCK_ROWS, start[s + 1] - first);
-        tasks.push_back({s * groups + p, first, n});
-        macs += n * wa.numel() + n * bt[s * groups + p].numel();  // r x in, then r x out
+        tasks.push_back({w, first, n});
+        macs += n * r * (in + out);
       }
     }
   }
@@ -238,66 +264,64 @@ void run(at::Tensor& y, const at::Tensor& x, const int64_t* slot, at::TensorList
     for (int64_t k = begin; k < end; ++k) {
       const Task& task = tasks[k];
       const int64_t p = task.weights % groups;
-      const at::Tensor& wa = a[task.weights];
-      const at::Tensor& wb = bt[task.weights];
+      const Weights wt = weights_at(table + task.weights * TABLE_WIDTH);
+      const auto* a = static_cast<const weight_t*>(wt.a);
+      const auto* bt = static_cast<const weight_t*>(wt.bt);
       const int64_t* block = order.data() + task.first;
-      const float scale = static_cast<float>(scales[task.weights]);
-      const bool tiled = wb.dim() == 3;
-      const int64_t r = wa.size(0), out = tiled ? wb.size(0) * 16 : wb.size(1);
+      const int64_t out = bounds[2 * p + 1] - bounds[2 * p];
 #if defined(__AVX512F__) && defined(__AVX512BW__)
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-        if (lora_block_avx512<weight_t>(yp + bounds[2 * p], width, xp, in, block, task.n, wa.const_data_ptr<weight_t>(),
-                                        wb.const_data_ptr<weight_t>(), tiled, r, out, scale, xs, t))
+        if (lora_block_avx512<weight_t>(yp + bounds[2 * p], width, xp, in, block, task.n, a, bt, wt.tiled, wt.r, out,
+                                        wt.scale, xs, t))
           continue;
       }
 #endif
-      lora_block<scalar_t, weight_t>(yp + bounds[2 * p], width, xp, in, block, task.n, wa.const_data_ptr<weight_t>(),
-                                     wb.const_data_ptr<weight_t>(), tiled, r, out, scale, xs, w, t, d);
+      lora_block<scalar_t, weight_t>(yp + bounds[2 * p], width, xp, in, block, task.n, a, bt, wt.tiled, wt.r, out,
+                                     wt.scale, xs, w, t, d);
     }
   });
 }
 
-void lora_rows(at::Tensor y, const at::Tensor& x, const at::Tensor& slots, at::TensorList a, at::TensorList bt,
-               at::ArrayRef<double> scales, at::IntArrayRef bounds) {
-  TORCH_CHECK(y.device().is_cpu() && x.device().is_cpu(), "lora_rows runs on CPU tensors");
-  TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && y.is_contiguous() && x.is_contiguous(), "lora_rows: 2-D contiguous y, x");
+void lora_rows(at::Tensor y_in, const at::Tensor& x_in, const at::Tensor& slots, const at::Tensor& table,
+               at::IntArrayRef bounds, at::ScalarType weights_dtype) {
+  TORCH_CHECK(y_in.device().is_cpu() && x_in.device().is_cpu(), "lora_rows runs on CPU tensors");
+  TORCH_CHECK(y_in.dim() == 2 && x_in.dim() == 2, "lora_rows: 2-D y, x");
+  // Strided y (a column slice) is computed in a contiguous copy and written back.
+  at::Tensor y = y_in.is_contiguous() ? y_in : y_in.contiguous();
+  const at::Tensor x = x_in.contiguous();
   TORCH_CHECK(y.scalar_type() == x.scalar_type(), "lora_rows: y and x of one dtype");
-  const int64_t rows = y.size(0), in = x.size(1), width = y.size(1);
-  TORCH_CHECK(x.size(0) == rows && slots.numel() == rows && slots.scalar_type() == at::kLong, "lora_rows: slots");
+  const int64_t rows = y.size(0), width = y.size(1);
+  TORCH_CHECK(x.size(0) == rows && slots.numel() == rows && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "lora_rows: slots");
   TORCH_CHECK(bounds.size() % 2 == 0 && bounds.size() > 0, "lora_rows: bounds are lo, hi per projection");
   const int64_t groups = static_cast<int64_t>(bounds.size()) / 2;
-  TORCH_CHECK(a.size() == bt.size() && a.size() == scales.size() && a.size() % groups == 0, "lora_rows: lists");
-  const int64_t adapters = static_cast<int64_t>(a.size()) / groups;
-  at::ScalarType weight_dtype = at::ScalarType::Undefined;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (a[i].numel() == 0) continue;
-    const int64_t p = static_cast<int64_t>(i) % groups;
-    TORCH_CHECK(a[i].scalar_type() == bt[i].scalar_type() &&
-                    (a[i].scalar_type() == at::kFloat || a[i].scalar_type() == y.scalar_type()),
-                "lora_rows: A and Bt in fp32 or y's dtype");
-    if (weight_dtype == at::ScalarType::Undefined) weight_dtype = a[i].scalar_type();
-    TORCH_CHECK(a[i].scalar_type() == weight_dtype, "lora_rows: every A and Bt of one dtype");
-    TORCH_CHECK(a[i].is_contiguous() && bt[i].is_contiguous(), "lora_rows: contiguous A, Bt");
-    const int64_t out = bounds[2 * p + 1] - bounds[2 * p], r = a[i].size(0);
-    const bool plain = bt[i].dim() == 2 && bt[i].size(0) == r && bt[i].size(1) == out;
-    const bool tiled = bt[i].dim() == 3 && bt[i].size(0) * 16 == out && bt[i].size(1) == r && bt[i].size(2) == 16;
-    TORCH_CHECK(a[i].dim() == 2 && a[i].size(1) == in && (plain || tiled) && bounds[2 * p + 1] <= width,
-                "lora_rows: A [r, in] and Bt [r, out] (or tiled [out/16, r, 16]) fit the row and the projection's columns");
-  }
+  for (int64_t p = 0; p < groups; ++p)
+    TORCH_CHECK(0 <= bounds[2 * p] && bounds[2 * p] < bounds[2 * p + 1] && bounds[2 * p + 1] <= width,
+                "lora_rows: each projection's columns inside y");
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == TABLE_WIDTH &&
+                  table.is_contiguous() && table.size(0) % groups == 0,
+              "lora_rows: the weights table is int64 [adapters * projections, 5]");
+  TORCH_CHECK(weights_dtype == at::kFloat || weights_dtype == y.scalar_type(), "lora_rows: weights in fp32 or y's dtype");
+  const int64_t adapters = table.size(0) / groups;
+  const int64_t* tp = table.const_data_ptr<int64_t>();
+  for (int64_t w = 0; w < table.size(0); ++w)
+    TORCH_CHECK(tp[w * TABLE_WIDTH] == 0 || (tp[w * TABLE_WIDTH + 1] != 0 && tp[w * TABLE_WIDTH + 2] > 0),
+                "lora_rows: a table row with A has Bt and a rank");
   const int64_t* slot = slots.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < rows; ++i) TORCH_CHECK(slot[i] < adapters, "lora_rows: slot out of range");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, y.scalar_type(), "lora_rows", [&] {
-    if (weight_dtype == at::kFloat || weight_dtype == at::ScalarType::Undefined) {
-      run<scalar_t, float>(y, x, slot, a, bt, scales, bounds, groups, adapters);
+    if (weights_dtype == at::kFloat) {
+      run<scalar_t, float>(y, x, slot, tp, bounds, groups, adapters);
     } else {
-      run<scalar_t, scalar_t>(y, x, slot, a, bt, scales, bounds, groups, adapters);
+      run<scalar_t, scalar_t>(y, x, slot, tp, bounds, groups, adapters);
     }
   });
+  if (!y.is_same(y_in)) y_in.copy_(y);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inflightq, m) {
-  m.def("lora_rows(Tensor(a!) y, Tensor x, Tensor slots, Tensor[] a, Tensor[] bt, float[] scales, int[] bounds) -> ()");
+  m.def("lora_rows(Tensor(a!) y, Tensor x, Tensor slots, Tensor table, int[] bounds, ScalarType weights_dtype) -> ()");
   m.impl("lora_rows", c10::DispatchKey::CPU, TORCH_FN(lora_rows));
 }
