@@ -79,6 +79,7 @@ def tiny_llm(
     *,
     decode_rows: int = 0,
     enable_prefix_caching: bool = True,
+    max_loras: int = 0,
 ) -> LLM:
     """The tiny Llama in ``dtype`` in an ``LLM`` on the CPU kernels; ``decode_rows``: bf16 matmuls of up to
     that many rows on decode_linear (and decode steps' layers as one op), as on an AVX-512 CPU."""
@@ -89,6 +90,8 @@ def tiny_llm(
         monkeypatch.setattr(model_runner, "decode_copy_fits", lambda model, available: True)
     model, tokenizer = load_model(str(tiny_model_dir), dtype, "cpu")
     llm = LLM.__new__(LLM)
-    config = EngineConfig(num_kv_blocks=256, block_size=4, enable_prefix_caching=enable_prefix_caching)
+    config = EngineConfig(
+        num_kv_blocks=256, block_size=4, enable_prefix_caching=enable_prefix_caching, max_loras=max_loras
+    )
     llm.engine, llm._next_id = LLMEngine(model, tokenizer, config), 0
     return llm

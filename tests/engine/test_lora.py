@@ -359,3 +359,40 @@ def test_the_lora_rows_kernel_refuses_what_it_cannot_read() -> None:
     op(wide[:, 8:56], x, torch.tensor([0, -1]), table.table, [0, 48], table.dtype)
     torch.testing.assert_close(wide[0, 8:56], y[0])
     assert not wide[:, :8].any() and not wide[:, 56:].any() and not wide[1].any()
+
+
+def test_a_decode_step_with_adapter_rows_runs_all_layers_as_one_op_with_the_same_values(
+    tiny_model_dir: Path, adapters: dict[str, LoRARequest], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 on decode_linear (up to 4 rows): decode steps with rows of several adapters and of none run every
+    layer in one decode_layers call, which adds each projection group's deltas after its matmul as the layers
+    one by one do: the same logprobs to the last bit. The adapters target different projections (one leaves
+    the attention's out, one the MLP's), so some tables are empty; with only such an adapter's rows nothing
+    is added to those groups."""
+    from tests.engine.conftest import tiny_llm
+    from worker.engine.model.kernels.cpu_kernel import paged_decode_available
+
+    if not paged_decode_available():
+        pytest.skip("the CPU kernels are not built here")
+    llm = tiny_llm(tiny_model_dir, torch.bfloat16, monkeypatch, decode_rows=4, max_loras=4)
+    decode_forward = llm.engine.runner.decode_forward
+    assert decode_forward is not None and decode_forward.all_layers is not None
+    params = SamplingParams(max_new_tokens=8, logprobs=3)
+    batch = prompts(4, seed=5)
+    cases: dict[str, list[str | None]] = {"mixed": ["all", None, "attn", "mlp"], "one": ["attn"], "mlp": ["mlp"]}
+    results = {}
+    for enabled in (True, False):
+        decode_forward.all_layers.enabled = enabled
+        for case, names in cases.items():
+            requests = [adapters[n] if n else None for n in names]
+            with torch.profiler.profile() as prof:
+                outs = llm.generate(batch[: len(names)], params, lora_request=requests)
+            counts = {e.key: e.count for e in prof.key_averages()}
+            assert counts.get("inflightq::decode_layers", 0) == (7 if enabled else 0), (case, counts)
+            results[enabled, case] = [(o.token_ids, o.logprobs, o.top_logprobs) for o in outs]
+    decode_forward.all_layers.enabled = True
+    for case in cases:
+        assert results[True, case] == results[False, case], case
+    base = llm.generate(batch[:1], params)[0]
+    assert (base.token_ids, base.logprobs) != results[True, "one"][0][:2]  # the adapter changed what was computed
+    assert llm.engine.num_free_blocks == llm.engine.num_total_blocks

@@ -194,14 +194,15 @@ class FusedDecoderLayer:
             down = lora.module(self.lora_down, activated, down)
         return residual + down
 
-    def _one_op_applies(self, meta: Any, hidden_states: torch.Tensor) -> bool:
+    def _one_op_applies(self, meta: Any, hidden_states: torch.Tensor, lora_ok: bool = False) -> bool:
         """A decode-only step on the CPU kernel backend whose every matmul goes to decode_linear
-        (the PackedLinear's own test: its laid-out weight, at most its rows)."""
+        (the PackedLinear's own test: its laid-out weight, at most its rows); with LoRA rows only where
+        the caller adds their deltas (``lora_ok``: DecodeLayers does, decode_layer does not)."""
         return (
             self.one_op
             and bool(self.packed)
             and not meta.prefills
-            and meta.lora is None
+            and (meta.lora is None or lora_ok)
             and isinstance(meta.backend, CpuKernelAttentionBackend)
             and hidden_states.numel() <= self.one_op_rows * hidden_states.shape[-1]
             and all(p.laid_out is not None for p in self.packed)
@@ -273,6 +274,14 @@ class DecodeLayers:
         self.out_features = [column[0].out_features for column in self.columns]
         self.in_weights = [layer.in_weight for layer in layers]
         self.post_weights = [layer.post_weight for layer in layers]
+        # Per layer, its four projection groups as LoRA names them (module, columns lo:hi): a step with
+        # adapter rows passes their weights tables, every layer's stacked (LoraStep.stacked_tables).
+        self.lora_groups = [
+            [layer.lora_qkv, [(layer.lora_o, 0, o_out)], layer.lora_gate_up, [(layer.lora_down, 0, down_out)]]
+            for layer, o_out, down_out in (
+                (layer, layer.packed[1].out_features, layer.packed[3].out_features) for layer in layers
+            )
+        ]
         self.enabled = True  # bench.step_ab turns it off in place to measure what it saves
 
     @classmethod
@@ -293,7 +302,17 @@ class DecodeLayers:
         """The last layer's output, or None where any layer's one op does not apply (the caller then
         runs the layers one by one)."""
         first = self.layers[0]
-        if not self.enabled or not first._one_op_applies(meta, hidden):  # the step's conditions, and layer 0's
+        lora: dict[str, Any] = {}
+        if meta.lora is not None:  # a step with adapter rows: their deltas after each group's matmul, in C++ too
+            stacked = meta.lora.stacked_tables(self.lora_groups) if meta.lora.kernel_applies(hidden) else None
+            if stacked is None:
+                return None
+            if stacked is not False:  # False: no adapter of the step targets any of these projections
+                tables, (qkv_bounds, gate_up_bounds), dtype = stacked
+                lora = dict(zip(("lora_qkv", "lora_o", "lora_gate_up", "lora_down"), tables, strict=True))
+                lora.update(lora_slots=meta.lora.slots, lora_qkv_bounds=qkv_bounds,
+                            lora_gate_up_bounds=gate_up_bounds, lora_dtype=dtype)  # fmt: skip
+        if not self.enabled or not first._one_op_applies(meta, hidden, lora_ok=True):  # the step's, and layer 0's
             return None
         layers = self.layers
         if not all(layer.one_op for layer in layers):
@@ -313,4 +332,5 @@ class DecodeLayers:
             self.post_weights, first.post_eps,
             weights[2], self.biases[2], gate_up,
             weights[3], self.biases[3], down,
+            **lora,
         )  # fmt: skip

@@ -215,6 +215,7 @@ class LoraStep:
         name_of: dict[int, str] | None = None,
         kernel: Callable[[tuple[str, ...], tuple[int, ...], list[Adapter]], Any] | None = None,
         sibling_keys: dict[int, tuple[Any, tuple[str, ...], tuple[int, ...]]] | None = None,
+        stack: Callable[[Any, list[Adapter]], Any] | None = None,
     ) -> None:
         self.compute_dtype = compute_dtype
         self.name_of = name_of or {}  # id of a target linear -> its name
@@ -223,6 +224,7 @@ class LoraStep:
         self.num_rows = sum(n for _, n, _ in entries)
         # The kernel's layout: every adapter of the step, and each row's slot among them (-1: none).
         self.kernel = kernel
+        self._stack = stack
         self.adapters = list({a.key: a for _, _, a in entries if a is not None}.values())
         slot_of = {a.key: i for i, a in enumerate(self.adapters)}
         slots: list[int] = []
@@ -267,6 +269,17 @@ class LoraStep:
         y2 = y.reshape(-1, y.shape[-1])
         torch.ops.inflightq.lora_rows(y2, x.reshape(-1, x.shape[-1]), self.slots, found.table, bounds, found.dtype)
         return y if y2.data_ptr() == y.data_ptr() else y.copy_(y2.view(y.shape))  # reshape viewed y, or copied it
+
+    def stacked_tables(
+        self, groups: Any
+    ) -> tuple[list[torch.Tensor], tuple[tuple[int, ...], ...], torch.dtype] | bool | None:
+        """For the one-op decode step (``DecodeLayers``; ``groups``: per layer its four projection groups, each
+        a list of (module, lo, hi)): per group, every layer's weights table stacked [layers, S * P, 5], the q/k/v
+        and gate/up columns (alike in every layer), and the weights' dtype; False where no adapter of the step
+        targets any projection, None where the kernel does not apply."""
+        if self._stack is None:
+            return None
+        return self._stack(groups, self.adapters)
 
     def __call__(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base layer's output for ``x``) with the adapters' deltas of layer ``name`` added."""
@@ -507,8 +520,9 @@ class AdapterSet:
             return None
         with self._lock:
             grouped = [(row, n, self._adapters[key] if key is not None else None) for row, n, key in entries]
-        kernel = self._kernel_table if self.kernel_built() else None
-        return LoraStep(grouped, self._combination, self.compute_dtype, self.name_of, kernel, self._sibling_keys)
+        built = self.kernel_built()
+        kernel, stack = (self._kernel_table, self._kernel_stack) if built else (None, None)
+        return LoraStep(grouped, self._combination, self.compute_dtype, self.name_of, kernel, self._sibling_keys, stack)
 
     def kernel_built(self) -> bool:
         """Whether steps run the lora_rows kernel: it applies here and the CPU kernels' library is loaded."""
@@ -544,6 +558,36 @@ class AdapterSet:
             found = False if all(w is None for w in weights) else weights_table(weights, bounds)
             layers[names] = found
         return found
+
+    def _kernel_stack(self, groups: Any, adapters: list[Adapter]) -> Any:
+        """``LoraStep.stacked_tables`` for ``adapters``, kept per set of adapters (the layers' own tables too)."""
+        layers = self._layers_of(adapters)
+        found = layers.get(("stacked", id(groups)))
+        if found is not None and found[0] is groups:
+            return found[1]
+        per_kind: list[list[WeightsTable | bool]] = [[], [], [], []]
+        bounds: list[set[tuple[int, ...]]] = [set(), set(), set(), set()]
+        for layer in groups:
+            for kind, linears in enumerate(layer):
+                names = tuple(self.name_of.get(id(linear), "") for linear, _, _ in linears)
+                columns = tuple(b for _, lo, hi in linears for b in (lo, hi))
+                per_kind[kind].append(self._kernel_table(names, columns, adapters))
+                bounds[kind].add(columns)
+        present = [t for kind in per_kind for t in kind if isinstance(t, WeightsTable)]
+        result: Any
+        if any(len(b) != 1 for b in bounds) or len({t.dtype for t in present}) > 1:
+            result = None  # layers that differ: the layers one by one
+        elif not present:
+            result = False
+        else:
+            tables = []
+            for kind, per_layer in enumerate(per_kind):
+                width = len(adapters) * (len(next(iter(bounds[kind]))) // 2)
+                absent = torch.zeros(width, 5, dtype=torch.long)
+                tables.append(torch.stack([t.table if isinstance(t, WeightsTable) else absent for t in per_layer]))
+            result = (tables, (next(iter(bounds[0])), next(iter(bounds[2]))), present[0].dtype)
+        layers[("stacked", id(groups))] = (groups, result)  # beside the layers' tables, which hold the weights
+        return result
 
     def _combination(self, name: str, adapters: list[Adapter]) -> tuple[Any, ...] | None:
         layers = self._layers_of(adapters)
