@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -30,7 +31,7 @@ from shared.keys import Keys
 from shared.settings import Settings
 from shared.work_queue import PULL, TENANT_FIELD, WEIGHT_FIELD, pull_args, pull_keys
 from worker.acceptance import Acceptance
-from worker.engine.core.policy import Capacity, EngineLoad, Urgency, arriving, how_many_to_steal, tenant_load
+from worker.engine.core.policy import Capacity, EngineLoad, Urgency, after_waiting, arriving, how_many_to_steal, load_of
 from worker.offer_stats import OfferStats
 from worker.reconnect import ResilientLoop
 from worker.run_state import RunState
@@ -123,11 +124,15 @@ class Intake(ResilientLoop):
             if not waiting:
                 continue
             lengths = [self.acceptance.prompt_length(fields) for _, _, fields, _ in waiting]
-            # As the engine will rank them: their tenant's share and load decide between tenants at a level.
-            urgencies = [self._arriving(priority, load, fields, share) for _, _, fields, share in waiting]
+            # As the engine will rank them: their tenant's share and load decide between tenants at a level,
+            # the load counted once the requests already waiting in the engine have started.
+            settled, counts = after_waiting(load)
+            urgencies = self._arriving(priority, counts, waiting)
             # Fresh: what a more urgent stream just handed over claims its victims.
             in_transit = self.load.in_transit()
-            take = self.capacity.how_many_to_take(load, in_transit, priority, lengths, idle=idle, urgencies=urgencies)
+            take = self.capacity.how_many_to_take(
+                settled, in_transit, priority, lengths, idle=idle, urgencies=urgencies
+            )
             count = take.fit + self._urgent_share(waiting[take.fit : take.total])
             if count:
                 for stream, entry_id, fields, share in self.pull(priority, count, idle=idle, peek=False):
@@ -142,18 +147,24 @@ class Intake(ResilientLoop):
                 return "took" if count else "blocked"
         return "took" if took else "empty"
 
-    def _arriving(self, priority: int, load: EngineLoad, fields: dict[str, str], share: float) -> Urgency:
-        # Fair share off: one tenant for who runs next, as the engine's policy counts them.
-        tenant = fields.get(TENANT_FIELD, "") if self.settings.fair_share else ""
-        share = share if self.settings.fair_share else 0.0
-        try:
-            weight = float(fields.get(WEIGHT_FIELD, "1"))
-        except ValueError:
-            weight = 1.0
-        running = (r.urgency.tenant for r in load.running)
-        return arriving(
-            priority, share=share, tenant=tenant, load=tenant_load(running, tenant, weight, counting_itself=True)
-        )
+    def _arriving(
+        self, priority: int, running: Counter[str], entries: list[tuple[str, str, dict[str, str], float]]
+    ) -> list[Urgency]:
+        """The peeked ``entries``' urgencies: each with its tenant's load counting its tenant's requests in
+        the engine (``running``: ``policy.after_waiting``'s counts), those ahead of it in ``entries``, and itself."""
+        ahead: Counter[str] = Counter()
+        out = []
+        for _, _, fields, share in entries:
+            # Fair share off: one tenant for who runs next, as the engine's policy counts them.
+            tenant = fields.get(TENANT_FIELD, "") if self.settings.fair_share else ""
+            try:
+                weight = float(fields.get(WEIGHT_FIELD, "1"))
+            except ValueError:
+                weight = 1.0
+            load = load_of(running[tenant] + ahead[tenant], weight, counting_itself=True)
+            ahead[tenant] += 1
+            out.append(arriving(priority, share=share if self.settings.fair_share else 0.0, tenant=tenant, load=load))
+        return out
 
     def pull(
         self, priority: int, count: int, *, idle: bool, peek: bool

@@ -9,8 +9,11 @@ from collections.abc import Iterator
 from worker.engine.core.policy import (
     FAIR_DISPLACE_EVERY_STEPS,
     FAIR_MARGIN,
+    EngineLoad,
     Policy,
+    RunningLoad,
     Urgency,
+    after_waiting,
     arriving,
     displaces,
     fair_challenger,
@@ -158,3 +161,22 @@ def test_the_fair_clause_is_symmetric_about_the_weighted_share() -> None:
 
     assert displaces(light(3 + 1), heavy(13)) and not displaces(light(4 + 1), heavy(12))
     assert displaces(heavy(11 + 1), light(5)) and not displaces(heavy(12 + 1), light(4))
+
+
+def test_after_waiting_counts_the_engines_waiting_requests_as_they_will_start() -> None:
+    """Weights 3:1 on 16 slots: a waiting light request takes a heavy one's place while light runs under its
+    share of 4, takes a free slot when there is one, and otherwise waits (counted nowhere yet)."""
+
+    def engine(heavy: int, light: int, waiting: int, slots: int = 16) -> EngineLoad:
+        running = [Urgency(1.0, n, tenant="h", load=heavy / 3, weight=3.0) for n in range(heavy)]
+        running += [Urgency(1.0, 100 + n, tenant="l", load=float(light)) for n in range(light)]
+        queued = tuple(Urgency(1.0, 200 + n, tenant="l") for n in range(waiting))
+        return EngineLoad(16, 4, heavy + light + waiting, 0, tuple(RunningLoad(u, 1) for u in running), queued)
+
+    settled, counts = after_waiting(engine(13, 3, 1))
+    assert counts == {"h": 12, "l": 4}, "displaces one heavy request: light at its share"
+    assert {r.urgency.tenant: r.urgency.load for r in settled.running} == {"h": 4.0, "l": 4.0}
+    assert after_waiting(engine(13, 3, 2))[1] == {"h": 12, "l": 4}, "the second waits: 5 is over the share"
+    assert after_waiting(engine(12, 3, 1))[1] == {"h": 12, "l": 4}, "a free slot"
+    unchanged = engine(12, 4, 0)
+    assert after_waiting(unchanged) == (unchanged, {"h": 12, "l": 4})

@@ -5,6 +5,7 @@ one's by the margin, to displace that one, and nothing else."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -51,3 +52,16 @@ def test_a_full_worker_shared_as_evenly_as_its_slots_allow_takes_nothing(h: Harn
     h.load = full_of("heavy", "light")
     assert h.intake.read_once() == "blocked"
     assert h.taken() == []
+
+
+def test_a_full_worker_counts_the_entry_it_took_to_displace_until_the_engine_has_run_it(h: Harness) -> None:
+    """The engine displaces for fair share once per few steps; meanwhile the entry taken for it waits in the
+    engine. The intake counts it as its tenant's (as if it had taken its place), so a full worker polling in
+    the meantime does not take the light tenant's entries one per poll past its share."""
+    light = [submit(h, "light") for _ in range(2)]
+    h.load = full_of("heavy", "heavy", "heavy")
+    assert h.intake.read_once() == "took" and h.taken() == [light[0]]
+    waiting_light = Urgency(1.0, 3, share=0.0, tenant="light")
+    h.load = replace(full_of("heavy", "heavy", "heavy"), num_seqs=4, waiting=(waiting_light,))
+    assert h.intake.read_once() == "blocked", "light runs 1 of 3 once that entry starts: another would be 2 of 3"
+    assert h.status(light[1]) is RequestStatus.QUEUED

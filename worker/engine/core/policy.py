@@ -51,9 +51,10 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 if TYPE_CHECKING:
@@ -434,6 +435,52 @@ class Capacity:
 
 # A tenant no running request has: what the best entry of a level could displace.
 ANY_OTHER_TENANT = "\x00"
+
+
+def after_waiting(load: EngineLoad) -> tuple[EngineLoad, Counter[str]]:
+    """``load`` as the fair clause will find it once the engine's waiting requests have started: each, in
+    admission order, takes a free slot, or the place of a request of the tenant furthest over its share at
+    its level when the fair clause lets it (``displaces_for_fairness``), or else waits for a slot; the
+    running requests' ``load`` and each tenant's running count (the second part) say so.
+
+    The intake judges an entry against this, not against the running requests alone: the engine
+    displaces for fair share at most once per ``FAIR_DISPLACE_EVERY_STEPS`` steps, so an entry it took to
+    displace waits a few steps, and a full worker that polls meanwhile would otherwise take another entry
+    of the same tenant at each poll (the tenant still looks under its share) until the engine has more of
+    it than its share; the pull charges the tenant for all of them, and it then waits until the others
+    catch up."""
+    running = Counter(r.urgency.tenant for r in load.running)
+    weights = {r.urgency.tenant: _positive(r.urgency.weight) for r in load.running}
+    at_level = {(r.urgency.tenant, level(r.urgency)) for r in load.running}
+    slots = len(load.running)
+    for waiting in sorted(load.waiting):
+        tenant = waiting.tenant
+        weight = weights.setdefault(tenant, _positive(waiting.weight))
+        if slots < load.max_num_seqs:
+            slots += 1
+            running[tenant] += 1
+            continue
+        mine = (running[tenant] + 1) / weight
+        over = [
+            t
+            for t in running
+            if t != tenant
+            and running[t] > 0
+            and (t, level(waiting)) in at_level
+            and mine <= (running[t] - 1) / weights[t] + 1e-9  # the fair clause, as displaces_for_fairness
+        ]
+        if over:
+            taken = max(over, key=lambda t: running[t] / weights[t])
+            running[taken] -= 1
+            running[tenant] += 1
+            at_level.add((tenant, level(waiting)))
+    if not load.waiting:
+        return load, running
+    settled = tuple(
+        RunningLoad(r.urgency._replace(load=running[r.urgency.tenant] / weights[r.urgency.tenant]), r.num_blocks)
+        for r in load.running
+    )
+    return replace(load, running=settled), running
 
 
 def _urgency(running: RunningLoad) -> Urgency:
