@@ -26,6 +26,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -97,23 +98,32 @@ def merge(cells: dict[tuple[int, int], list[dict]], streams_list: list[int], cou
     return merged
 
 
-def base_rows(merged: dict, streams_list: list[int], counts: list[int]) -> list[dict]:
-    """One row per cell: tokens/s and TPOT, each against the base model's cell at the same streams."""
+def base_rows(
+    merged: dict, streams_list: list[int], counts: list[int], cells: dict[tuple[int, int], list[dict]] | None = None
+) -> list[dict]:
+    """One row per cell: tokens/s and TPOT, each against the base model's cell at the same streams; with
+    ``cells`` (each cell's rounds) also each round's tokens/s against the base cell of the same round, and
+    their median: a round the host's other load slowed moves the summed figure, not the median."""
     rows = []
     for streams in streams_list:
-        anchor = merged.get((streams, 0), merged[streams, counts[0]])
+        anchor_count = 0 if (streams, 0) in merged else counts[0]
+        anchor = merged[streams, anchor_count]
         for count in counts:
             tok_s, tpot = merged[streams, count]
-            rows.append(
-                {
-                    "streams": streams,
-                    "adapters": count,
-                    "tok_s": round(tok_s, 2),
-                    "tpot_ms": None if tpot is None else round(tpot, 2),
-                    "throughput_vs_base": _ratio(tok_s, anchor[0]),
-                    "tpot_vs_base": _ratio(tpot, anchor[1]),
-                }
-            )
+            row: dict[str, Any] = {
+                "streams": streams,
+                "adapters": count,
+                "tok_s": round(tok_s, 2),
+                "tpot_ms": None if tpot is None else round(tpot, 2),
+                "throughput_vs_base": _ratio(tok_s, anchor[0]),
+                "tpot_vs_base": _ratio(tpot, anchor[1]),
+            }
+            if cells is not None:
+                pairs = zip(cells[streams, count], cells[streams, anchor_count], strict=True)
+                per_round = [_ratio(c["tokens"] / c["seconds"], b["tokens"] / b["seconds"]) for c, b in pairs]
+                row["throughput_vs_base_rounds"] = per_round
+                row["throughput_vs_base_median"] = statistics.median(r for r in per_round if r is not None)
+            rows.append(row)
     return rows
 
 
@@ -132,7 +142,7 @@ def peer_rows(peer: dict, ours: list[dict], streams_list: list[int], counts: lis
     for cell in peer["cells"]:
         cells.setdefault((cell["streams"], cell["adapters"]), []).append(cell)
     our_tok_s = {(r["streams"], r["adapters"]): r["tok_s"] for r in ours}
-    rows = base_rows(merge(cells, streams_list, counts), streams_list, counts)
+    rows = base_rows(merge(cells, streams_list, counts), streams_list, counts, cells)
     for row in rows:
         row["ours_vs_vllm"] = _ratio(our_tok_s.get((row["streams"], row["adapters"])), row["tok_s"])
     return rows
@@ -286,11 +296,14 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"vLLM: the same cells ({PEER_SCRIPT.name}, up to {args.peer_timeout:.0f} s) ...", file=sys.stderr)
             peer = run_vllm(spec, args.peer_timeout)
             peer["settings"] = {k: v for k, v in spec.items() if k not in ("prompts", "adapters")}
-    print("| streams | adapters | tok/s | x base | TPOT ms | x base |\n|---|---|---|---|---|---|")
-    rows = base_rows(merge(cells, streams_list, counts), streams_list, counts)
+    print("| streams | adapters | tok/s | x base | x base per round: median (min-max) | TPOT ms | x base |")
+    print("|---|---|---|---|---|---|---|")
+    rows = base_rows(merge(cells, streams_list, counts), streams_list, counts, cells)
     for r in rows:
+        rounds = r["throughput_vs_base_rounds"]
         print(
             f"| {r['streams']} | {r['adapters']} | {r['tok_s']:.1f} | {r['throughput_vs_base']:.2f} "
+            f"| {r['throughput_vs_base_median']:.2f} ({min(rounds):.2f}-{max(rounds):.2f}) "
             f"| {r['tpot_ms']:.1f} | {r['tpot_vs_base']:.2f} |"
         )
     results = {"header": header, "rank": args.rank, "max_new_tokens": args.max_new_tokens, "rows": rows}

@@ -47,6 +47,8 @@ def test_peer_rows_merge_rounds_against_the_peers_own_base_and_ours() -> None:
         "tpot_ms": 11.0,
         "throughput_vs_base": 1.0,
         "tpot_vs_base": 1.0,
+        "throughput_vs_base_rounds": [1.0, 1.0],
+        "throughput_vs_base_median": 1.0,
         "ours_vs_vllm": 1.5,
     }
     assert rows[1]["tok_s"] == 60.0 and rows[1]["throughput_vs_base"] == 0.6
@@ -55,3 +57,20 @@ def test_peer_rows_merge_rounds_against_the_peers_own_base_and_ours() -> None:
     table = peer_table(rows)
     assert table.splitlines()[0].startswith("| streams | adapters | vLLM tok/s")
     assert "| 8 | 4 | 60.0 | 0.60 | 20.0 | 1.82 | 2.00 |" in table
+
+
+def test_each_round_is_set_against_the_base_cell_of_the_same_round() -> None:
+    """A round the host's load slowed (the third: every cell at a third of its speed, the adapters' more)
+    moves the summed ratio; the per-round ratios keep the rounds apart and their median stands."""
+    from bench.lora import base_rows, merge
+
+    rounds = [(100.0, 90.0), (110.0, 99.0), (30.0, 12.0)]  # (base, adapters) tok/s per round, 10 s each
+    cells = {
+        (8, 0): [{"tokens": b * 10, "seconds": 10.0, "tok_s": b, "tpot_ms": 1.0} for b, _ in rounds],
+        (8, 16): [{"tokens": a * 10, "seconds": 10.0, "tok_s": a, "tpot_ms": 1.0} for _, a in rounds],
+    }
+    (base, adapters) = base_rows(merge(cells, [8], [0, 16]), [8], [0, 16], cells)
+    assert base["throughput_vs_base_rounds"] == [1.0, 1.0, 1.0]
+    assert adapters["throughput_vs_base_rounds"] == [0.9, 0.9, 0.4]
+    assert adapters["throughput_vs_base_median"] == 0.9
+    assert adapters["throughput_vs_base"] == round(201 / 240, 3)  # the sums: the slow round counts
