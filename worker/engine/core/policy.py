@@ -446,11 +446,11 @@ def after_waiting(load: EngineLoad) -> tuple[EngineLoad, Counter[str]]:
     running requests' ``load`` and each tenant's running count (the second part) say so.
 
     The intake judges an entry against this, not against the running requests alone: the engine
-    displaces for fair share at most once per ``FAIR_DISPLACE_EVERY_STEPS`` steps while the worker polls
-    several times a step, so an entry it took to displace may wait, and a full worker that polls meanwhile
-    would otherwise take another entry of the same tenant at each poll (the tenant still looks under its
-    share) until the engine has more of it than its share; the pull charges the tenant for all of them,
-    and it then waits until the others catch up."""
+    displaces for fair share at most once per ``FAIR_DISPLACE_EVERY_STEPS`` steps and polls several times
+    a step, so an entry it took to displace may wait, and a full worker that polls meanwhile would otherwise take another entry
+    of the same tenant at each poll (the tenant still looks under its share) until the engine has more of
+    it than its share; the pull charges the tenant for all of them, and it then waits until the others
+    catch up."""
     running = Counter(r.urgency.tenant for r in load.running)
     weights = {r.urgency.tenant: _positive(r.urgency.weight) for r in load.running}
     at_level = {(r.urgency.tenant, level(r.urgency)) for r in load.running}
