@@ -365,7 +365,7 @@ def test_with_fair_share_off_tenants_are_not_told_apart(make_engine: Any) -> Non
     assert {s.request_id for s in engine.scheduler.running} == {"heavy-1", "heavy-2"}
 
 
-def test_fair_displacement_needs_a_margin_and_one_a_step(make_engine: Any) -> None:
+def test_fair_displacement_needs_a_margin_and_a_few_steps_between(make_engine: Any) -> None:
     engine = make_engine(max_num_seqs=3)
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     for n in range(3):
@@ -382,11 +382,6 @@ def test_fair_displacement_needs_a_margin_and_one_a_step(make_engine: Any) -> No
     assert engine.stats.preemptions_by_reason["fair_share"] == 1, "one displacement in a step"
     assert "a-2" not in {s.request_id for s in engine.scheduler.running}, "the victim: a's least urgent"
     engine.step()
-    assert engine.stats.preemptions_by_reason["fair_share"] == 2, "the next step, the next light tenant"
-    running = {s.request_id for s in engine.scheduler.running}
-    assert {"c-1", "d-1"} <= running and "a-1" not in running
-    for _ in range(3):
-        engine.step()
-    # a runs one, as c and d do: nobody is under its share by a whole request, b's 1 / 0.4 over the others'
-    assert engine.stats.preemptions_by_reason["fair_share"] == 2, "no more displacements: the shares are even"
+    engine.step()
+    assert engine.stats.preemptions_by_reason["fair_share"] == 1, "not again within FAIR_DISPLACE_EVERY_STEPS"
     run_to_end(engine)

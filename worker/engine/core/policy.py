@@ -151,10 +151,8 @@ def displaces(challenger: Urgency, holder: Urgency) -> bool:
 # How far under the holder's tenant (requests running per weight) the challenger's must still be
 # after the swap: 0, the least that never inverts the two (one slot apart is as fair as slots allow).
 FAIR_MARGIN = 0.0
-# The engine displaces for fair share at most once per this many steps. One: the clause never lets the
-# displaced tenant displace back and each request is displaced once, so the count of displacements is set
-# by the imbalance, not by this pace; a slower pace only keeps a light tenant's burst waiting its turn.
-FAIR_DISPLACE_EVERY_STEPS = 1
+# The engine displaces for fair share at most once per this many steps: each costs a recompute.
+FAIR_DISPLACE_EVERY_STEPS = 4
 
 
 def displaces_for_fairness(challenger: Urgency, holder: Urgency) -> bool:
@@ -446,8 +444,8 @@ def after_waiting(load: EngineLoad) -> tuple[EngineLoad, Counter[str]]:
     running requests' ``load`` and each tenant's running count (the second part) say so.
 
     The intake judges an entry against this, not against the running requests alone: the engine
-    displaces for fair share at most once per ``FAIR_DISPLACE_EVERY_STEPS`` steps and polls several times
-    a step, so an entry it took to displace may wait, and a full worker that polls meanwhile would otherwise take another entry
+    displaces for fair share at most once per ``FAIR_DISPLACE_EVERY_STEPS`` steps, so an entry it took to
+    displace waits a few steps, and a full worker that polls meanwhile would otherwise take another entry
     of the same tenant at each poll (the tenant still looks under its share) until the engine has more of
     it than its share; the pull charges the tenant for all of them, and it then waits until the others
     catch up."""
