@@ -203,6 +203,15 @@ def weights_table(weights: Sequence[LoraWeights | None], bounds: Sequence[int]) 
     return WeightsTable(torch.tensor(rows, dtype=torch.long), dtype, tuple(held))
 
 
+def group_columns(
+    name_of: dict[int, str], linears: Sequence[tuple[nn.Module, int, int]]
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """A projection group's target names ('' for a linear no adapter may target) and its columns, lo, hi
+    per projection, as ``lora_rows`` takes them."""
+    names = tuple(name_of.get(id(linear), "") for linear, _, _ in linears)
+    return names, tuple(b for _, lo, hi in linears for b in (lo, hi))
+
+
 class LoraStep:
     """One step's rows grouped by adapter: ``entries`` is the runner's row layout, each entry
     (first row, rows, adapter or None) in the flattened batch's order."""
@@ -317,25 +326,14 @@ class LoraStep:
     def module(self, linear: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``__call__`` for the layer ``linear`` (a fused decoder layer's projection, which knows the module)."""
         if self.kernel_applies(x):
-            found = self.sibling_keys.get(id(linear))
-            if found is None or found[0] is not linear:
-                name = self.name_of.get(id(linear))
-                if name is None:
-                    return y
-                found = self.sibling_keys[id(linear)] = (linear, (name,), (0, y.shape[-1]))
-            return self.apply_kernel(found[1], found[2], x, y)
+            return self.apply_kernel(*self._group(linear, ((linear, 0, y.shape[-1]),)), x, y)
         name = self.name_of.get(id(linear))
         return y if name is None else self(name, x, y)
 
     def siblings(self, linears: Sequence[tuple[nn.Module, int, int]], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """A fused sibling group's output ``y`` (each linear's columns lo:hi) with each sibling's delta added."""
         if self.kernel_applies(x):
-            found = self.sibling_keys.get(id(linears))
-            if found is None or found[0] is not linears:  # the id of a group no longer alive: recomputed
-                names = tuple(self.name_of.get(id(linear), "") for linear, _, _ in linears)
-                bounds = tuple(b for _, lo, hi in linears for b in (lo, hi))
-                found = self.sibling_keys[id(linears)] = (linears, names, bounds)
-            return self.apply_kernel(found[1], found[2], x, y)
+            return self.apply_kernel(*self._group(linears, linears), x, y)
         out: torch.Tensor | None = None
         for linear, lo, hi in linears:
             part = y[..., lo:hi]
@@ -345,6 +343,16 @@ class LoraStep:
                     out = y.clone()
                 out[..., lo:hi] = added
         return y if out is None else out
+
+    def _group(
+        self, owner: Any, linears: Sequence[tuple[nn.Module, int, int]]
+    ) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """A projection group's names and columns (``group_columns``), kept across steps by ``owner``'s id
+        (a fused layer's sibling list, or the projection itself): groups stay put."""
+        found = self.sibling_keys.get(id(owner))
+        if found is None or found[0] is not owner:  # the id of a group no longer alive: recomputed
+            found = self.sibling_keys[id(owner)] = (owner, *group_columns(self.name_of, linears))
+        return found[1], found[2]
 
     def _mask(
         self, name: str, bounds: list[tuple[int, int]], scales: list[float], dtype: torch.dtype, device: torch.device
@@ -569,8 +577,7 @@ class AdapterSet:
         bounds: list[set[tuple[int, ...]]] = [set(), set(), set(), set()]
         for layer in groups:
             for kind, linears in enumerate(layer):
-                names = tuple(self.name_of.get(id(linear), "") for linear, _, _ in linears)
-                columns = tuple(b for _, lo, hi in linears for b in (lo, hi))
+                names, columns = group_columns(self.name_of, linears)
                 per_kind[kind].append(self._kernel_table(names, columns, adapters))
                 bounds[kind].add(columns)
         present = [t for kind in per_kind for t in kind if isinstance(t, WeightsTable)]
