@@ -159,8 +159,14 @@ def displaces_for_fairness(challenger: Urgency, holder: Urgency) -> bool:
     """The fair clause: ``challenger``'s tenant, running it (``load`` counts it), runs no more requests per
     weight than ``holder``'s without ``holder`` (by ``FAIR_MARGIN``), and ``holder`` was not displaced for
     fair share before."""
-    after = holder.load - 1.0 / _positive(holder.weight)
-    return not holder.shielded and challenger.load + FAIR_MARGIN <= after + 1e-9  # loads are ratios: rounding
+    return not holder.shielded and under_after_swap(challenger.load, holder.load, holder.weight)
+
+
+def under_after_swap(challenger_load: float, holder_load: float, holder_weight: float) -> bool:
+    """The fair clause's arithmetic: the challenger's tenant, counting the request it would start, runs no
+    more requests per weight (by ``FAIR_MARGIN``) than the holder's tenant without the one it would give up."""
+    after = holder_load - 1.0 / _positive(holder_weight)
+    return challenger_load + FAIR_MARGIN <= after + 1e-9  # loads are ratios: rounding
 
 
 def _positive(weight: float) -> float:
@@ -467,7 +473,7 @@ def after_waiting(load: EngineLoad) -> tuple[EngineLoad, Counter[str]]:
             if t != tenant
             and running[t] > 0
             and (t, level(waiting)) in at_level
-            and mine <= (running[t] - 1) / weights[t] + 1e-9  # the fair clause, as displaces_for_fairness
+            and under_after_swap(mine, running[t] / weights[t], weights[t])
         ]
         if over:
             taken = max(over, key=lambda t: running[t] / weights[t])
