@@ -79,11 +79,16 @@ def test_strict_priority_order_when_the_batch_is_full(spawn_worker, client) -> N
     assert sorted(started, key=lambda p: started[p]) == [0, 1, 2, 3]
 
 
+LONG = 600  # tokens of the request that keeps a one-slot worker busy
+
+
 @pytest.mark.slow
 def test_a_worker_prefetches_what_it_is_told_beyond_its_running_slots(spawn_worker, client, reference) -> None:
     spawn_worker("prefetcher", "--max-num-seqs", "1", env={"INFLIGHTQ_PREFETCH_SEQS": "1"})
     model = client.settings.model
-    running = client.submit(model, PROMPT, greedy(60))
+    # Long enough that it still runs while the next two arrive: the tiny model decodes 60 tokens in well
+    # under a second on a quiet box, and a freed slot lets the worker take the second one too.
+    running = client.submit(model, PROMPT, greedy(LONG))
     wait_for(lambda: tokens_sent(client, running) > 0)
     ahead, behind = (client.submit(model, prompt(i), greedy(4)) for i in (1, 2))
     # One waits inside the worker (taken, so no other worker will run it); the next stays in Redis.
@@ -91,7 +96,7 @@ def test_a_worker_prefetches_what_it_is_told_beyond_its_running_slots(spawn_work
     assert sum(client.queue_depth(model).values()) == 1 and client.status(behind).worker is None  # type: ignore[union-attr]
     assert tokens_sent(client, ahead) == 0
     for request_id, (p, n) in zip(
-        (running, ahead, behind), ((PROMPT, 60), (prompt(1), 4), (prompt(2), 4)), strict=True
+        (running, ahead, behind), ((PROMPT, LONG), (prompt(1), 4), (prompt(2), 4)), strict=True
     ):
         assert client.result(request_id, timeout=60).token_ids == reference(p, n)
 
