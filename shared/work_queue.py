@@ -18,7 +18,9 @@ them all. Every queue script names keys of the model's slot only, so each is ato
   holds of them), the
   entry whose tenant has the lowest virtual time (ties: the tenant with fewer waiting, then an entry
   past the steal bound, then its own offer, then the older entry); XREADGROUP it; charge the tenant
-  ``cost / weight``. ``PEEK`` is the same pick without taking (a full worker's displacement check).
+  ``cost / weight``. ``PEEK`` is the same pick without taking (a full worker's displacement check). A full
+  worker passes over the tenants whose entries would displace nothing it runs, so the pick stops at
+  an entry that would, not at the head of a tenant that cannot use the worker.
 - ``SETTLE`` (worker): at the request's end, refunds ``(cost - used) / weight`` so the tenant is
   charged what it used, and XACKs and XDELs the entry in the same script: it runs once per entry.
   A redelivery (a dead worker's entries, XAUTOCLAIM) never goes through ``PULL``, so a re-run is
@@ -35,6 +37,7 @@ XAUTOCLAIM."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from shared.keys import CONSUMER_GROUP, Keys, lane_priority, model_of_lane
@@ -172,7 +175,8 @@ return {'ok', id}
 # 7 this worker's offer stream, 8 lanes set (all of one priority, the model's slot).
 # ARGV: 1 'pull' or 'peek', 2 group, 3 consumer, 4 count, 5 '1' when this worker is idle,
 # 6 steal after (ms), 7 lane key prefix, 8 offer key prefix, 9 held key prefix, 10 scan,
-# 11 this worker's prefill time per prompt token (ms; 0 = not measured yet).
+# 11 this worker's prefill time per prompt token (ms; 0 = not measured yet), 12... tenants the pick
+# passes over (a full worker's: their entries would displace nobody there).
 # Returns up to count picks in order, each {stream, entry id, fields, the tenant's virtual time
 # before the pick's charge, tenant}. 'peek' takes nothing and charges nothing: it returns what
 # 'pull' would take. Mirrors ``policy.fair_pick``, ``policy.charge`` and ``policy.offer_stealable``.
@@ -184,6 +188,8 @@ local peek = ARGV[1] == 'peek'
 local group, me = ARGV[2], ARGV[3]
 local count, idle, steal_ms, scan = tonumber(ARGV[4]), ARGV[5] == '1', tonumber(ARGV[6]), tonumber(ARGV[10])
 local prefill_ms = tonumber(ARGV[11]) or 0
+local passed = {}
+for i = 12, #ARGV do passed[ARGV[i]] = true end
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local vt, left, cursor, heads = {}, {}, {}, {}
@@ -234,6 +240,7 @@ for n = 1, count do
     -- waited past the steal bound: overdue, it goes before a worker's own younger offer
     if now_ms - id_parts(e[1]) >= steal_ms then rank = -1 end
     local tenant = field(e[2], 'tenant') or ''
+    if passed[tenant] then return end
     local v, queued = vtime(tenant), waiting(tenant)
     if best == nil or v < best.v or (v == best.v and (queued < best.queued or (queued == best.queued
         and (rank < best.rank or (rank == best.rank and older(e[1], best.e[1])))))) then
@@ -355,8 +362,9 @@ def pull_args(
     steal_after_ms: int,
     peek: bool,
     prefill_ms_per_token: float = 0.0,
+    passed_over: Iterable[str] = (),
 ) -> list[Any]:
-    """``PULL``'s ARGV."""
+    """``PULL``'s ARGV; ``passed_over``: tenants whose entries the pick leaves where they are."""
     return [
         "peek" if peek else "pull",
         CONSUMER_GROUP,
@@ -369,6 +377,7 @@ def pull_args(
         keys.held_prefix(model),
         PICK_SCAN,
         repr(float(prefill_ms_per_token)),
+        *sorted(passed_over),
     ]
 
 

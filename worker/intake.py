@@ -8,7 +8,8 @@ Redis for any other worker. With room but nothing to read, it blocks on the mode
 and its own (an offer made to it while idle wakes it alone), never busy-polling.
 
 A full worker keeps reading, every ``urgent_poll_s``, the priorities whose entries would displace
-work it runs (``Capacity.displacing_levels``), and takes those. A free slot elsewhere in the pool
+work it runs (``Capacity.displacing_levels``), and takes those; its pick passes over the tenants
+whose entries would displace nothing there (``policy.passed_over``). A free slot elsewhere in the pool
 wins first: while another live worker of the model advertises one, an urgent entry is left for it
 until ``how_many_to_steal`` lets this worker take it, ``urgent_handoff_s`` after it first saw it
 (an idle worker is woken by the enqueue and takes it within milliseconds). XREADGROUP hands an
@@ -31,7 +32,16 @@ from shared.keys import Keys
 from shared.settings import Settings
 from shared.work_queue import PULL, TENANT_FIELD, WEIGHT_FIELD, pull_args, pull_keys
 from worker.acceptance import Acceptance
-from worker.engine.core.policy import Capacity, EngineLoad, Urgency, after_waiting, arriving, how_many_to_steal, load_of
+from worker.engine.core.policy import (
+    Capacity,
+    EngineLoad,
+    Urgency,
+    after_waiting,
+    arriving,
+    how_many_to_steal,
+    load_of,
+    passed_over,
+)
 from worker.offer_stats import OfferStats
 from worker.reconnect import ResilientLoop
 from worker.run_state import RunState
@@ -119,14 +129,18 @@ class Intake(ResilientLoop):
             return "blocked"
         took = False
         idle = self.load.is_idle()
+        # As the engine will rank entries: their tenant's share and load decide between tenants at a level,
+        # the load counted once the requests already waiting in the engine have started.
+        settled, counts = after_waiting(load)
         for priority in range(len(streams)):
-            waiting = self.pull(priority, max(room, 1), idle=idle, peek=True)
+            # Full: only an entry that displaces is taken, so the pick passes over tenants with none.
+            passed = passed_over(settled, counts, priority) if room <= 0 and self.settings.fair_share else set()
+            waiting = self.pull(priority, max(room, 1), idle=idle, peek=True, passed_over=passed)
             if not waiting:
+                if passed:  # nothing runs at a less urgent level here (it would pass none over): nothing to displace
+                    return "took" if took else "blocked"
                 continue
             lengths = [self.acceptance.prompt_length(fields) for _, _, fields, _ in waiting]
-            # As the engine will rank them: their tenant's share and load decide between tenants at a level,
-            # the load counted once the requests already waiting in the engine have started.
-            settled, counts = after_waiting(load)
             urgencies = self._arriving(priority, counts, waiting)
             # Fresh: what a more urgent stream just handed over claims its victims.
             in_transit = self.load.in_transit()
@@ -135,7 +149,9 @@ class Intake(ResilientLoop):
             )
             count = take.fit + self._urgent_share(waiting[take.fit : take.total])
             if count:
-                for stream, entry_id, fields, share in self.pull(priority, count, idle=idle, peek=False):
+                for stream, entry_id, fields, share in self.pull(
+                    priority, count, idle=idle, peek=False, passed_over=passed
+                ):
                     took = self.acceptance.accept(stream, entry_id, fields, share) or took
                 if take.displace:
                     log.info(
@@ -167,9 +183,10 @@ class Intake(ResilientLoop):
         return out
 
     def pull(
-        self, priority: int, count: int, *, idle: bool, peek: bool
+        self, priority: int, count: int, *, idle: bool, peek: bool, passed_over: set[str] | None = None
     ) -> list[tuple[str, str, dict[str, str], float]]:
-        """``PULL`` (or ``PEEK``) at ``priority``: (stream, entry id, fields, tenant's virtual time) of each pick."""
+        """``PULL`` (or ``PEEK``) at ``priority``: (stream, entry id, fields, tenant's virtual time) of each
+        pick, the entries of the ``passed_over`` tenants left where they are."""
         keys = pull_keys(self.keys, self.model, priority, self.consumer)
         args = pull_args(
             self.keys,
@@ -181,6 +198,7 @@ class Intake(ResilientLoop):
             steal_after_ms=self.steal_after_ms,
             peek=peek,
             prefill_ms_per_token=self.load.prefill_ms_per_token(),
+            passed_over=passed_over or (),
         )
         picks = [
             (str(stream), str(entry_id), dict(zip(flat[::2], flat[1::2], strict=True)), float(share))

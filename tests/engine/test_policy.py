@@ -4,6 +4,7 @@ displaces, runs first, the victim and stealing. The scheduler and the intake tes
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterator
 
 from worker.engine.core.policy import (
@@ -20,6 +21,7 @@ from worker.engine.core.policy import (
     fair_displacement_due,
     fair_victim,
     how_many_to_steal,
+    passed_over,
     joins_urgent_prefill,
     level,
     preemption_order,
@@ -180,3 +182,28 @@ def test_after_waiting_counts_the_engines_waiting_requests_as_they_will_start() 
     assert after_waiting(engine(12, 3, 1))[1] == {"h": 12, "l": 4}, "a free slot"
     unchanged = engine(12, 4, 0)
     assert after_waiting(unchanged) == (unchanged, {"h": 12, "l": 4})
+
+
+def test_a_full_workers_pick_passes_over_the_tenants_whose_next_entry_would_displace_nothing() -> None:
+    """Weights 3:1 on 16 slots with heavy 12 and light 4 (the share): neither's next entry displaces the other's,
+    so both are passed over; with heavy at 13 a light entry displaces one (light 4 of 12); three tenants each at
+    their share are all passed over. A tenant with nothing running here is never passed over, and a more urgent
+    level displaces whatever runs at a less urgent one."""
+
+    def engine(counts: dict[str, int], weights: dict[str, float], priority: int = 1) -> EngineLoad:
+        running = [
+            Urgency(float(priority), n, tenant=t, load=c / weights[t], weight=weights[t])
+            for t, c in counts.items()
+            for n in range(c)
+        ]
+        return EngineLoad(16, 4, len(running), 0, tuple(RunningLoad(u, 1) for u in running))
+
+    weights = {"h": 3.0, "l": 1.0, "m": 1.0}
+    at_share = engine({"h": 12, "l": 4}, weights)
+    assert passed_over(at_share, Counter({"h": 12, "l": 4}), 1) == {"h", "l"}
+    assert passed_over(at_share, Counter({"h": 12, "l": 4}), 0) == set(), "an urgent entry displaces either"
+    light_under = engine({"h": 13, "l": 3}, weights)
+    assert passed_over(light_under, Counter({"h": 13, "l": 3}), 1) == {"h"}
+    three = engine({"h": 9, "l": 3, "m": 4}, weights)
+    assert passed_over(three, Counter({"h": 9, "l": 3, "m": 4}), 1) == {"h", "l", "m"}
+    assert passed_over(three, Counter({"h": 9, "l": 3, "m": 4, "new": 1}), 1) == {"h", "l", "m"}, "new: none here"

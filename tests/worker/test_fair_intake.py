@@ -65,3 +65,21 @@ def test_a_full_worker_counts_the_entry_it_took_to_displace_until_the_engine_has
     h.load = replace(full_of("heavy", "heavy", "heavy"), num_seqs=4, waiting=(waiting_light,))
     assert h.intake.read_once() == "blocked", "light runs 1 of 3 once that entry starts: another would be 2 of 3"
     assert h.status(light[1]) is RequestStatus.QUEUED
+
+
+def test_a_full_worker_takes_a_light_tenants_entry_queued_behind_a_flooding_tenants_head(h: Harness) -> None:
+    """The pull charges a tenant up front, so right after the light tenant's last pull its share is above the
+    flooding tenant's, whose entries wait (the worker is full) and are charged nothing meanwhile: the fair pick's
+    head is the flooding tenant's, which displaces nothing here. The pick passes over that tenant
+    (``policy.passed_over``) and finds the light tenant's entry behind it, which runs 2 of 5 once it starts."""
+    heavy = [submit(h, "heavy") for _ in range(3)]
+    first = submit(h, "light")
+    h.load = replace(full_of("heavy", "heavy", "heavy", "heavy"), num_seqs=3)  # one slot free
+    assert h.intake.read_once() == "took" and h.taken() == [first], "the light tenant goes first at an equal share"
+    second = submit(h, "light")
+    h.load = full_of("heavy", "heavy", "heavy", "heavy", "light")
+    peek = h.intake.pull(1, 1, idle=False, peek=True)
+    assert [fields["tenant"] for _, _, fields, _ in peek] == ["heavy"], "the pick's head is the flooding tenant's"
+    assert h.intake.read_once() == "took"
+    assert h.taken() == [first, second] and h.status(second) is RequestStatus.RUNNING
+    assert all(h.status(r) is RequestStatus.QUEUED for r in heavy)

@@ -70,11 +70,12 @@ def pull(
     steal_after_ms: int = 60_000,
     peek: bool = False,
     prefill_ms_per_token: float = 0.0,
+    passed_over: tuple[str, ...] = (),
 ) -> list[tuple[str, str, dict[str, str], float]]:
     """What a worker's intake does (``Intake.pull``): (stream, entry id, fields, share) per pick."""
     args = pull_args(
         keys, MODEL, LEVEL, worker, count, idle=idle, steal_after_ms=steal_after_ms, peek=peek,
-        prefill_ms_per_token=prefill_ms_per_token,
+        prefill_ms_per_token=prefill_ms_per_token, passed_over=passed_over,
     )  # fmt: skip
     picks = r.eval(PULL, 8, *pull_keys(keys, MODEL, LEVEL, worker), *args)
     return [(s, e, dict(zip(f[::2], f[1::2], strict=True)), float(v)) for s, e, f, v, _ in picks]
@@ -108,6 +109,21 @@ def test_a_flooding_tenant_does_not_hold_back_the_next_tenant(queue, redis_clien
     put(queue, "light")
     assert tenant_of(pull(redis_client, keys)[0]) == "light", "the light tenant's request comes next, not 197 later"
     assert queue.tenant_waiting(MODEL) == {"flood": 197}
+
+
+def test_a_pick_that_passes_over_a_tenant_takes_the_next_one_and_leaves_that_tenants_entries(
+    queue, redis_client, keys
+) -> None:
+    for _ in range(3):
+        put(queue, "flood")
+    put(queue, "light")
+    assert tenant_of(pull(redis_client, keys)[0]) == "light", "an equal share: the tenant with fewer waiting first"
+    put(queue, "light")  # charged for its first, its share is above the flood's now
+    assert tenant_of(pull(redis_client, keys, peek=True)[0]) == "flood"
+    picks = pull(redis_client, keys, count=2, passed_over=("flood",))
+    assert [tenant_of(p) for p in picks] == ["light"], "the flood's entries are never picked, nor a second light one"
+    assert queue.tenant_waiting(MODEL) == {"flood": 3}
+    assert [tenant_of(p) for p in pull(redis_client, keys, count=3)] == ["flood"] * 3, "they stay for the next pull"
 
 
 def test_a_tenant_that_becomes_active_banks_no_credit_for_its_idle_time(queue, redis_client, keys) -> None:

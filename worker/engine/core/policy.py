@@ -489,5 +489,23 @@ def after_waiting(load: EngineLoad) -> tuple[EngineLoad, Counter[str]]:
     return replace(load, running=settled), running
 
 
+def passed_over(load: EngineLoad, running: Counter[str], priority: int) -> set[str]:
+    """Tenants whose next entry at ``priority`` would displace none of ``load``'s running requests
+    (``displaces``, its tenant's load counting it; ``running``: each tenant's requests, as
+    ``after_waiting`` counts them): a full worker's pick passes over them. Stopping at such a tenant's
+    entry would leave a displacing entry of another tenant behind it, since the pull charges a tenant up
+    front: a light tenant's share runs ahead of a flooding tenant's, until that one's next pull, while it
+    runs far fewer requests. Tenants with nothing running here are never passed over."""
+    weights = {r.urgency.tenant: r.urgency.weight for r in load.running}
+    out = set()
+    for tenant, count in running.items():
+        if count <= 0 or tenant not in weights:
+            continue
+        entry = arriving(priority, tenant=tenant, load=load_of(count, weights[tenant], counting_itself=True))
+        if not any(displaces(entry, r.urgency) for r in load.running):
+            out.add(tenant)
+    return out
+
+
 def _urgency(running: RunningLoad) -> Urgency:
     return running.urgency
