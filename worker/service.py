@@ -179,9 +179,10 @@ class WorkerService:
             self.adapters.prefetch(active.request.adapter)
         self.owned.add(active)
         self.inbox.put(InboxItem("start", active.id, active))
-        # An urgent start stops a long step of less urgent work at its next layer, instead of
-        # waiting for all of it: the loop then takes the start and runs it first.
-        self.engine.interrupt_for(active.request.priority)
+        # An urgent start (a level more urgent, or a tenant far under its share) stops a long step of
+        # the work it outranks at its next layer, instead of waiting for all of it: the loop then takes
+        # the start and runs it first.
+        self.engine.interrupt_for(active.request.priority, active.request.tenant, active.request.tenant_weight)
 
     # The engine loop -----------------------------------------------------------------
     def run(self) -> int:

@@ -352,6 +352,39 @@ def test_a_tenant_under_its_share_has_its_prompt_prefilled_whole_before_the_over
     assert [e.token_id for e in events if e.request_id == "light"] == reference(tiny_ref, prompt(53, 40), 12)
 
 
+def test_the_over_share_tenants_decodes_sit_out_the_step_that_prefills_a_light_one_but_never_two_in_a_row(
+    make_engine: Any, tiny_ref: Any
+) -> None:
+    engine = make_engine(max_num_seqs=6)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    for n in range(4):
+        engine.add_request(f"heavy-{n}", prompt(60 + n), params, priority=1, tenant="heavy", share=10.0 * n)
+    engine.step()
+    engine.step()
+
+    def computed() -> dict[str, int]:
+        return {s.request_id: s.num_computed_tokens for s in engine.scheduler.running}
+
+    before = computed()
+    engine.add_request("light-0", prompt(70), params, priority=1, tenant="light", share=40.0)
+    events = engine.step()
+    assert [e.request_id for e in events] == ["light-0"], "its first token, alone in the step"
+    assert {k: v for k, v in computed().items() if k != "light-0"} == before, "the heavy decodes sat it out"
+    engine.add_request("light-1", prompt(71), params, priority=1, tenant="light", share=50.0)
+    events += (second := engine.step())
+    assert {e.request_id for e in second} == {"light-0", "light-1", "heavy-0", "heavy-1", "heavy-2", "heavy-3"}, (
+        "light-1 is prefilled first too, but everyone decodes beside it: never two paused steps in a row"
+    )
+    events += step_all(engine)
+    for n, seed in [(0, 60), (1, 61), (2, 62), (3, 63)]:
+        assert [e.token_id for e in events if e.request_id == f"heavy-{n}"][-8:] == reference(
+            tiny_ref, prompt(seed), 10
+        )[-8:]
+    for n, seed in [(0, 70), (1, 71)]:
+        assert [e.token_id for e in events if e.request_id == f"light-{n}"] == reference(tiny_ref, prompt(seed), 10)
+    assert engine.stats.preemptions_by_reason["fair_share"] == 0, "free slots: nobody displaced"
+
+
 def test_with_fair_share_off_tenants_are_not_told_apart(make_engine: Any) -> None:
     engine = make_engine(max_num_seqs=2, fair_share=False)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)

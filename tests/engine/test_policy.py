@@ -19,6 +19,8 @@ from worker.engine.core.policy import (
     displaces,
     fair_challenger,
     fair_displacement_due,
+    fair_outranks,
+    fair_pause_allowed,
     fair_victim,
     how_many_to_steal,
     joins_urgent_prefill,
@@ -207,3 +209,17 @@ def test_a_full_workers_pick_passes_over_the_tenants_whose_next_entry_would_disp
     three = engine({"h": 9, "l": 3, "m": 4}, weights)
     assert passed_over(three, Counter({"h": 9, "l": 3, "m": 4}), 1) == {"h", "l", "m"}
     assert passed_over(three, Counter({"h": 9, "l": 3, "m": 4, "new": 1}), 1) == {"h", "l", "m"}, "new: none here"
+
+
+def test_a_tenant_pauses_another_tenants_decodes_only_far_under_its_share_and_never_two_steps_running() -> None:
+    """A light tenant amid a flood (its 3rd request beside the flood's 13) pauses the flood's decodes for the
+    step that prefills it; weights 3:1 at their share (light's 4th beside heavy's 12 over 3) pause nothing."""
+    flood = Urgency(1.0, 0, tenant="a", load=13.0)
+    assert fair_outranks(arriving(1, tenant="b", load=3.0), flood)
+    assert not fair_outranks(arriving(1, tenant="b", load=7.0), flood), "7 is over half of 13"
+    assert not fair_outranks(arriving(1, tenant="a", load=1.0), flood), "never within one tenant"
+    assert not fair_outranks(arriving(0, tenant="b", load=1.0), flood), "another level: runs_first decides"
+    heavy = Urgency(1.0, 0, tenant="h", load=12 / 3, weight=3.0)
+    assert not fair_outranks(arriving(1, tenant="l", load=4.0), heavy)
+    assert fair_outranks(arriving(1, tenant="l", load=2.0), heavy)
+    assert fair_pause_allowed(False) and not fair_pause_allowed(True)

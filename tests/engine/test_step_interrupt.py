@@ -17,7 +17,13 @@ PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
 
 def arrive_mid_step(
-    engine: Any, monkeypatch: pytest.MonkeyPatch, priority: int, at_layer: int = 0, *, budget: bool = False
+    engine: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    priority: int,
+    at_layer: int = 0,
+    *,
+    budget: bool = False,
+    tenant: str | None = None,
 ) -> list[bool]:
     """From the next step on, a request of ``priority`` 'arrives' (``interrupt_for``, as the worker's
     intake thread calls it) as each step reaches its layer ``at_layer``; returns what each call answered.
@@ -30,7 +36,7 @@ def arrive_mid_step(
 
     def layer_starts(layer: int, num_layers: int) -> None:
         if layer == at_layer:
-            answers.append(engine.interrupt_for(priority))
+            answers.append(engine.interrupt_for(priority, tenant))
         stop_if_requested(layer, num_layers)
 
     monkeypatch.setattr(engine._interrupt, "stop_if_requested", layer_starts)
@@ -82,6 +88,32 @@ def test_an_arrival_less_than_a_level_more_urgent_than_the_step_lets_it_run(
     events = engine.step()
     assert answers == [False] and engine.stats.interrupted_steps == 0
     assert {e.request_id for e in events} == {f"background-{i}" for i in range(3)}
+
+
+@pytest.mark.parametrize("fair_share", [True, False])
+def test_a_tenant_far_under_its_share_stops_the_step_of_the_tenant_it_outranks_and_its_own_tenant_does_not(
+    make_engine: Any, tiny_ref: Any, monkeypatch: pytest.MonkeyPatch, fair_share: bool
+) -> None:
+    engine = make_engine(max_num_seqs=8, fair_share=fair_share)
+    for i in range(4):
+        engine.add_request(f"heavy-{i}", prompt(40 + i), PARAMS, priority=1, tenant="heavy", share=10.0 * i)
+    events = engine.step()
+    answers = arrive_mid_step(engine, monkeypatch, priority=1, tenant="heavy")
+    events += engine.step()
+    assert answers == [False], "another of its own tenant's pauses nothing"
+    monkeypatch.undo()
+    answers = arrive_mid_step(engine, monkeypatch, priority=1, tenant="light")
+    step = engine.step()
+    assert answers == [fair_share] and engine.stats.interrupted_steps == int(fair_share)
+    assert step == [] if fair_share else {e.request_id for e in step} == {f"heavy-{i}" for i in range(4)}
+    monkeypatch.undo()
+    engine.add_request("light", prompt(50), PARAMS, priority=1, tenant="light", share=0.0)
+    light_step = engine.step()
+    if fair_share:
+        assert [e.request_id for e in light_step] == ["light"], "its prompt alone, the heavy decodes paused"
+    events += step + light_step + step_all(engine)
+    for name, seed in [("heavy-0", 40), ("heavy-3", 43), ("light", 50)]:
+        assert [e.token_id for e in events if e.request_id == name] == reference(tiny_ref, prompt(seed), 12), name
 
 
 def test_urgent_arrivals_at_every_step_still_let_every_other_step_finish(

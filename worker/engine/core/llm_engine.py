@@ -233,12 +233,12 @@ class LLMEngine:
             raise ValueError(f"adapter {lora.name!r} asked of an engine that serves none (max_loras is 0)")
         return self.runner.adapters.acquire(lora)
 
-    def interrupt_for(self, priority: int) -> bool:
-        """A request of ``priority`` is on its way (from any thread, without the lock): stops the
-        step in progress at its next layer if the arrival runs first of some of that step's work
-        (``policy.runs_first``; when a step may stop is ``step_interrupt``'s). True if it asked the
-        step to stop."""
-        return self._interrupt.arrival(priority)
+    def interrupt_for(self, priority: int, tenant: str | None = None, weight: float = 1.0) -> bool:
+        """A request of ``priority`` (of ``tenant``, with its ``weight``) is on its way (from any thread,
+        without the lock): stops the step in progress at its next layer if the arrival runs first of some of
+        that step's work (``Scheduler.pauses_any``; when a step may stop is ``step_interrupt``'s). True if
+        it asked the step to stop."""
+        return self._interrupt.arrival(priority, tenant or "", weight)
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -266,7 +266,7 @@ class LLMEngine:
             if batch.seqs:
                 seqs = batch.seqs  # judged only if a request arrives: nothing more per step
                 self._interrupt.arm(
-                    lambda priority: self.scheduler.pauses_any(priority, seqs),
+                    lambda priority, tenant, weight: self.scheduler.pauses_any(priority, seqs, tenant, weight),
                     self.stats.interrupted_time_s,
                     self.stats.step_time_s,
                 )

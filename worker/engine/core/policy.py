@@ -8,7 +8,8 @@ Every decision about what enters the batch calls this module, so a new rule is a
 - the scheduler: its sort key (``Policy.urgency``), the order it admits waiting requests in
   (``runs_before``), preemption for a more urgent request (``displaces``), the urgent-first step
   (``runs_first``, ``joins_urgent_prefill``) and the victim of a preemption (``victim``);
-- the engine: an arrival stops a step in progress when it ``runs_first`` of some of the step's work.
+- the engine: an arrival stops a step in progress when it ``runs_first`` or ``fair_outranks`` some of
+  the step's work.
 
 The words, one meaning each:
 
@@ -38,7 +39,8 @@ waiting for a slot; ``fair_challenger`` finds it behind the entries pulled earli
 over its share, whose lower shares put them first). Once per request, at most once per
 ``FAIR_DISPLACE_EVERY_STEPS`` steps, and the displaced tenant never has fewer running after it:
 bounded, so it cannot thrash. Such a request's prompt is prefilled whole at the start of the next
-step (``prefills_first``), not in chunks behind the over-share tenant's prompts.
+step (``prefills_first``), not in chunks behind the over-share tenant's prompts, and the decodes of
+the tenants it is far under sit that step out (``fair_outranks``; never two steps in a row).
 ``runs_first`` compares levels only.
 
 Prefix affinity decides where, never what: an entry offered to the worker that holds its prefix is
@@ -205,14 +207,38 @@ def fair_challenger(waiting: Seq[Urgency], running: Seq[Urgency]) -> int | None:
 def prefills_first(waiting: Urgency, running: Iterable[Urgency]) -> bool:
     """Whether ``waiting``'s tenant is far enough under its share (the fair clause's margin, against a
     running request of another tenant at its level) that its prompt is prefilled whole at the start of
-    the next step, before the step's decodes and the chunks of other prompts: chunked behind an
-    over-share tenant's prefills it would wait several full-batch steps for its first token."""
+    the next step, before the chunks of other prompts: chunked behind an over-share tenant's prefills it
+    would wait several full-batch steps for its first token."""
     return any(
         r.tenant != waiting.tenant
         and level(r) == level(waiting)
         and displaces_for_fairness(waiting, r._replace(shielded=False))
         for r in running
     )
+
+
+# A tenant pauses another's decodes only while it runs at most this share of that one's requests per
+# weight: far under its share (a light tenant amid a flood), never at the edge where backlogged tenants'
+# weights settle, so a tenant at its share is not slowed by each of the other's arrivals.
+FAIR_PAUSE_UNDER = 0.5
+
+
+def fair_outranks(waiting: Urgency, running: Urgency) -> bool:
+    """Whether ``running``'s decode sits out the step that prefills ``waiting`` first (``prefills_first``),
+    so that ``waiting``'s first token costs about what it costs on an idle engine: another tenant at its
+    level that runs at least 1 / ``FAIR_PAUSE_UNDER`` times as many requests per weight (``load``, each
+    counting its own). Not two such steps in a row (``fair_pause_allowed``): the paused decodes still
+    advance at least every other step."""
+    return (
+        running.tenant != waiting.tenant
+        and level(running) == level(waiting)
+        and waiting.load <= FAIR_PAUSE_UNDER * running.load + 1e-9  # loads are ratios: rounding
+    )
+
+
+def fair_pause_allowed(paused_last_step: bool) -> bool:
+    """Whether the step that prefills a request first for fair share may pause the decodes it outranks."""
+    return not paused_last_step
 
 
 def fair_displacement_due(step: int, last_step: int | None) -> bool:

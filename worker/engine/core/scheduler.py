@@ -31,6 +31,8 @@ from worker.engine.core.policy import (
     displaces,
     fair_challenger,
     fair_displacement_due,
+    fair_outranks,
+    fair_pause_allowed,
     fair_victim,
     joins_urgent_prefill,
     level,
@@ -100,6 +102,7 @@ class Scheduler:
         self.step_count = 0
         self._admission_stopped = False  # this step: a waiting request could not start
         self._last_fair_step: int | None = None  # the step of the last displacement for fair share
+        self._fair_paused_last = False  # the last step paused decodes to prefill a request first for fair share
 
     def urgency(self, seq: Sequence) -> Urgency:
         return self.policy.urgency(seq, self.step_count)
@@ -149,7 +152,8 @@ class Scheduler:
                     if seq.num_tokens - seq.num_computed_tokens == 1 and seq not in batch.seqs:
                         self._continue(seq, batch)
                 return self._done(batch)
-        self._admit_fair_first(batch)
+        if self._admit_fair_first(batch):
+            return self._done(batch)
         remaining = {s: s.num_tokens - s.num_computed_tokens for s in self.running if s not in batch.seqs}
         # Decodes first: they are latency-critical and cost one token each.
         for seq in [s for s in remaining if remaining[s] == 1]:
@@ -160,42 +164,61 @@ class Scheduler:
         self._admit(batch)
         return self._done(batch)
 
-    def _admit_fair_first(self, batch: ScheduledBatch) -> None:
+    def _admit_fair_first(self, batch: ScheduledBatch) -> bool:
         """The first waiting request of the most urgent waiting level whose tenant is far under its share
-        (``policy.prefills_first``) starts before the step's decodes with its prompt whole (less a token
-        per decode), displacing for fair share when the slots are full; one per step."""
+        (``policy.prefills_first``) starts with its prompt whole, displacing for fair share when the slots
+        are full; one per step. The decodes it ``fair_outranks`` sit the step out when ``fair_pause_allowed``,
+        the others decode beside it (its prompt less a token each). True when it started: the step is then
+        whole, with no other prompt's chunk."""
         if not self.waiting or not self.running:
-            return
+            return False
         # The clause is between tenants: with one tenant (or none) in the engine it never applies, and its
         # urgencies (each request's tenant load) are a per-step cost that grows with the queue.
         if len({s.tenant or "" for s in self.waiting} | {s.tenant or "" for s in self.running}) < 2:
-            return
+            self._fair_paused_last = False
+            return False
         waiting, running = self.fair_urgencies(self.waiting), self.fair_urgencies(self.running)
         top = level(waiting[0])
-        decodes = 0
-        for s, u in zip(self.running, running, strict=True):
-            if s.num_tokens - s.num_computed_tokens == 1:
-                decodes += 1
-            elif level(u) < top:
-                return  # a more urgent prompt still prefills: it keeps the step's prefill budget
-        seq = next(
-            (s for s, u in zip(self.waiting, waiting, strict=True) if level(u) == top and prefills_first(u, running)),
+        ranked = list(zip(self.running, running, strict=True))  # before a displacement changes the running
+        paused_last, self._fair_paused_last = self._fair_paused_last, False
+        if any(s.num_tokens - s.num_computed_tokens > 1 and level(u) < top for s, u in ranked):
+            return False  # a more urgent prompt still prefills: it keeps the step's prefill budget
+        found = next(
+            (
+                (s, u)
+                for s, u in zip(self.waiting, waiting, strict=True)
+                if level(u) == top and prefills_first(u, running)
+            ),
             None,
         )
-        if seq is None or (len(self.running) >= self.max_num_seqs and not self._displace_for_fairness(seq, batch)):
-            return
+        if found is None:
+            return False
+        seq, mine = found
+        if len(self.running) >= self.max_num_seqs and not self._displace_for_fairness(seq, batch):
+            return False
+        decodes = [
+            (s, u)
+            for s, u in ranked
+            if s.status is not SequenceStatus.WAITING and s.num_tokens - s.num_computed_tokens == 1
+        ]
+        pause = fair_pause_allowed(paused_last) and any(fair_outranks(mine, u) for _, u in decodes)
+        beside = [s for s, u in decodes if not (pause and fair_outranks(mine, u))]
         if not seq.block_table:
             hits = self.blocks.match_prefix(seq)
             self.stats.prefix_cache_queries += seq.num_tokens
             self.stats.prefix_cache_hits += hits
-        n = min(seq.num_tokens - seq.num_computed_tokens, self._budget(batch) - decodes)
+        n = min(seq.num_tokens - seq.num_computed_tokens, self._budget(batch) - len(beside))
         if n <= 0 or not self.blocks.allocate(seq, n):
             self.blocks.free(seq)  # the prefix blocks it grabbed; the usual admission takes it from here
-            return
+            return False
         self.waiting.remove(seq)
         seq.status = SequenceStatus.PREFILLING
         self.running.append(seq)
         batch.add(seq, n)
+        for other in beside:
+            self._continue(other, batch)
+        self._fair_paused_last = pause
+        return True
 
     def _urgent_waiting(self) -> bool:
         if not self.waiting or not self.running:
@@ -204,11 +227,31 @@ class Scheduler:
         # most urgent request waiting, the running tail the least urgent one running.
         return runs_first(self.urgency(self.waiting[0]), self.urgency(self.running[-1]))
 
-    def pauses_any(self, priority: int, seqs: list[Sequence]) -> bool:
-        """Whether a new arrival of ``priority`` runs first of some of ``seqs`` (asked from another
-        thread, for a step's batch, when a request arrives)."""
+    def pauses_any(self, priority: int, seqs: list[Sequence], tenant: str = "", weight: float = 1.0) -> bool:
+        """Whether a new arrival of ``priority`` (of ``tenant``, with its ``weight``) runs first of some of
+        ``seqs`` (asked from another thread, for a step's batch, when a request arrives): a whole level more
+        urgent, or, when the next step would start it, far enough under their tenant's share that it
+        ``fair_outranks`` them (each tenant's load counted in ``seqs``)."""
         arrival = arriving(priority)
-        return any(runs_first(arrival, self.urgency(s)) for s in seqs)
+        if any(runs_first(arrival, self.urgency(s)) for s in seqs):
+            return True
+        if not self.policy.fair_share or not tenant:
+            return False
+        if len(self.running) >= self.max_num_seqs and not fair_displacement_due(
+            self.step_count + 1, self._last_fair_step
+        ):
+            return False  # no slot for it next step
+        counts = Counter(s.tenant or "" for s in seqs)
+        mine = arriving(priority, tenant=tenant, load=load_of(counts[tenant], weight, counting_itself=True))
+        return any(
+            fair_outranks(
+                mine,
+                self.policy.urgency(
+                    s, self.step_count, load_of(counts[s.tenant or ""], s.weight, counting_itself=False)
+                ),
+            )
+            for s in seqs
+        )
 
     def _budget(self, batch: ScheduledBatch) -> int:
         return self.max_num_batched_tokens - batch.num_tokens

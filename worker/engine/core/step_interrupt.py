@@ -1,5 +1,8 @@
 """Stopping a step in progress for an urgent arrival, at its next layer.
 
+Urgent: a whole priority level more urgent than some of the step's work, or a tenant far enough under
+its share that the next step prefills it first and pauses that work (``policy.fair_outranks``).
+
 A step cannot take a request once its forward runs, so an urgent request that arrives while a
 loaded worker computes a long step (a prefill chunk beside a full decode batch, or a whole-budget
 prefill) would wait for all of it before its own prefill starts (see docs/benchmarks.md).
@@ -11,8 +14,8 @@ sequence reads, after it recomputes them).
 Only a step in its first half of layers stops: past it, finishing costs the arrival less than the
 step's work thrown away would cost everyone else. Each cost is then at most half a step.
 
-Whether an arrival is urgent enough is the policy's (``policy.runs_first``, through
-``Scheduler.pauses_any``, judged only when a request arrives); when a step may stop is
+Whether an arrival is urgent enough is the policy's (``policy.runs_first`` or ``fair_outranks``,
+through ``Scheduler.pauses_any``, judged only when a request arrives); when a step may stop is
 ``StepInterrupt``'s; the layers call ``stop_if_requested`` (through the step's
 ``AttentionMetadata``) where they start their attention.
 """
@@ -41,11 +44,11 @@ class StepInterrupt:
 
     def __init__(self) -> None:
         self._requested = threading.Event()
-        # While a stoppable step runs: whether an arrival of a priority is urgent enough to stop it.
-        self._stops_for: Callable[[int], bool] | None = None
+        # While a stoppable step runs: whether an arrival (priority, tenant, weight) stops it.
+        self._stops_for: Callable[[int, str, float], bool] | None = None
         self._stopped_last = False
 
-    def arm(self, stops_for: Callable[[int], bool], thrown_away_s: float, step_time_s: float) -> None:
+    def arm(self, stops_for: Callable[[int, str, float], bool], thrown_away_s: float, step_time_s: float) -> None:
         """The engine, as a step starts: ``stops_for`` judges an arrival against the step's batch;
         ``thrown_away_s`` is the forward time of the steps stopped so far, ``step_time_s`` the time
         of all steps so far."""
@@ -57,10 +60,11 @@ class StepInterrupt:
     def disarm(self) -> None:
         self._stops_for = None
 
-    def arrival(self, priority: int) -> bool:
-        """A request of ``priority`` is on its way to the engine (any thread): True if it stops the step."""
+    def arrival(self, priority: int, tenant: str = "", weight: float = 1.0) -> bool:
+        """A request of ``priority`` (of ``tenant``, with its ``weight``) is on its way to the engine (any
+        thread): True if it stops the step."""
         stops_for = self._stops_for
-        if stops_for is None or not stops_for(priority):
+        if stops_for is None or not stops_for(priority, tenant, weight):
             return False
         self._requested.set()
         return True
