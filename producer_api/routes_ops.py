@@ -1,4 +1,5 @@
-"""Operations: /health (Redis reachable, live workers per model) and /metrics (Prometheus)."""
+"""Operations: /health (Redis reachable, live workers per model), /queue (what waits, as JSON, for an
+autoscaler such as KEDA's metrics-api trigger) and /metrics (Prometheus)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from producer_api import metrics
 from producer_api.queue_metrics import queue_registry
 from producer_api.routing import TgiRoute
 from producer_api.state import state_of
-from producer_api.tgi.models import Health
+from producer_api.tgi.models import Health, QueueView
+from shared.errors import ValidationError
 
 router = APIRouter(tags=["Operations"], route_class=TgiRoute)
 
@@ -47,3 +49,26 @@ async def metrics_route(request: Request) -> Response:
     # The queue's gauges are read from Redis at scrape time (blocking, short timeouts): in a thread.
     queue = await anyio.to_thread.run_sync(generate_latest, queue_registry(state_of(request).settings))
     return Response(generate_latest(metrics.REGISTRY) + queue, media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get(
+    "/queue",
+    response_model=QueueView,
+    summary="What waits for a worker, per priority (for autoscalers)",
+    description="Requests no worker has taken yet, per priority, over every tenant's lane and offer stream: "
+    "KEDA's metrics-api trigger scales workers on it (deploy/k8s/keda-scaledobject.yaml). A redis-streams "
+    "trigger reads one stream and would miss the requests of named tenants, which wait in their own lanes.",
+)
+async def queue(request: Request, model: str | None = None) -> QueueView:
+    st = state_of(request)
+    served = st.settings.served_models
+    name = model if model is not None else served[0] if len(served) == 1 else None
+    if name is None or name not in served:
+        raise ValidationError(f"model must be one of the served models {served}", field="model")
+    depth = await st.dispatcher.client.queue_depth(name)
+    return QueueView(
+        model=name,
+        waiting={f"p{priority}": count for priority, count in sorted(depth.items())},
+        waiting_total=sum(depth.values()),
+        oldest_waiting_age_s=await st.dispatcher.client.oldest_waiting_age_s(name),
+    )

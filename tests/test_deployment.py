@@ -13,6 +13,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,6 @@ import yaml
 from typer.testing import CliRunner
 
 from inflightq_cli import app
-from shared.keys import CONSUMER_GROUP, Keys
 from shared.settings import Settings
 from tests.ci_skips import missing
 
@@ -445,56 +445,37 @@ def test_k8s_pods_announce_the_port_prometheus_scrapes() -> None:
     assert set(scraped.values()) <= compose_jobs
 
 
-def test_keda_scales_workers_on_the_lag_of_every_priority_stream() -> None:
+def test_keda_scales_workers_on_what_waits_at_every_priority_as_the_api_reports_it() -> None:
     scaled = _k8s("ScaledObject", "worker")
     assert scaled["spec"]["scaleTargetRef"]["name"] == "worker"
-    # The interactive routes enqueue only while a worker lives: at zero replicas no lag would ever appear.
+    # The interactive routes enqueue only while a worker lives: at zero replicas nothing would ever wait.
     assert scaled["spec"]["minReplicaCount"] >= 1
     configmap = _configmap()
-    keys = Keys.for_prefix(configmap["INFLIGHTQ_KEY_PREFIX"])
-    model = configmap["INFLIGHTQ_MODEL"]
-    levels = int(configmap["INFLIGHTQ_PRIORITY_LEVELS"])
+    model, levels = configmap["INFLIGHTQ_MODEL"], int(configmap["INFLIGHTQ_PRIORITY_LEVELS"])
     triggers = scaled["spec"]["triggers"]
-    assert all(t["type"] == "redis-streams" for t in triggers)
-    assert [t["metadata"]["stream"] for t in triggers] == [keys.stream(model, p) for p in range(levels)]
+    assert all(t["type"] == "metrics-api" and t["metadata"]["format"] == "json" for t in triggers)
+    assert [t["metadata"]["valueLocation"] for t in triggers] == [f"waiting.p{p}" for p in range(levels)]
+    targets = [float(t["metadata"]["targetValue"]) for t in triggers]
+    assert targets == sorted(targets) and targets[0] >= 1, "urgent work scales out first"
+    namespace = yaml.safe_load((K8S / "kustomization.yaml").read_text())["namespace"]
+    service = _k8s("Service", "api")
+    port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "http")
     for trigger in triggers:
-        meta = trigger["metadata"]
-        assert meta["consumerGroup"] == CONSUMER_GROUP
-        # lagCount (XINFO GROUPS) counts entries no worker has read; pendingEntriesCount would count in-flight work.
-        assert int(meta["lagCount"]) >= 1 and "activationLagCount" in meta
-        assert "pendingEntriesCount" not in meta
+        url = urllib.parse.urlsplit(trigger["metadata"]["url"])
+        # KEDA's operator runs in its own namespace: the API by its full DNS name.
+        assert url.hostname == f"api.{namespace}.svc.cluster.local" and url.port == port
+        assert url.path == "/queue" and urllib.parse.parse_qs(url.query) == {"model": [model]}
 
 
-def test_keda_reaches_the_redis_the_settings_name() -> None:
-    url = _configmap()["INFLIGHTQ_REDIS_URL"]
-    host, port = re.match(r"redis://([^:/]+):(\d+)", url).groups()
-    for trigger in _k8s("ScaledObject", "worker")["spec"]["triggers"]:
-        address = trigger["metadata"]["address"]
-        assert address.split(".")[0] == host and address.endswith(f":{port}")
-
-
-def test_the_cluster_overlay_scales_on_the_same_streams_with_keda_cluster_triggers() -> None:
+def test_the_cluster_overlay_keeps_the_api_triggers_and_its_settings_make_a_cluster() -> None:
     overlay = K8S / "cluster"
     kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
     assert "../" in kustomization["resources"]
+    assert all("keda" not in patch["path"] for patch in kustomization["patches"]), "/queue reads any Redis"
     settings = {**_configmap(), **yaml.safe_load((overlay / "configmap.yaml").read_text())["data"]}
     fields = {name.removeprefix("INFLIGHTQ_").lower(): value for name, value in settings.items()}
     assert Settings(**fields).redis_cluster
     assert settings["INFLIGHTQ_RQ_REDIS_URL"] == _configmap()["INFLIGHTQ_REDIS_URL"], "RQ stays on a single Redis"
-    keys = Keys.for_prefix(settings["INFLIGHTQ_KEY_PREFIX"])
-    model, levels = settings["INFLIGHTQ_MODEL"], int(settings["INFLIGHTQ_PRIORITY_LEVELS"])
-    patch = yaml.safe_load((overlay / "keda-scaledobject.yaml").read_text())
-    triggers = patch["spec"]["triggers"]
-    base = _k8s("ScaledObject", "worker")["spec"]["triggers"]
-    assert all(t["type"] == "redis-cluster-streams" for t in triggers)
-    assert [t["metadata"]["stream"] for t in triggers] == [keys.stream(model, p) for p in range(levels)]
-    assert [t["metadata"]["lagCount"] for t in triggers] == [t["metadata"]["lagCount"] for t in base]
-    node = re.match(r"redis://([^:/]+):(\d+)", settings["INFLIGHTQ_REDIS_URL"]).groups()  # type: ignore[union-attr]
-    for trigger in triggers:
-        meta = trigger["metadata"]
-        assert meta["consumerGroup"] == CONSUMER_GROUP and "pendingEntriesCount" not in meta
-        addresses = [a.strip() for a in meta["addresses"].split(",")]
-        assert any(a.startswith(node[0] + ".") and a.endswith(f":{node[1]}") for a in addresses)
 
 
 # -- docker-compose, profile "cluster" -------------------------------------------------------

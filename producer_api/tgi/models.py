@@ -161,6 +161,16 @@ class Info(StrictModel):
     docker_label: str | None = None
 
 
+class QueueView(StrictModel):
+    model: str
+    waiting: dict[str, int] = Field(
+        description="Requests no worker has taken yet, per priority (p0 most urgent): every tenant's lane and "
+        "every offer stream counted, as inflightq_queue_depth counts them. What an autoscaler scales on."
+    )
+    waiting_total: int
+    oldest_waiting_age_s: float = Field(description="How long the oldest waiting request has waited (0 if none).")
+
+
 class Health(StrictModel):
     status: Literal["ok", "unavailable"]
     redis: bool

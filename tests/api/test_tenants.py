@@ -325,3 +325,26 @@ def test_tenant_queue_depth_labels_are_bounded(make_api: Callable[..., ApiServer
     assert depth == {"gold": "1.0", "deep": "3.0", "other": "3.0"}
     with QueueClient(api.settings) as client:
         assert client.tenant_waiting(api.settings.model) == {"gold": 1, "deep": 3, "a": 1, "b": 2}
+
+
+def test_the_queue_view_an_autoscaler_reads_counts_every_tenants_lane_per_priority(
+    make_api: Callable[..., ApiServer],
+) -> None:
+    """KEDA's metrics-api triggers (deploy/k8s/keda-scaledobject.yaml) read ``waiting.p<n>`` from ``GET /queue``:
+    requests of named tenants wait in their own lanes, and every one of them counts."""
+    api = make_api(api_keys=KEYS)
+    with api.client() as http:
+        for key, priority, count in ((BIG, 1, 2), (SMALL, 2, 3), (PLAIN, 0, 1), (PLAIN, 1, 1)):
+            for _ in range(count):
+                assert job(http, key, priority=priority).status_code == 202
+        view = http.get("/queue", params={"model": api.settings.model})
+        assert view.status_code == 200, view.text
+        body = view.json()
+        assert body["waiting"] == {"p0": 1, "p1": 3, "p2": 3, "p3": 0} and body["waiting_total"] == 7
+        assert body["oldest_waiting_age_s"] >= 0
+        assert http.get("/queue").json()["waiting"] == body["waiting"], "one model served: that one"
+        metrics = http.get("/metrics").text
+        depth = dict(re.findall(r'inflightq_queue_depth\{model="[^"]*",priority="(\d)"\} (\S+)', metrics))
+        assert {f"p{p}": int(float(v)) for p, v in depth.items()} == body["waiting"], "as the metric counts"
+        unknown = http.get("/queue", params={"model": "nope"})
+        assert unknown.status_code == 422 and unknown.json()["field"] == "model", unknown.text
