@@ -99,6 +99,7 @@ class Phase:
     sent: list[Sent] = field(default_factory=list)
     cancelled: int = 0  # requests in flight at the window's end, cancelled by closing their streams
     preemptions: dict[str, float] = field(default_factory=dict)  # the workers' preemptions by reason in the phase
+    engine: dict[str, float] = field(default_factory=dict)  # the workers' engine counters' growth in the phase
 
     def of(self, tenant: str) -> list[RequestResult]:
         return [s.result for s in self.sent if s.tenant == tenant]
@@ -224,7 +225,7 @@ class Bench:
         """A's closed loop for ``flood_s``; B's Poisson arrivals; A's leftovers cancelled once B is done."""
         out, args = Phase(), self.args
         one_tenant = phase == "fcfs"
-        before = await self.preemptions()
+        before = await self.worker_counters()
         async with self.http() as http:
             send_a = self.sender(http, phase, "one" if one_tenant else A)
             send_b = self.sender(http, phase, "one" if one_tenant else B)
@@ -246,13 +247,13 @@ class Bench:
             with contextlib.suppress(asyncio.CancelledError):
                 await heavy
         await self.wait_idle()
-        out.preemptions = counter_deltas(before, await self.preemptions())
+        out.preemptions, out.engine = counted(before, await self.worker_counters())
         return out
 
     async def weights(self) -> Phase:
         out, args = Phase(), self.args
         in_flight = round(args.weights_factor * self.slots)
-        before = await self.preemptions()
+        before = await self.worker_counters()
         async with self.http() as http:
             t0 = time.perf_counter()
             loops = [
@@ -276,11 +277,12 @@ class Bench:
                 with contextlib.suppress(asyncio.CancelledError):
                     await loop
         await self.wait_idle()
-        out.preemptions = counter_deltas(before, await self.preemptions())
+        out.preemptions, out.engine = counted(before, await self.worker_counters())
         return out
 
-    async def preemptions(self) -> dict[str, float]:
-        """The workers' preemptions by reason (fair_share, urgency, kv_blocks), summed over workers."""
+    async def worker_counters(self) -> dict[str, float]:
+        """The workers' counters, summed over workers: preemptions by reason (fair_share, urgency, kv_blocks)
+        and what the engine spent (``ENGINE_COUNTERS``)."""
         from prometheus_client.parser import text_string_to_metric_families
 
         out: dict[str, float] = {}
@@ -288,8 +290,11 @@ class Bench:
             for url in self.stack.metrics_urls:
                 for family in text_string_to_metric_families((await http.get(url)).text):
                     for s in family.samples:
-                        if s.name == "inflightq_worker_engine_preemptions_by_reason_total":
+                        name = s.name.removeprefix("inflightq_worker_").removesuffix("_total")
+                        if name == "engine_preemptions_by_reason":
                             out[s.labels["reason"]] = out.get(s.labels["reason"], 0.0) + s.value
+                        elif name in ENGINE_COUNTERS:
+                            out[name] = out.get(name, 0.0) + s.value
         return out
 
     async def wait_idle(self) -> None:
@@ -322,10 +327,24 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
     return {k: after[k] - before.get(k, 0.0) for k in sorted(after)}
 
 
+# What the fair share's mechanisms cost the engine in a phase: time in steps, the forward time of the steps
+# an arrival stopped (thrown away), and the tokens whose KV a preemption discarded (recomputed, less what
+# the prefix cache kept).
+ENGINE_COUNTERS = ("engine_steps", "engine_step_seconds", "engine_interrupted_seconds", "engine_recomputed_tokens")
+
+
+def counted(before: dict[str, float], after: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """A phase's growth of ``worker_counters``: (preemptions by reason, engine counters)."""
+    grown = counter_deltas(before, after)
+    return {k: v for k, v in grown.items() if k not in ENGINE_COUNTERS}, {
+        k: v for k, v in grown.items() if k in ENGINE_COUNTERS
+    }
+
+
 def flood_summary(phase: Phase, window: tuple[float, float]) -> dict[str, Any]:
     """Per tenant (every request sent, the cancelled ones counted apart), and all tokens in the window."""
     lo, hi = window
-    out: dict[str, Any] = {"cancelled": phase.cancelled, "preemptions": phase.preemptions}
+    out: dict[str, Any] = {"cancelled": phase.cancelled, "preemptions": phase.preemptions, "engine": phase.engine}
     for tenant in (A, B):
         mine = [s for s in phase.sent if s.tenant == tenant]
         done = [s.result for s in mine if s.result.success]
@@ -345,7 +364,12 @@ def weights_summary(phase: Phase, window_s: float, settle_s: float = 0.0) -> dic
     """Tokens each weighted tenant was served from ``settle_s`` to ``window_s``: its output tokens that
     arrived then, and the prompt tokens of its requests whose first token arrived then (prefilled then).
     The cumulative series covers the whole run."""
-    out: dict[str, Any] = {"cancelled": phase.cancelled, "preemptions": phase.preemptions, "tenants": {}}
+    out: dict[str, Any] = {
+        "cancelled": phase.cancelled,
+        "preemptions": phase.preemptions,
+        "engine": phase.engine,
+        "tenants": {},
+    }
     out |= {"window_s": [settle_s, window_s], "series": {}}
     edges = [window_s * i / 20 for i in range(21)]
     for tenant, weight in WEIGHTS.items():

@@ -54,7 +54,8 @@ def summary_table(report: dict[str, Any]) -> list[str]:
 def detail_table(report: dict[str, Any]) -> list[str]:
     lines = [
         "| setup | run | tenant | ok / sent | TTFT p50 / p90 / p99 ms | TPOT p50 ms | cancelled at the end "
-        "| preemptions in the run: fair_share / urgency / kv_blocks |",
+        "| preemptions in the run: fair_share / urgency / kv_blocks; steps stopped (share of step time); "
+        "tokens recomputed |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, row in report["setups"].items():
@@ -88,7 +89,11 @@ def detail_table(report: dict[str, Any]) -> list[str]:
 
 def _preemptions(run: dict[str, Any]) -> str:
     p = run.get("preemptions") or {}
-    return " / ".join(f"{p.get(reason, 0):.0f}" for reason in ("fair_share", "urgency", "kv_blocks"))
+    out = " / ".join(f"{p.get(reason, 0):.0f}" for reason in ("fair_share", "urgency", "kv_blocks"))
+    if e := run.get("engine"):
+        stopped = e.get("engine_interrupted_seconds", 0.0) / max(e.get("engine_step_seconds", 0.0), 1e-9)
+        out += f"; {100 * stopped:.1f}%; {e.get('engine_recomputed_tokens', 0):,.0f}"
+    return out
 
 
 def header(report: dict[str, Any]) -> list[str]:
