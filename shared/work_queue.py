@@ -37,10 +37,21 @@ XAUTOCLAIM."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Set
+from typing import Any, Protocol
 
 from shared.keys import CONSUMER_GROUP, Keys, lane_priority, model_of_lane
+
+
+class PassOverTenants(Protocol):
+    """``policy.PassOver`` as ``PULL`` reads it (shared knows nothing of the worker's policy)."""
+
+    @property
+    def cannot_displace(self) -> Set[str]: ...
+
+    @property
+    def at_the_edge(self) -> Set[str]: ...
+
 
 # Field name of the one JSON document (a QueuedRequest) in a stream entry.
 STREAM_FIELD = "request"
@@ -175,8 +186,10 @@ return {'ok', id}
 # 7 this worker's offer stream, 8 lanes set (all of one priority, the model's slot).
 # ARGV: 1 'pull' or 'peek', 2 group, 3 consumer, 4 count, 5 '1' when this worker is idle,
 # 6 steal after (ms), 7 lane key prefix, 8 offer key prefix, 9 held key prefix, 10 scan,
-# 11 this worker's prefill time per prompt token (ms; 0 = not measured yet), 12... tenants the pick
-# passes over (a full worker's: their entries would displace nobody there).
+# 11 this worker's prefill time per prompt token (ms; 0 = not measured yet), 12... a full worker's
+# passed-over tenants ('x:' and the tenant: its entries would displace nothing there; 'e:': at the edge
+# of its share there): when the pick's best entry is an 'x:' tenant's, it takes the best of the other
+# tenants' instead (``policy.passed_over``).
 # Returns up to count picks in order, each {stream, entry id, fields, the tenant's virtual time
 # before the pick's charge, tenant}. 'peek' takes nothing and charges nothing: it returns what
 # 'pull' would take. Mirrors ``policy.fair_pick``, ``policy.charge`` and ``policy.offer_stealable``.
@@ -188,8 +201,11 @@ local peek = ARGV[1] == 'peek'
 local group, me = ARGV[2], ARGV[3]
 local count, idle, steal_ms, scan = tonumber(ARGV[4]), ARGV[5] == '1', tonumber(ARGV[6]), tonumber(ARGV[10])
 local prefill_ms = tonumber(ARGV[11]) or 0
-local passed = {}
-for i = 12, #ARGV do passed[ARGV[i]] = true end
+local passed, edge = {}, {}
+for i = 12, #ARGV do
+  local kind, tenant = string.sub(ARGV[i], 1, 2), string.sub(ARGV[i], 3)
+  if kind == 'x:' then passed[tenant] = true elseif kind == 'e:' then edge[tenant] = true end
+end
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local vt, left, cursor, heads = {}, {}, {}, {}
@@ -234,18 +250,19 @@ local function head(stream)
 end
 local out = {}
 for n = 1, count do
-  local best = nil
+  local best, other = nil, nil
+  local function better(c, b)
+    return b == nil or c.v < b.v or (c.v == b.v and (c.queued < b.queued or (c.queued == b.queued
+        and (c.rank < b.rank or (c.rank == b.rank and older(c.e[1], b.e[1]))))))
+  end
   local function consider(stream, e, rank)
     if not e then return end
     -- waited past the steal bound: overdue, it goes before a worker's own younger offer
     if now_ms - id_parts(e[1]) >= steal_ms then rank = -1 end
     local tenant = field(e[2], 'tenant') or ''
-    if passed[tenant] then return end
-    local v, queued = vtime(tenant), waiting(tenant)
-    if best == nil or v < best.v or (v == best.v and (queued < best.queued or (queued == best.queued
-        and (rank < best.rank or (rank == best.rank and older(e[1], best.e[1])))))) then
-      best = {stream = stream, e = e, tenant = tenant, v = v, queued = queued, rank = rank}
-    end
+    local c = {stream = stream, e = e, tenant = tenant, v = vtime(tenant), queued = waiting(tenant), rank = rank}
+    if better(c, best) then best = c end
+    if not passed[tenant] and not edge[tenant] and better(c, other) then other = c end
   end
   consider(KEYS[1], head(KEYS[1]), 1)
   for _, tenant in ipairs(redis.call('ZRANGE', KEYS[3], 0, scan + n - 2)) do
@@ -275,6 +292,7 @@ for n = 1, count do
       end
     end
   end
+  if best ~= nil and passed[best.tenant] then best = other end
   if best == nil then break end
   local e = best.e
   if not peek then
@@ -362,9 +380,10 @@ def pull_args(
     steal_after_ms: int,
     peek: bool,
     prefill_ms_per_token: float = 0.0,
-    passed_over: Iterable[str] = (),
+    passed_over: PassOverTenants | None = None,
 ) -> list[Any]:
-    """``PULL``'s ARGV; ``passed_over``: tenants whose entries the pick leaves where they are."""
+    """``PULL``'s ARGV; ``passed_over``: a full worker's (``policy.passed_over``): the tenants whose entries
+    would displace nothing there, and those at the edge of their share there."""
     return [
         "peek" if peek else "pull",
         CONSUMER_GROUP,
@@ -377,7 +396,8 @@ def pull_args(
         keys.held_prefix(model),
         PICK_SCAN,
         repr(float(prefill_ms_per_token)),
-        *sorted(passed_over),
+        *(f"x:{t}" for t in sorted(passed_over.cannot_displace if passed_over else ())),
+        *(f"e:{t}" for t in sorted(passed_over.at_the_edge if passed_over else ())),
     ]
 
 

@@ -8,12 +8,13 @@ Redis for any other worker. With room but nothing to read, it blocks on the mode
 and its own (an offer made to it while idle wakes it alone), never busy-polling.
 
 A full worker keeps reading, every ``urgent_poll_s``, the priorities whose entries would displace
-work it runs (``Capacity.displacing_levels``), and takes those; its pick passes over the tenants
-whose entries would displace nothing there (``policy.passed_over``). A free slot elsewhere in the pool
-wins first: while another live worker of the model advertises one, an urgent entry is left for it
-until ``how_many_to_steal`` lets this worker take it, ``urgent_handoff_s`` after it first saw it
-(an idle worker is woken by the enqueue and takes it within milliseconds). XREADGROUP hands an
-entry to one consumer only, so of several full workers exactly one takes it.
+work it runs (``Capacity.displacing_levels``), and takes those; when the fair pick's first entry would
+displace nothing there, its pick passes over to a tenant far under its share (``policy.passed_over``).
+A free slot elsewhere in the pool wins first: while another live worker of the model advertises
+one, an urgent entry is left for it until ``how_many_to_steal`` lets this worker take it,
+``urgent_handoff_s`` after it first saw it (an idle worker is woken by the enqueue and takes it
+within milliseconds). XREADGROUP hands an entry to one consumer only, so of several full workers
+exactly one takes it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from worker.acceptance import Acceptance
 from worker.engine.core.policy import (
     Capacity,
     EngineLoad,
+    PassOver,
     Urgency,
     after_waiting,
     arriving,
@@ -133,11 +135,11 @@ class Intake(ResilientLoop):
         # the load counted once the requests already waiting in the engine have started.
         settled, counts = after_waiting(load)
         for priority in range(len(streams)):
-            # Full: only an entry that displaces is taken, so the pick passes over tenants with none.
-            passed = passed_over(settled, counts, priority) if room <= 0 and self.settings.fair_share else set()
+            # Full: when the pick's first entry would displace nothing, it passes over to a tenant far under its share.
+            passed = passed_over(settled, counts, priority) if room <= 0 and self.settings.fair_share else PassOver()
             waiting = self.pull(priority, max(room, 1), idle=idle, peek=True, passed_over=passed)
             if not waiting:
-                if passed:  # nothing runs at a less urgent level here (it would pass none over): nothing to displace
+                if passed.cannot_displace:  # so nothing runs here at a less urgent level: nothing to displace
                     return "took" if took else "blocked"
                 continue
             lengths = [self.acceptance.prompt_length(fields) for _, _, fields, _ in waiting]
@@ -183,10 +185,10 @@ class Intake(ResilientLoop):
         return out
 
     def pull(
-        self, priority: int, count: int, *, idle: bool, peek: bool, passed_over: set[str] | None = None
+        self, priority: int, count: int, *, idle: bool, peek: bool, passed_over: PassOver | None = None
     ) -> list[tuple[str, str, dict[str, str], float]]:
         """``PULL`` (or ``PEEK``) at ``priority``: (stream, entry id, fields, tenant's virtual time) of each
-        pick, the entries of the ``passed_over`` tenants left where they are."""
+        pick, past the tenants ``passed_over`` says (a full worker's)."""
         keys = pull_keys(self.keys, self.model, priority, self.consumer)
         args = pull_args(
             self.keys,
@@ -198,7 +200,7 @@ class Intake(ResilientLoop):
             steal_after_ms=self.steal_after_ms,
             peek=peek,
             prefill_ms_per_token=self.load.prefill_ms_per_token(),
-            passed_over=passed_over or (),
+            passed_over=passed_over,
         )
         picks = [
             (str(stream), str(entry_id), dict(zip(flat[::2], flat[1::2], strict=True)), float(share))

@@ -11,6 +11,7 @@ from worker.engine.core.policy import (
     FAIR_DISPLACE_EVERY_STEPS,
     FAIR_MARGIN,
     EngineLoad,
+    PassOver,
     Policy,
     RunningLoad,
     Urgency,
@@ -186,11 +187,11 @@ def test_after_waiting_counts_the_engines_waiting_requests_as_they_will_start() 
     assert after_waiting(unchanged) == (unchanged, {"h": 12, "l": 4})
 
 
-def test_a_full_workers_pick_passes_over_the_tenants_whose_next_entry_would_displace_nothing() -> None:
-    """Weights 3:1 on 16 slots with heavy 12 and light 4 (the share): neither's next entry displaces the other's,
-    so both are passed over; with heavy at 13 a light entry displaces one (light 4 of 12); three tenants each at
-    their share are all passed over. A tenant with nothing running here is never passed over, and a more urgent
-    level displaces whatever runs at a less urgent one."""
+def test_a_full_workers_pick_tells_the_tenants_that_displace_nothing_from_those_at_the_edge_of_their_share() -> None:
+    """Weights 3:1 on 16 slots with heavy 12 and light 4 (the share): neither's next entry displaces the other's;
+    with heavy at 13 a light entry displaces one (light 4 of 12) but light is not far under heavy (4 is over
+    half of 13 / 3): at the edge. Amid a flood (a: 13, b: 2) b's next is far under. A tenant with nothing running
+    here is never named, and a more urgent level displaces whatever runs at a less urgent one."""
 
     def engine(counts: dict[str, int], weights: dict[str, float], priority: int = 1) -> EngineLoad:
         running = [
@@ -200,15 +201,18 @@ def test_a_full_workers_pick_passes_over_the_tenants_whose_next_entry_would_disp
         ]
         return EngineLoad(16, 4, len(running), 0, tuple(RunningLoad(u, 1) for u in running))
 
-    weights = {"h": 3.0, "l": 1.0, "m": 1.0}
+    weights = {"h": 3.0, "l": 1.0, "a": 1.0, "b": 1.0}
     at_share = engine({"h": 12, "l": 4}, weights)
-    assert passed_over(at_share, Counter({"h": 12, "l": 4}), 1) == {"h", "l"}
-    assert passed_over(at_share, Counter({"h": 12, "l": 4}), 0) == set(), "an urgent entry displaces either"
+    assert passed_over(at_share, Counter({"h": 12, "l": 4}), 1) == PassOver(frozenset({"h", "l"}), frozenset())
+    assert passed_over(at_share, Counter({"h": 12, "l": 4}), 0) == PassOver(frozenset(), frozenset({"h", "l"})), (
+        "an urgent entry displaces either, by priority: at the edge, never far under another level's tenant"
+    )
     light_under = engine({"h": 13, "l": 3}, weights)
-    assert passed_over(light_under, Counter({"h": 13, "l": 3}), 1) == {"h"}
-    three = engine({"h": 9, "l": 3, "m": 4}, weights)
-    assert passed_over(three, Counter({"h": 9, "l": 3, "m": 4}), 1) == {"h", "l", "m"}
-    assert passed_over(three, Counter({"h": 9, "l": 3, "m": 4, "new": 1}), 1) == {"h", "l", "m"}, "new: none here"
+    assert passed_over(light_under, Counter({"h": 13, "l": 3}), 1) == PassOver(frozenset({"h"}), frozenset({"l"}))
+    flood = engine({"a": 13, "b": 2}, weights)
+    assert passed_over(flood, Counter({"a": 13, "b": 2}), 1) == PassOver(frozenset({"a"}), frozenset())
+    assert passed_over(flood, Counter({"a": 13, "b": 2, "new": 1}), 1) == PassOver(frozenset({"a"}), frozenset())
+    assert not PassOver() and PassOver(frozenset(), frozenset({"x"}))
 
 
 def test_a_tenant_pauses_another_tenants_decodes_only_far_under_its_share_and_never_two_steps_running() -> None:

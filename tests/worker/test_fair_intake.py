@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from shared.request_lifecycle import RequestStatus
-from shared.schemas import SamplingSpec
+from shared.schemas import QueuedRequest, SamplingSpec
 from tests.worker.test_intake_in_process import MODEL, Harness, make_harness
 from worker.engine.core.policy import EngineLoad, RunningLoad, Urgency
 
@@ -83,3 +83,21 @@ def test_a_full_worker_takes_a_light_tenants_entry_queued_behind_a_flooding_tena
     assert h.intake.read_once() == "took"
     assert h.taken() == [first, second] and h.status(second) is RequestStatus.RUNNING
     assert all(h.status(r) is RequestStatus.QUEUED for r in heavy)
+
+
+def test_a_full_worker_leaves_a_tenant_at_the_edge_of_its_share_to_the_pull_when_another_is_first(h: Harness) -> None:
+    """Weights 3:1: light runs 3 of 16 beside heavy's 13, its next entry would displace one of heavy's (4 of 12),
+    but it is not far under heavy's share. With heavy's entry first in the pick, the full worker takes nothing:
+    light waits for its turn in the pull's order, which keeps the pool's 3:1, rather than churn the slots."""
+    queued = [
+        QueuedRequest(model=MODEL, prompt_token_ids=[1, 2, 3], priority=1, tenant=tenant, tenant_weight=weight)
+        for tenant, weight in (("heavy", 3.0), ("light", 1.0))
+    ]
+    for request in queued:
+        h.client.enqueue(request)
+    h.redis.hset(h.intake.keys.share(MODEL, 1), "light", 1e6)  # light served far more lately: heavy's entry first
+    running = [Urgency(1.0, n, tenant="heavy", load=13 / 3, weight=3.0) for n in range(13)]
+    running += [Urgency(1.0, 20 + n, tenant="light", load=3.0) for n in range(3)]
+    h.load = EngineLoad(16, 4, 16, 0, tuple(RunningLoad(u, 10) for u in running))
+    assert h.intake.read_once() == "blocked"
+    assert h.taken() == [] and all(h.status(r.id) is RequestStatus.QUEUED for r in queued)

@@ -19,7 +19,7 @@ from shared.schemas import QueuedRequest, SamplingSpec
 from shared.settings import Settings
 from shared.work_queue import PULL, SETTLE, pull_args, pull_keys, request_cost, settle_keys
 from tests.conftest import RedisBackend
-from worker.engine.core.policy import Candidate, charge, fair_pick, lift, offer_stealable, settle
+from worker.engine.core.policy import Candidate, PassOver, charge, fair_pick, lift, offer_stealable, settle
 
 MODEL = "m"
 LEVEL = 1
@@ -70,7 +70,7 @@ def pull(
     steal_after_ms: int = 60_000,
     peek: bool = False,
     prefill_ms_per_token: float = 0.0,
-    passed_over: tuple[str, ...] = (),
+    passed_over: PassOver | None = None,
 ) -> list[tuple[str, str, dict[str, str], float]]:
     """What a worker's intake does (``Intake.pull``): (stream, entry id, fields, share) per pick."""
     args = pull_args(
@@ -111,19 +111,23 @@ def test_a_flooding_tenant_does_not_hold_back_the_next_tenant(queue, redis_clien
     assert queue.tenant_waiting(MODEL) == {"flood": 197}
 
 
-def test_a_pick_that_passes_over_a_tenant_takes_the_next_one_and_leaves_that_tenants_entries(
+def test_a_full_workers_pick_passes_over_a_head_that_displaces_nothing_to_a_tenant_far_under_its_share(
     queue, redis_client, keys
 ) -> None:
     for _ in range(3):
         put(queue, "flood")
-    put(queue, "light")
-    assert tenant_of(pull(redis_client, keys)[0]) == "light", "an equal share: the tenant with fewer waiting first"
-    put(queue, "light")  # charged for its first, its share is above the flood's now
+    for tenant in ("light", "edge"):
+        put(queue, tenant)
+        pull(redis_client, keys)  # its first, at the flood's share (fewer waiting): charged
+        put(queue, tenant)  # its share is above the flood's now
     assert tenant_of(pull(redis_client, keys, peek=True)[0]) == "flood"
-    picks = pull(redis_client, keys, count=2, passed_over=("flood",))
-    assert [tenant_of(p) for p in picks] == ["light"], "the flood's entries are never picked, nor a second light one"
-    assert queue.tenant_waiting(MODEL) == {"flood": 3}
-    assert [tenant_of(p) for p in pull(redis_client, keys, count=3)] == ["flood"] * 3, "they stay for the next pull"
+    full = PassOver(cannot_displace=frozenset({"flood"}), at_the_edge=frozenset({"edge"}))
+    picks = pull(redis_client, keys, count=2, passed_over=full)
+    assert [tenant_of(p) for p in picks] == ["light"], "never the flood's nor the edge tenant's, nor a second light"
+    assert queue.tenant_waiting(MODEL) == {"flood": 3, "edge": 1}
+    at_head = PassOver(cannot_displace=frozenset({"light"}), at_the_edge=frozenset({"flood"}))
+    assert tenant_of(pull(redis_client, keys, passed_over=at_head)[0]) == "flood", "an edge tenant at the head: taken"
+    assert [tenant_of(p) for p in pull(redis_client, keys, count=3)] == ["edge", "flood", "flood"], "the rest stay"
 
 
 def test_a_tenant_that_becomes_active_banks_no_credit_for_its_idle_time(queue, redis_client, keys) -> None:

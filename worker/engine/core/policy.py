@@ -515,22 +515,37 @@ def after_waiting(load: EngineLoad) -> tuple[EngineLoad, Counter[str]]:
     return replace(load, running=settled), running
 
 
-def passed_over(load: EngineLoad, running: Counter[str], priority: int) -> set[str]:
-    """Tenants whose next entry at ``priority`` would displace none of ``load``'s running requests
-    (``displaces``, its tenant's load counting it; ``running``: each tenant's requests, as
-    ``after_waiting`` counts them): a full worker's pick passes over them. Stopping at such a tenant's
-    entry would leave a displacing entry of another tenant behind it, since the pull charges a tenant up
-    front: a light tenant's share runs ahead of a flooding tenant's, until that one's next pull, while it
-    runs far fewer requests. Tenants with nothing running here are never passed over."""
+class PassOver(NamedTuple):
+    """Which tenants a full worker's pick passes over at a priority (``passed_over``)."""
+
+    cannot_displace: frozenset[str] = frozenset()  # their next entry would displace nothing here
+    at_the_edge: frozenset[str] = frozenset()  # it would displace, but no running request's tenant is far over it
+
+    def __bool__(self) -> bool:
+        return bool(self.cannot_displace or self.at_the_edge)
+
+
+def passed_over(load: EngineLoad, running: Counter[str], priority: int) -> PassOver:
+    """How a full worker's pick at ``priority`` treats each tenant that runs here (``running``: each tenant's
+    requests, as ``after_waiting`` counts them), judged on its next entry (its load counting it) against
+    ``load``'s running requests. When the fair pick's first entry is of a tenant that would displace nothing
+    (``displaces``), the pick takes instead the first entry of a tenant far under another's share
+    (``fair_outranks``; a tenant with nothing running here counts as one), passing over the others. The pull
+    charges a tenant up front, so a light tenant's share runs ahead of a flooding tenant's until that one's
+    next pull, while it runs far fewer requests: without this its entry would wait behind the flood's until a
+    slot freed. A tenant at the edge of its share is taken only as the pick's first entry, as without this,
+    so weighted tenants keep the pull's 3:1 rather than the slots' churn."""
     weights = {r.urgency.tenant: r.urgency.weight for r in load.running}
-    out = set()
+    cannot, edge = set(), set()
     for tenant, count in running.items():
         if count <= 0 or tenant not in weights:
             continue
         entry = arriving(priority, tenant=tenant, load=load_of(count, weights[tenant], counting_itself=True))
         if not any(displaces(entry, r.urgency) for r in load.running):
-            out.add(tenant)
-    return out
+            cannot.add(tenant)
+        elif not any(fair_outranks(entry, r.urgency) for r in load.running):
+            edge.add(tenant)
+    return PassOver(frozenset(cannot), frozenset(edge))
 
 
 def _urgency(running: RunningLoad) -> Urgency:
