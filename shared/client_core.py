@@ -321,6 +321,7 @@ class QueueCore:
                 keys.held(model, offer_to or ""),
                 keys.offered(model, priority),
                 keys.notify_worker(model, offer_to or ""),
+                keys.light_arrivals(model),
                 *[keys.waiting(model, p) for p in range(self.settings.priority_levels)],
             ],
             args=[
@@ -335,6 +336,7 @@ class QueueCore:
                 (tenant_max_queued or 0) if check_depth and tenant else 0,
                 offer_to or "",
                 offered_tokens if offer_to else 0,
+                "1" if self.settings.fair_share else "0",
             ],
         )
         if verdict in (b"tenant_overloaded", "tenant_overloaded"):

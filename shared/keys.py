@@ -150,6 +150,11 @@ class Keys:
         """A list idle workers block on; every enqueue pushes one wake-up token."""
         return self._model_k(model, "notify")
 
+    def light_arrivals(self, model: str) -> str:
+        """A list full workers block on: a token per request of a tenant that had none waiting at its priority
+        (a light tenant's), which may displace work there, so they look at once instead of at their next poll."""
+        return self._model_k(model, "light")
+
     def notify_worker(self, model: str, worker: str) -> str:
         """A list only ``worker`` blocks on (beside ``notify``): an offer to it while it is idle wakes it
         alone, so no other idle worker steals what it holds the prefix of."""

@@ -9,7 +9,8 @@ them all. Every queue script names keys of the model's slot only, so each is ato
 - ``ENQUEUE`` (client): the model's depth limit and the tenant's queued limit, then the XADD (to
   the offer stream of the worker that holds the prefix, when it is live; else to the tenant's lane),
   the tenant's waiting count, and the lift of a tenant that becomes backlogged (it starts at the
-  least-served backlogged tenant's virtual time: no credit is banked while idle). The wake-up goes
+  least-served backlogged tenant's virtual time: no credit is banked while idle), which also wakes a
+  full worker (the light arrivals list) to look for it at once. The wake-up goes
   to the model's notify list, or, for an offer to a worker that is idle (its held set has ``idle``),
   to that worker's own list alone: another idle worker woken first would steal it.
 - ``PULL`` (worker): the fair pick, ``count`` times: among the heads of the backlogged tenants'
@@ -130,10 +131,11 @@ end
 
 # KEYS: 1 tenant's lane, 2 notify list, 3 lanes set, 4 share, 5 backlog, 6 waiting (of the
 # request's priority), 7 clock, 8 offer stream of ``offer_to``, 9 its held set, 10 offered set,
-# 11 its notify list, then the waiting hash of every priority (the limits): all in the model's slot.
+# 11 its notify list, 12 the light arrivals list, then the waiting hash of every priority (the
+# limits): all in the model's slot.
 # ARGV: 1 entry JSON, 2 notify keep, 3 max depth (0 = unchecked), 4 group, 5 stream field,
 # 6 tenant ('' none), 7 weight, 8 cost, 9 tenant's max queued (0 = unchecked), 10 offer_to ('' none),
-# 11 tokens of the prompt offer_to holds cached.
+# 11 tokens of the prompt offer_to holds cached, 12 '1' when fair share is on.
 # Returns {'ok', entry id}, {'tenant_overloaded', the tenant's waiting} or {'overloaded', waiting}.
 ENQUEUE = (
     _FORMAT
@@ -142,7 +144,7 @@ local tenant = ARGV[6]
 local max_depth, max_tenant = tonumber(ARGV[3]), tonumber(ARGV[9])
 if max_depth > 0 or max_tenant > 0 then
   local total, mine = 0, 0
-  for i = 12, #KEYS do
+  for i = 13, #KEYS do
     local counts = redis.call('HGETALL', KEYS[i])
     for j = 1, #counts, 2 do
       local n = tonumber(counts[j + 1])
@@ -171,6 +173,11 @@ if redis.call('HINCRBY', KEYS[6], tenant, 1) == 1 then
   local v = math.max(own, floor)
   redis.call('HSET', KEYS[4], tenant, fmt(v))
   redis.call('ZADD', KEYS[5], fmt(v), tenant)
+  if ARGV[12] == '1' and tenant ~= '' then
+    -- a tenant that had nothing waiting: a full worker may take it to displace a flooding tenant's work
+    redis.call('LPUSH', KEYS[12], '1')
+    redis.call('LTRIM', KEYS[12], 0, tonumber(ARGV[2]) - 1)
+  end
 end
 local wake = KEYS[2]
 if target == KEYS[8] and redis.call('SISMEMBER', KEYS[9], 'idle') == 1 then wake = KEYS[11] end

@@ -28,6 +28,7 @@ import time
 import uuid
 
 from shared.client_core import redis_kwargs
+from shared.keys import Keys
 from shared.redis_connect import connect
 from shared.schemas import WorkerHeartbeat
 from shared.settings import Settings
@@ -42,6 +43,7 @@ from worker.heartbeat import Heartbeat
 from worker.held_blocks import HeldBlocks
 from worker.inbox import Inbox, InboxItem, OwnedEntries
 from worker.intake import Intake, WorkerLoad
+from worker.light_arrivals import LightArrivals
 from worker.prefill_rate import PrefillRate
 from worker.priority_latency import PriorityLatency
 from worker.publisher import Publisher
@@ -122,6 +124,12 @@ class WorkerService:
         self.intake = Intake(
             settings, self.redis, self.acceptance, self.capacity, load, self.state, name=self.name, model=self.model
         )
+        # A full worker looks for a light tenant's request as it arrives, not at its next poll.
+        self.light_arrivals = (
+            LightArrivals(self.redis, Keys.for_prefix(settings.key_prefix), self.model, self.state)
+            if settings.fair_share
+            else None
+        )
         self.recovery = Recovery(
             settings, self.redis, self.acceptance, self.owned, self.state,
             name=self.name, model=self.model, room=self.room, on_lost=self.lost,
@@ -190,6 +198,8 @@ class WorkerService:
         ensure_groups(self.redis, self.intake.streams)
         for thread in (self.publisher, self.heartbeat_thread, self.cancel_listener, self.recovery, self.intake):
             thread.start()
+        if self.light_arrivals is not None:
+            self.light_arrivals.start()
         self.loop_progress_at = time.monotonic()
         if self.watchdog is not None:
             self.watchdog.start()

@@ -130,6 +130,25 @@ def test_a_full_workers_pick_passes_over_a_head_that_displaces_nothing_to_a_tena
     assert [tenant_of(p) for p in pull(redis_client, keys, count=3)] == ["edge", "flood", "flood"], "the rest stay"
 
 
+def test_a_request_of_a_tenant_with_nothing_waiting_wakes_a_full_worker_and_a_floods_next_ones_do_not(
+    queue, redis_client, keys, queue_settings
+) -> None:
+    arrivals = keys.light_arrivals(MODEL)
+    put(queue, "flood")
+    put(queue, "flood")
+    assert redis_client.llen(arrivals) == 1, "the flood's first only: its second finds one waiting"
+    put(queue, "light")
+    assert redis_client.llen(arrivals) == 2
+    put(queue, None)
+    assert redis_client.llen(arrivals) == 2, "no tenant: no share to be under"
+    pull(redis_client, keys, count=3)  # light's taken (and one of the flood's): light has none waiting again
+    put(queue, "light")
+    assert redis_client.llen(arrivals) == 3
+    with QueueClient(queue_settings.model_copy(update={"fair_share": False})) as fcfs:
+        put(fcfs, "other")
+    assert redis_client.llen(arrivals) == 3, "fair share off: nobody is woken for it"
+
+
 def test_a_tenant_that_becomes_active_banks_no_credit_for_its_idle_time(queue, redis_client, keys) -> None:
     for _ in range(40):
         put(queue, "busy")
