@@ -10,6 +10,7 @@ import pytest
 
 from tests.engine.conftest import reference, run_to_end
 from worker.engine import EngineEvent, SamplingParams
+from worker.engine.core.policy import FAIR_DISPLACE_EVERY_STEPS
 
 GREEDY = SamplingParams(max_new_tokens=6, ignore_eos=True)
 
@@ -415,6 +416,29 @@ def test_fair_displacement_needs_a_margin_and_a_few_steps_between(make_engine: A
     assert engine.stats.preemptions_by_reason["fair_share"] == 1, "one displacement in a step"
     assert "a-2" not in {s.request_id for s in engine.scheduler.running}, "the victim: a's least urgent"
     engine.step()
+    assert engine.stats.preemptions_by_reason["fair_share"] == 2, "d is far under a (1 to 2): the next step"
+    run_to_end(engine)
+
+
+def test_fair_displacement_at_the_edge_of_the_shares_waits_a_few_steps_after_the_last(make_engine: Any) -> None:
+    """Weights 2:1:1 on 12 slots, a running 8 (4 per weight), e and g 2 each: e's third (3 beside a's 4 less one)
+    and g's third are each under their share after the swap, but neither far under it (3 is over half of 4)."""
+    engine = make_engine(max_num_seqs=12, max_num_batched_tokens=1024)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    for n in range(8):
+        engine.add_request(f"a-{n}", prompt(70 + n), params, priority=1, tenant="a", share=10.0 * n, weight=2.0)
+    for t in ("e", "g"):
+        for n in range(2):
+            engine.add_request(f"{t}-{n}", prompt(80 + n), params, priority=1, tenant=t, share=100.0 + n)
     engine.step()
-    assert engine.stats.preemptions_by_reason["fair_share"] == 1, "not again within FAIR_DISPLACE_EVERY_STEPS"
+    engine.add_request("e-2", prompt(90), params, priority=1, tenant="e", share=200.0)
+    engine.add_request("g-2", prompt(91), params, priority=1, tenant="g", share=201.0)
+    engine.step()
+    assert engine.stats.preemptions_by_reason["fair_share"] == 1, "e's third takes one of a's places"
+    for _ in range(FAIR_DISPLACE_EVERY_STEPS - 1):
+        engine.step()
+        assert engine.stats.preemptions_by_reason["fair_share"] == 1, "g's waits: at the edge, the pace holds"
+    engine.step()
+    assert engine.stats.preemptions_by_reason["fair_share"] == 2
+    assert {s.request_id for s in engine.scheduler.running} >= {"e-2", "g-2"}
     run_to_end(engine)

@@ -123,6 +123,7 @@ def test_the_fair_clause_displaces_across_tenants_past_the_margin_once() -> None
     assert not displaces(Urgency(1.5, 0, tenant="heavy", load=4.0), Urgency(1.9, 3, tenant="light", load=1.0))
     assert fair_displacement_due(10, None) and not fair_displacement_due(10, 10 - FAIR_DISPLACE_EVERY_STEPS + 1)
     assert fair_displacement_due(10, 10 - FAIR_DISPLACE_EVERY_STEPS)
+    assert fair_displacement_due(10, 9, far_under=True) and not fair_displacement_due(10, 10, far_under=True)
 
 
 def test_the_fair_victim_is_the_most_loaded_tenants_least_urgent_request() -> None:

@@ -37,7 +37,8 @@ request at its level when, after the swap, it still runs no more requests per we
 share of the queue puts it at par with the backlogged on arrival, so ordering alone would leave it
 waiting for a slot; ``fair_challenger`` finds it behind the entries pulled earlier for the tenant
 over its share, whose lower shares put them first). Once per request, at most once per
-``FAIR_DISPLACE_EVERY_STEPS`` steps, and the displaced tenant never has fewer running after it:
+``FAIR_DISPLACE_EVERY_STEPS`` steps (any step for a tenant far under, ``fair_outranks``), and the
+displaced tenant never has fewer running after it:
 bounded, so it cannot thrash. Such a request's prompt is prefilled whole at the start of the next
 step (``prefills_first``), not in chunks behind the over-share tenant's prompts, and the decodes of
 the tenants it is far under sit that step out (``fair_outranks``; never two steps in a row).
@@ -241,9 +242,14 @@ def fair_pause_allowed(paused_last_step: bool) -> bool:
     return not paused_last_step
 
 
-def fair_displacement_due(step: int, last_step: int | None) -> bool:
-    """Whether the engine may displace for fair share at ``step``, its last such displacement at ``last_step``."""
-    return last_step is None or step - last_step >= FAIR_DISPLACE_EVERY_STEPS
+def fair_displacement_due(step: int, last_step: int | None, *, far_under: bool = False) -> bool:
+    """Whether the engine may displace for fair share at ``step``, its last such displacement at ``last_step``.
+    A challenger ``far_under`` its victim's share (``fair_outranks``) may at the next step: the pace bounds the
+    churn at the edge of the shares, where weighted tenants settle; a light tenant's close-together requests
+    amid a flood would otherwise each wait up to that many steps, and it holds at most half the other's slots."""
+    if last_step is None:
+        return True
+    return step > last_step if far_under else step - last_step >= FAIR_DISPLACE_EVERY_STEPS
 
 
 def runs_first(urgent: Urgency, other: Urgency) -> bool:

@@ -230,17 +230,13 @@ class Scheduler:
     def pauses_any(self, priority: int, seqs: list[Sequence], tenant: str = "", weight: float = 1.0) -> bool:
         """Whether a new arrival of ``priority`` (of ``tenant``, with its ``weight``) runs first of some of
         ``seqs`` (asked from another thread, for a step's batch, when a request arrives): a whole level more
-        urgent, or, when the next step would start it, far enough under their tenant's share that it
-        ``fair_outranks`` them (each tenant's load counted in ``seqs``)."""
+        urgent, or far enough under their tenant's share that it ``fair_outranks`` them (each tenant's load
+        counted in ``seqs``), which also lets it displace one of them at the next step."""
         arrival = arriving(priority)
         if any(runs_first(arrival, self.urgency(s)) for s in seqs):
             return True
         if not self.policy.fair_share or not tenant:
             return False
-        if len(self.running) >= self.max_num_seqs and not fair_displacement_due(
-            self.step_count + 1, self._last_fair_step
-        ):
-            return False  # no slot for it next step
         counts = Counter(s.tenant or "" for s in seqs)
         mine = arriving(priority, tenant=tenant, load=load_of(counts[tenant], weight, counting_itself=True))
         return any(
@@ -340,12 +336,11 @@ class Scheduler:
         return self._displace_for_fairness(seq, batch)
 
     def _displace_for_fairness(self, seq: Sequence, batch: ScheduledBatch) -> bool:
-        if not fair_displacement_due(self.step_count, self._last_fair_step):
-            return False
         (mine,) = self.fair_urgencies([seq])
         loads = dict(zip(self.running, self.fair_urgencies(self.running), strict=True))
         fair = fair_victim(mine, self.running, loads.__getitem__)
-        if fair is None:
+        far_under = fair is not None and fair_outranks(mine, loads[fair])
+        if fair is None or not fair_displacement_due(self.step_count, self._last_fair_step, far_under=far_under):
             return False
         self._last_fair_step = self.step_count
         fair.fair_displaced = True
@@ -355,8 +350,6 @@ class Scheduler:
     def _fair_challenger(self, batch: ScheduledBatch, while_head: Callable[[Sequence], bool]) -> Sequence | None:
         """A waiting request behind the head that displaces a running one for fair share (``policy.fair_challenger``),
         its victim preempted; None when there is none or a displacement is not due."""
-        if not fair_displacement_due(self.step_count, self._last_fair_step):
-            return None
         found = fair_challenger(self.fair_urgencies(self.waiting), self.fair_urgencies(self.running))
         if found is None:
             return None
