@@ -38,21 +38,10 @@ XAUTOCLAIM."""
 
 from __future__ import annotations
 
-from collections.abc import Set
-from typing import Any, Protocol
+from collections.abc import Iterable
+from typing import Any
 
 from shared.keys import CONSUMER_GROUP, Keys, lane_priority, model_of_lane
-
-
-class PassOverTenants(Protocol):
-    """``policy.PassOver`` as ``PULL`` reads it (shared knows nothing of the worker's policy)."""
-
-    @property
-    def cannot_displace(self) -> Set[str]: ...
-
-    @property
-    def at_the_edge(self) -> Set[str]: ...
-
 
 # Field name of the one JSON document (a QueuedRequest) in a stream entry.
 STREAM_FIELD = "request"
@@ -387,10 +376,11 @@ def pull_args(
     steal_after_ms: int,
     peek: bool,
     prefill_ms_per_token: float = 0.0,
-    passed_over: PassOverTenants | None = None,
+    cannot_displace: Iterable[str] = (),
+    at_the_edge: Iterable[str] = (),
 ) -> list[Any]:
-    """``PULL``'s ARGV; ``passed_over``: a full worker's (``policy.passed_over``): the tenants whose entries
-    would displace nothing there, and those at the edge of their share there."""
+    """``PULL``'s ARGV; ``cannot_displace`` and ``at_the_edge``: a full worker's passed-over tenants
+    (``policy.passed_over``)."""
     return [
         "peek" if peek else "pull",
         CONSUMER_GROUP,
@@ -403,8 +393,8 @@ def pull_args(
         keys.held_prefix(model),
         PICK_SCAN,
         repr(float(prefill_ms_per_token)),
-        *(f"x:{t}" for t in sorted(passed_over.cannot_displace if passed_over else ())),
-        *(f"e:{t}" for t in sorted(passed_over.at_the_edge if passed_over else ())),
+        *(f"x:{t}" for t in sorted(cannot_displace)),
+        *(f"e:{t}" for t in sorted(at_the_edge)),
     ]
 
 

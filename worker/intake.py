@@ -200,7 +200,8 @@ class Intake(ResilientLoop):
             steal_after_ms=self.steal_after_ms,
             peek=peek,
             prefill_ms_per_token=self.load.prefill_ms_per_token(),
-            passed_over=passed_over,
+            cannot_displace=passed_over.cannot_displace if passed_over else (),
+            at_the_edge=passed_over.at_the_edge if passed_over else (),
         )
         picks = [
             (str(stream), str(entry_id), dict(zip(flat[::2], flat[1::2], strict=True)), float(share))

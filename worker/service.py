@@ -28,7 +28,6 @@ import time
 import uuid
 
 from shared.client_core import redis_kwargs
-from shared.keys import Keys
 from shared.redis_connect import connect
 from shared.schemas import WorkerHeartbeat
 from shared.settings import Settings
@@ -126,9 +125,7 @@ class WorkerService:
         )
         # A full worker looks for a light tenant's request as it arrives, not at its next poll.
         self.light_arrivals = (
-            LightArrivals(self.redis, Keys.for_prefix(settings.key_prefix), self.model, self.state)
-            if settings.fair_share
-            else None
+            LightArrivals(self.redis, self.intake.keys, self.model, self.state) if settings.fair_share else None
         )
         self.recovery = Recovery(
             settings, self.redis, self.acceptance, self.owned, self.state,

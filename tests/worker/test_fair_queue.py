@@ -75,7 +75,9 @@ def pull(
     """What a worker's intake does (``Intake.pull``): (stream, entry id, fields, share) per pick."""
     args = pull_args(
         keys, MODEL, LEVEL, worker, count, idle=idle, steal_after_ms=steal_after_ms, peek=peek,
-        prefill_ms_per_token=prefill_ms_per_token, passed_over=passed_over,
+        prefill_ms_per_token=prefill_ms_per_token,
+        cannot_displace=passed_over.cannot_displace if passed_over else (),
+        at_the_edge=passed_over.at_the_edge if passed_over else (),
     )  # fmt: skip
     picks = r.eval(PULL, 8, *pull_keys(keys, MODEL, LEVEL, worker), *args)
     return [(s, e, dict(zip(f[::2], f[1::2], strict=True)), float(v)) for s, e, f, v, _ in picks]

@@ -141,12 +141,17 @@ def runs_before(first: Urgency, then: Urgency) -> bool:
     return first < then
 
 
+def rivals(a: Urgency, b: Urgency) -> bool:
+    """Requests of two tenants at one level: between them the fair clause decides, not urgency."""
+    return a.tenant != b.tenant and level(a) == level(b)
+
+
 def displaces(challenger: Urgency, holder: Urgency) -> bool:
     """Whether ``challenger`` may preempt ``holder`` to take its place: between tenants at one level,
     the fair clause (``displaces_for_fairness``); otherwise strictly more urgent by effective priority
     and arrival (the share never decides it, so a request displaced for fairness never wins its place back
     by having come first)."""
-    if challenger.tenant != holder.tenant and level(challenger) == level(holder):
+    if rivals(challenger, holder):
         return displaces_for_fairness(challenger, holder)
     return (challenger.effective_priority, challenger.arrival) < (holder.effective_priority, holder.arrival)
 
@@ -180,11 +185,7 @@ def fair_victim(challenger: Urgency, candidates: Iterable[T], urgency: Callable[
     """The running request ``challenger`` displaces for fair share, if any: of another tenant at its
     level, that the fair clause lets it displace; the most loaded tenant's, least urgent among those."""
     found = [
-        (u, c)
-        for c in candidates
-        if (u := urgency(c)).tenant != challenger.tenant
-        and level(u) == level(challenger)
-        and displaces_for_fairness(challenger, u)
+        (u, c) for c in candidates if rivals(u := urgency(c), challenger) and displaces_for_fairness(challenger, u)
     ]
     return max(found, key=lambda pair: (pair[0].load, pair[0]))[1] if found else None
 
@@ -210,12 +211,7 @@ def prefills_first(waiting: Urgency, running: Iterable[Urgency]) -> bool:
     running request of another tenant at its level) that its prompt is prefilled whole at the start of
     the next step, before the chunks of other prompts: chunked behind an over-share tenant's prefills it
     would wait several full-batch steps for its first token."""
-    return any(
-        r.tenant != waiting.tenant
-        and level(r) == level(waiting)
-        and displaces_for_fairness(waiting, r._replace(shielded=False))
-        for r in running
-    )
+    return any(rivals(r, waiting) and displaces_for_fairness(waiting, r._replace(shielded=False)) for r in running)
 
 
 # A tenant pauses another's decodes only while it runs at most this share of that one's requests per
@@ -230,11 +226,7 @@ def fair_outranks(waiting: Urgency, running: Urgency) -> bool:
     level that runs at least 1 / ``FAIR_PAUSE_UNDER`` times as many requests per weight (``load``, each
     counting its own). Not two such steps in a row (``fair_pause_allowed``): the paused decodes still
     advance at least every other step."""
-    return (
-        running.tenant != waiting.tenant
-        and level(running) == level(waiting)
-        and waiting.load <= FAIR_PAUSE_UNDER * running.load + 1e-9  # loads are ratios: rounding
-    )
+    return rivals(running, waiting) and waiting.load <= FAIR_PAUSE_UNDER * running.load + 1e-9  # ratios: rounding
 
 
 def fair_pause_allowed(paused_last_step: bool) -> bool:

@@ -38,6 +38,7 @@ from worker.engine.core.policy import (
     level,
     load_of,
     prefills_first,
+    rivals,
     runs_before,
     runs_first,
     victim,
@@ -107,9 +108,11 @@ class Scheduler:
     def urgency(self, seq: Sequence) -> Urgency:
         return self.policy.urgency(seq, self.step_count)
 
-    def fair_urgencies(self, seqs: list[Sequence]) -> list[Urgency]:
-        """``seqs``' urgencies with their tenant's load (``policy.load_of``): what the fair clause reads."""
-        counts = Counter(s.tenant or "" for s in self.running)  # once, not a scan of the running per request
+    def fair_urgencies(self, seqs: list[Sequence], counts: Counter[str] | None = None) -> list[Urgency]:
+        """``seqs``' urgencies with their tenant's load (``policy.load_of``): what the fair clause reads.
+        ``counts``: each tenant's running requests (default: the engine's)."""
+        if counts is None:
+            counts = Counter(s.tenant or "" for s in self.running)  # once, not a scan of the running per request
         return [
             self.policy.urgency(
                 s,
@@ -172,9 +175,7 @@ class Scheduler:
         whole, with no other prompt's chunk."""
         if not self.waiting or not self.running:
             return False
-        # The clause is between tenants: with one tenant (or none) in the engine it never applies, and its
-        # urgencies (each request's tenant load) are a per-step cost that grows with the queue.
-        if len({s.tenant or "" for s in self.waiting} | {s.tenant or "" for s in self.running}) < 2:
+        if not self._tenants_apart():
             self._fair_paused_last = False
             return False
         waiting, running = self.fair_urgencies(self.waiting), self.fair_urgencies(self.running)
@@ -220,6 +221,12 @@ class Scheduler:
         self._fair_paused_last = pause
         return True
 
+    def _tenants_apart(self) -> bool:
+        """Whether the engine holds requests of two tenants or more. The fair clause is between tenants: with
+        one (or none) it never applies, and its urgencies (each request's tenant load) are a per-step cost
+        that grows with the queue."""
+        return len({s.tenant or "" for s in self.waiting} | {s.tenant or "" for s in self.running}) > 1
+
     def _urgent_waiting(self) -> bool:
         if not self.waiting or not self.running:
             return False
@@ -239,15 +246,7 @@ class Scheduler:
             return False
         counts = Counter(s.tenant or "" for s in seqs)
         mine = arriving(priority, tenant=tenant, load=load_of(counts[tenant], weight, counting_itself=True))
-        return any(
-            fair_outranks(
-                mine,
-                self.policy.urgency(
-                    s, self.step_count, load_of(counts[s.tenant or ""], s.weight, counting_itself=False)
-                ),
-            )
-            for s in seqs
-        )
+        return any(fair_outranks(mine, u) for u in self.fair_urgencies(seqs, counts))
 
     def _budget(self, batch: ScheduledBatch) -> int:
         return self.max_num_batched_tokens - batch.num_tokens
@@ -330,7 +329,7 @@ class Scheduler:
             return False
         taken = victim(self.running, self.urgency)
         mine, theirs = self.urgency(seq), self.urgency(taken)
-        if displaces(mine, theirs) and not (mine.tenant != theirs.tenant and level(mine) == level(theirs)):
+        if displaces(mine, theirs) and not rivals(mine, theirs):
             self._preempt(taken, batch, "urgency")
             return True
         return self._displace_for_fairness(seq, batch)
@@ -350,6 +349,8 @@ class Scheduler:
     def _fair_challenger(self, batch: ScheduledBatch, while_head: Callable[[Sequence], bool]) -> Sequence | None:
         """A waiting request behind the head that displaces a running one for fair share (``policy.fair_challenger``),
         its victim preempted; None when there is none or a displacement is not due."""
+        if not self._tenants_apart():
+            return None
         found = fair_challenger(self.fair_urgencies(self.waiting), self.fair_urgencies(self.running))
         if found is None:
             return None
