@@ -19,6 +19,10 @@ cache by tenant, so no phase reuses another's KV blocks):
    ``--weights-s``; tokens served (prompt + output, the counter fair share charges) from
    ``--weights-settle-s`` (past the pool's first fill) to the end.
 
+With ``--rounds N`` the two floods take turns N times, each on a fresh stack, and each round's B arrivals
+are its own (seed + round): B's TTFTs and the output throughput are pooled over the rounds, so a drift of the
+machine over the run falls on both, and B's p99 comes from N times as many requests.
+
 A phase's in-flight requests after its window are cancelled (the client closes its stream) once B's
 have all had their first token; the next phase starts on an idle pool. Reported per setup: B's TTFT
 p99 under flood / idle (fair and FCFS), all output tokens/s in the flood window (fair / FCFS), the
@@ -210,6 +214,16 @@ class Bench:
             await poisson(self.sender(http, phase, tenant), tenant, samples, [0.0] * len(samples), t0, out)
         return out, time.perf_counter() - t0
 
+    def restart(self, stack: Stack, extra_env: dict[str, str] | None = None) -> Stack:
+        """The stack's processes stopped and started again (fair share off with ``FCFS_ENV``), warmed as the
+        first was: every flood starts on a fresh, warm stack with nothing cached."""
+        workers = len(stack.workers)
+        stack.stop()
+        self.stack = Stack(self.settings, self.keys.specs, worker_metrics=True, extra_env=extra_env or {})
+        self.stack.start(workers=workers)
+        asyncio.run(self.at_once("warm", A, self.samples.draw(4)))
+        return self.stack
+
     async def one_at_a_time(self, samples: list[ChatSample]) -> tuple[list[RequestResult], float]:
         busy, results = 0.0, []
         async with self.http() as http:
@@ -341,18 +355,32 @@ def counted(before: dict[str, float], after: dict[str, float]) -> tuple[dict[str
     }
 
 
-def flood_summary(phase: Phase, window: tuple[float, float]) -> dict[str, Any]:
-    """Per tenant (every request sent, the cancelled ones counted apart), and all tokens in the window."""
+def merged(phases: list[Phase]) -> Phase:
+    """Rounds of one phase as one: their requests (times from each round's own start) and counters summed."""
+    out = Phase()
+    for p in phases:
+        out.sent += p.sent
+        out.cancelled += p.cancelled
+        for mine, theirs in ((out.preemptions, p.preemptions), (out.engine, p.engine)):
+            for k, v in theirs.items():
+                mine[k] = mine.get(k, 0.0) + v
+    return out
+
+
+def flood_summary(phase: Phase, window: tuple[float, float], rounds: int = 1) -> dict[str, Any]:
+    """Per tenant (every request sent, the cancelled ones counted apart), and all tokens in the window;
+    ``rounds`` windows' worth when ``phase`` pools that many (``merged``)."""
     lo, hi = window
     out: dict[str, Any] = {"cancelled": phase.cancelled, "preemptions": phase.preemptions, "engine": phase.engine}
     for tenant in (A, B):
         mine = [s for s in phase.sent if s.tenant == tenant]
         done = [s.result for s in mine if s.result.success]
-        out[tenant] = summarize(done, hi) | {"sent": len(mine)}
+        out[tenant] = summarize(done, hi * rounds) | {"sent": len(mine)}
     tokens = sum(lo <= t <= hi for s in phase.sent for t in s.token_times())
     out["window_s"] = [lo, hi]
+    out["rounds"] = rounds
     out["window_output_tokens"] = tokens
-    out["window_output_tok_s"] = round(tokens / (hi - lo), 2)
+    out["window_output_tok_s"] = round(tokens / ((hi - lo) * rounds), 2)
     out["b_sent_s"] = [round(s.at, 2) for s in phase.sent if s.tenant == B]
     out["b_ttft_ms"] = [
         round(s.result.ttft * 1e3, 1) if s.result.success else None for s in phase.sent if s.tenant == B
@@ -431,9 +459,9 @@ def run_setup(
     stack = Stack(settings, keys.specs, worker_metrics=True)
     row: dict[str, Any] = {"workers": workers, "cluster": settings.redis_cluster}
     load_before = os.getloadavg()[0]
+    bench = Bench(args, settings, stack, keys, samples)
     try:
         stack.start(workers=workers)
-        bench = Bench(args, settings, stack, keys, samples)
         row["slots"] = bench.slots
         asyncio.run(bench.at_once("warm", A, samples.draw(4)))
         cal_samples = samples.draw(args.calibration_factor * bench.slots)
@@ -443,36 +471,50 @@ def run_setup(
         row["calibration"] = summarize(results, duration)
         row["saturation"] = saturation(results, [s.at for s in cal.sent], mean_output)
         rate = args.light_share * row["saturation"]["requests_per_s"]
-        offsets = arrivals(rate, args.warmup_s, args.flood_s - args.tail_s, args.seed)
-        light = samples.draw(len(offsets))
+        # Each round's own arrivals and prompts: pooled, B's p99 is over rounds x as many requests.
+        offsets = [arrivals(rate, args.warmup_s, args.flood_s - args.tail_s, args.seed + r) for r in range(args.rounds)]
+        light = [samples.draw(len(o)) for o in offsets]
         row["light"] = {
             "rate_req_s": round(rate, 4),
-            "requests": len(light),
-            "offsets_s": [round(o, 2) for o in offsets],
+            "requests": sum(map(len, light)),
+            "offsets_s": [round(o, 2) for o in itertools.chain(*offsets)],
         }
-        print(f"{name}: saturation {row['saturation']}; B at {rate:.3f} req/s, {len(light)} requests", flush=True)
+        print(
+            f"{name}: saturation {row['saturation']}; B at {rate:.3f} req/s, {row['light']['requests']} requests",
+            flush=True,
+        )
 
-        idle, busy = asyncio.run(bench.one_at_a_time(light))
+        idle, busy = asyncio.run(bench.one_at_a_time(list(itertools.chain(*light))))
         row["idle"] = summarize(idle, busy)
         print_summary(f"{name}: B alone on the idle stack", row["idle"])
         window = (args.warmup_s, args.flood_s)
-        row["fair"] = flood_summary(asyncio.run(bench.flood("fair", light, offsets)), window)
-        print_summary(f"{name}: B under A's flood, fair share", row["fair"][B])
-        checkpoint(report, PARTIAL)
-        if args.weights_s > 0:
-            row["weights"] = weights_summary(asyncio.run(bench.weights()), args.weights_s, args.weights_settle_s)
-            print(f"{name}: weights 3:1 served {row['weights']['ratio']} ({row['weights']['tenants']})", flush=True)
-        if not args.skip_fcfs:
-            if FCFS_ENV:  # the same stack's processes, started again with fair share off
-                stack.stop()
-                stack = Stack(settings, keys.specs, worker_metrics=True, extra_env=FCFS_ENV)
-                stack.start(workers=workers)
-                bench.stack = stack
-            row["fcfs"] = flood_summary(asyncio.run(bench.flood("fcfs", light, offsets)), window)
+        floods: dict[str, list[Phase]] = {"fair": [], "fcfs": []}
+        for r in range(args.rounds):
+            if r > 0:
+                stack = bench.restart(stack)
+            floods["fair"].append(asyncio.run(bench.flood("fair", light[r], offsets[r])))
+            print_summary(
+                f"{name}: B under A's flood, fair share, round {r + 1}", flood_summary(floods["fair"][-1], window)[B]
+            )
+            checkpoint(report, PARTIAL)
+            if r == 0 and args.weights_s > 0:
+                row["weights"] = weights_summary(asyncio.run(bench.weights()), args.weights_s, args.weights_settle_s)
+                print(f"{name}: weights 3:1 served {row['weights']['ratio']} ({row['weights']['tenants']})", flush=True)
+            if not args.skip_fcfs:
+                if FCFS_ENV:  # the same stack's processes, started again with fair share off
+                    stack = bench.restart(stack, FCFS_ENV)
+                floods["fcfs"].append(asyncio.run(bench.flood("fcfs", light[r], offsets[r])))
+                print_summary(
+                    f"{name}: B under A's flood, FCFS, round {r + 1}", flood_summary(floods["fcfs"][-1], window)[B]
+                )
+        for run, phases in floods.items():
+            if phases:
+                row[run] = flood_summary(merged(phases), window, rounds=len(phases))
+                row[run]["rounds_output_tok_s"] = [flood_summary(p, window)["window_output_tok_s"] for p in phases]
+        if "fcfs" in row:
             row["fcfs"]["anchor"] = fcfs_anchor()
-            print_summary(f"{name}: B under A's flood, FCFS", row["fcfs"][B])
     finally:
-        stack.stop()
+        bench.stack.stop()  # the last one started (``Bench.restart`` stops the one before)
     # Others' processes share the cores: the 1-minute load average before and after the setup's phases.
     row["load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     row["targets"] = setup_targets(row)
@@ -507,6 +549,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=None, help="per worker (default INFLIGHTQ_MAX_NUM_SEQS)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per engine (default 3072)")
     p.add_argument("--skip-fcfs", action="store_true")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="fair and FCFS floods in turn, this many of each (each on a fresh stack): B's requests and the "
+        "throughput pooled, so the stacks' drift over the run falls on both",
+    )
     p.add_argument("--out", default="bench/results", help="folder for fairness-<date>.*; '' to skip writing")
     p.add_argument("--tag", default="", help="name files fairness-<date>-<tag>.*")
     p.add_argument("--note", default="", help="a line about the machine's state, copied into the results")
@@ -537,7 +586,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "note": args.note,
         "fcfs_anchor": fcfs_anchor(),
         "phases": {k: getattr(args, k) for k in ("flood_s", "warmup_s", "tail_s", "flood_factor", "light_share")}
-        | {k: getattr(args, k) for k in ("weights_s", "weights_settle_s", "weights_factor", "calibration_factor")},
+        | {
+            k: getattr(args, k)
+            for k in ("weights_s", "weights_settle_s", "weights_factor", "calibration_factor", "rounds")
+        },
         "setups": {},
     }
     for name in args.setups.split(","):

@@ -35,7 +35,7 @@ def summary_table(report: dict[str, Any]) -> list[str]:
         fcfs = f"{t['b_fcfs_p99_ms']:,.0f} ({t['b_fcfs_vs_idle']:.1f}x)" if "b_fcfs_p99_ms" in t else "-"
         tput = (
             f"{t['throughput_fair_tok_s']} / {t['throughput_fcfs_tok_s']} = **{t['throughput_ratio']:.1%}** "
-            f"({_met(t['throughput_met'])})"
+            f"({_met(t['throughput_met'])}){_by_round(row)}"
             if "throughput_ratio" in t
             else "-"
         )
@@ -49,6 +49,14 @@ def summary_table(report: dict[str, Any]) -> list[str]:
             f"| {fair} | {fcfs} | {tput} | {weights} |"
         )
     return lines
+
+
+def _by_round(row: dict[str, Any]) -> str:
+    """Each round's fair / FCFS output tok/s, where the floods took turns more than once."""
+    fair, fcfs = row["fair"].get("rounds_output_tok_s", []), row["fcfs"].get("rounds_output_tok_s", [])
+    if len(fair) < 2:
+        return ""
+    return "; by round " + ", ".join(f"{a:.0f}/{b:.0f}" for a, b in zip(fair, fcfs, strict=False))
 
 
 def detail_table(report: dict[str, Any]) -> list[str]:
@@ -111,7 +119,14 @@ def header(report: dict[str, Any]) -> list[str]:
         f"/v1/chat/completions at one priority. Flood: tenant A keeps {ph['flood_factor']}x the pool's slots in "
         f"flight for {ph['flood_s']:.0f} s; tenant B sends Poisson arrivals at {ph['light_share']}x the saturation "
         f"measured in the same run, from {ph['warmup_s']:.0f} s to {ph['flood_s'] - ph['tail_s']:.0f} s; output "
-        f"throughput counts every token that came from {ph['warmup_s']:.0f} s to {ph['flood_s']:.0f} s. FCFS anchor: "
+        f"throughput counts every token that came from {ph['warmup_s']:.0f} s to {ph['flood_s']:.0f} s. "
+        + (
+            f"The fair and FCFS floods took turns {ph['rounds']} times, each on a fresh stack with B's arrivals of "
+            "its own; B's TTFTs and the throughput are pooled over the rounds. "
+            if ph.get("rounds", 1) > 1
+            else ""
+        )
+        + f"FCFS anchor: "
         f"{report['fcfs_anchor']}. Weights: tenants of weight 3 and 1 each keep {ph['weights_factor']}x the slots "
         f"in flight for {ph['weights_s']:.0f} s; tokens served = output tokens that came from "
         f"{ph.get('weights_settle_s', 0):.0f} s to {ph['weights_s']:.0f} s + the prompts of the requests whose first "
