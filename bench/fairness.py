@@ -341,10 +341,18 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
     return {k: after[k] - before.get(k, 0.0) for k in sorted(after)}
 
 
-# What the fair share's mechanisms cost the engine in a phase: time in steps, the forward time of the steps
-# an arrival stopped (thrown away), and the tokens whose KV a preemption discarded (recomputed, less what
-# the prefix cache kept).
-ENGINE_COUNTERS = ("engine_steps", "engine_step_seconds", "engine_interrupted_seconds", "engine_recomputed_tokens")
+# What the fair share's mechanisms cost the engine in a phase: time in steps, the steps an arrival stopped and
+# their forward time (thrown away), the tokens whose KV a preemption discarded (recomputed, less what the
+# prefix cache kept), and the tokens generated over the sequence-steps that generated them.
+ENGINE_COUNTERS = (
+    "engine_steps",
+    "engine_step_seconds",
+    "engine_interrupted_steps",
+    "engine_interrupted_seconds",
+    "engine_recomputed_tokens",
+    "engine_generated_tokens",
+    "engine_token_steps",
+)
 
 
 def counted(before: dict[str, float], after: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:

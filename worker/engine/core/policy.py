@@ -40,9 +40,9 @@ over its share, whose lower shares put them first). Once per request, at most on
 ``FAIR_DISPLACE_EVERY_STEPS`` steps (any step for a tenant far under, ``fair_outranks``), and the
 displaced tenant never has fewer running after it:
 bounded, so it cannot thrash. Such a request's prompt is prefilled whole at the start of the next
-step (``prefills_first``), not in chunks behind the over-share tenant's prompts, and the decodes of
-the tenants it is far under sit that step out (``fair_outranks``; never two steps in a row).
-``runs_first`` compares levels only.
+step (``prefills_first``), not in chunks behind the over-share tenant's prompts, beside the running
+decodes; the arrival of a tenant far under another's share (``fair_outranks``) stops a step computing
+that one's work, as an urgent arrival does. ``runs_first`` compares levels only.
 
 Prefix affinity decides where, never what: an entry offered to the worker that holds its prefix is
 left to it until ``offer_stealable`` lets another take it (as an urgent entry is left for a worker
@@ -214,24 +214,20 @@ def prefills_first(waiting: Urgency, running: Iterable[Urgency]) -> bool:
     return any(rivals(r, waiting) and displaces_for_fairness(waiting, r._replace(shielded=False)) for r in running)
 
 
-# A tenant pauses another's decodes only while it runs at most this share of that one's requests per
-# weight: far under its share (a light tenant amid a flood), never at the edge where backlogged tenants'
-# weights settle, so a tenant at its share is not slowed by each of the other's arrivals.
-FAIR_PAUSE_UNDER = 0.5
+# A tenant is far under another's share while it runs at most this share of that one's requests per
+# weight (a light tenant amid a flood), never at the edge where backlogged tenants' weights settle, so a
+# tenant at its share is not slowed by each of the other's arrivals.
+FAR_UNDER = 0.5
 
 
 def fair_outranks(waiting: Urgency, running: Urgency) -> bool:
-    """Whether ``running``'s decode sits out the step that prefills ``waiting`` first (``prefills_first``),
-    so that ``waiting``'s first token costs about what it costs on an idle engine: another tenant at its
-    level that runs at least 1 / ``FAIR_PAUSE_UNDER`` times as many requests per weight (``load``, each
-    counting its own). Not two such steps in a row (``fair_pause_allowed``): the paused decodes still
-    advance at least every other step."""
-    return rivals(running, waiting) and waiting.load <= FAIR_PAUSE_UNDER * running.load + 1e-9  # ratios: rounding
-
-
-def fair_pause_allowed(paused_last_step: bool) -> bool:
-    """Whether the step that prefills a request first for fair share may pause the decodes it outranks."""
-    return not paused_last_step
+    """Whether ``waiting``'s tenant is far under ``running``'s share: another tenant at its level that runs at
+    least 1 / ``FAR_UNDER`` times as many requests per weight (``load``, each counting its own). Its arrival
+    stops a step computing ``running`` (its prompt then starts a step sooner), it may displace at the next
+    step (``fair_displacement_due``), and a full worker's pull passes over to it (``passed_over``). Its
+    prefill runs beside ``running``'s decode: pausing that for a step cost the flood about a step's tokens
+    per light request and did not shorten the light tenant's time to first token (docs/benchmarks.md)."""
+    return rivals(running, waiting) and waiting.load <= FAR_UNDER * running.load + 1e-9  # ratios: rounding
 
 
 def fair_displacement_due(step: int, last_step: int | None, *, far_under: bool = False) -> bool:

@@ -32,7 +32,6 @@ from worker.engine.core.policy import (
     fair_challenger,
     fair_displacement_due,
     fair_outranks,
-    fair_pause_allowed,
     fair_victim,
     joins_urgent_prefill,
     level,
@@ -103,7 +102,6 @@ class Scheduler:
         self.step_count = 0
         self._admission_stopped = False  # this step: a waiting request could not start
         self._last_fair_step: int | None = None  # the step of the last displacement for fair share
-        self._fair_paused_last = False  # the last step paused decodes to prefill a request first for fair share
 
     def urgency(self, seq: Sequence) -> Urgency:
         return self.policy.urgency(seq, self.step_count)
@@ -170,18 +168,15 @@ class Scheduler:
     def _admit_fair_first(self, batch: ScheduledBatch) -> bool:
         """The first waiting request of the most urgent waiting level whose tenant is far under its share
         (``policy.prefills_first``) starts with its prompt whole, displacing for fair share when the slots
-        are full; one per step. The decodes it ``fair_outranks`` sit the step out when ``fair_pause_allowed``,
-        the others decode beside it (its prompt less a token each). True when it started: the step is then
-        whole, with no other prompt's chunk."""
+        are full; one per step. The running decodes decode beside it (its prompt less a token each). True when
+        it started: the step is then whole, with no other prompt's chunk."""
         if not self.waiting or not self.running:
             return False
         if not self._tenants_apart():
-            self._fair_paused_last = False
             return False
         waiting, running = self.fair_urgencies(self.waiting), self.fair_urgencies(self.running)
         top = level(waiting[0])
         ranked = list(zip(self.running, running, strict=True))  # before a displacement changes the running
-        paused_last, self._fair_paused_last = self._fair_paused_last, False
         if any(s.num_tokens - s.num_computed_tokens > 1 and level(u) < top for s, u in ranked):
             return False  # a more urgent prompt still prefills: it keeps the step's prefill budget
         found = next(
@@ -194,16 +189,12 @@ class Scheduler:
         )
         if found is None:
             return False
-        seq, mine = found
+        seq, _ = found
         if len(self.running) >= self.max_num_seqs and not self._displace_for_fairness(seq, batch):
             return False
-        decodes = [
-            (s, u)
-            for s, u in ranked
-            if s.status is not SequenceStatus.WAITING and s.num_tokens - s.num_computed_tokens == 1
+        beside = [
+            s for s, _ in ranked if s.status is not SequenceStatus.WAITING and s.num_tokens - s.num_computed_tokens == 1
         ]
-        pause = fair_pause_allowed(paused_last) and any(fair_outranks(mine, u) for _, u in decodes)
-        beside = [s for s, u in decodes if not (pause and fair_outranks(mine, u))]
         if not seq.block_table:
             hits = self.blocks.match_prefix(seq)
             self.stats.prefix_cache_queries += seq.num_tokens
@@ -218,7 +209,6 @@ class Scheduler:
         batch.add(seq, n)
         for other in beside:
             self._continue(other, batch)
-        self._fair_paused_last = pause
         return True
 
     def _tenants_apart(self) -> bool:

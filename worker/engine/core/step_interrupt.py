@@ -1,7 +1,7 @@
 """Stopping a step in progress for an urgent arrival, at its next layer.
 
 Urgent: a whole priority level more urgent than some of the step's work, or a tenant far enough under
-its share that the next step prefills it first and pauses that work (``policy.fair_outranks``).
+its share that the next step prefills it first and may displace some of that work (``policy.fair_outranks``).
 
 A step cannot take a request once its forward runs, so an urgent request that arrives while a
 loaded worker computes a long step (a prefill chunk beside a full decode batch, or a whole-budget
@@ -38,9 +38,10 @@ class StepInterrupt:
     """Set from another thread, read between layers by the step in progress.
 
     A step may be stopped only for an arrival that runs first of some of the sequences it computes
-    (it pauses them for a step anyway), never twice in a row, so every sequence makes progress
-    whatever arrives (the step after a stopped one always runs to its end), and only while the
-    stopped steps have thrown away at most ``MAX_THROWN_AWAY_SHARE`` of the step time."""
+    (it pauses them for a step, or for fair share may displace one of them, anyway), never twice in a
+    row, so every sequence makes progress whatever arrives (the step after a stopped one always runs to
+    its end), and only while the stopped steps have thrown away at most ``MAX_THROWN_AWAY_SHARE`` of
+    the step time."""
 
     def __init__(self) -> None:
         self._requested = threading.Event()
