@@ -14,14 +14,16 @@ them all. Every queue script names keys of the model's slot only, so each is ato
   to the model's notify list, or, for an offer to a worker that is idle (its held set has ``idle``),
   to that worker's own list alone: another idle worker woken first would steal it.
 - ``PULL`` (worker): the fair pick, ``count`` times: among the heads of the backlogged tenants'
-  lanes, its own offers and the offers it may steal (at once when idle or their worker is gone, else
-  once they waited the steal bound plus the time this worker would take to prefill what their worker
-  holds of them), the
+  lanes, and each tenant's first entry in its own offers and in the offers it may steal (at once when
+  idle or their worker is gone, else once they waited the steal bound plus the time this worker would
+  take to prefill what their worker holds of them; an offer stream mixes tenants, and its head alone
+  would hold a light tenant's offer behind a flood's), the
   entry whose tenant has the lowest virtual time (ties: the tenant with fewer waiting, then an entry
   past the steal bound, then its own offer, then the older entry); XREADGROUP it; charge the tenant
-  ``cost / weight``. ``PEEK`` is the same pick without taking (a full worker's displacement check). A full
-  worker passes over the tenants whose entries would displace nothing it runs, so the pick stops at
-  an entry that would, not at the head of a tenant that cannot use the worker.
+  ``cost / weight``; an entry taken from behind an offer stream's head moves to its tenant's lane first,
+  since a group delivers a stream in order. ``PEEK`` is the same pick without taking (a full worker's
+  displacement check). A full worker passes over the tenants whose entries would displace nothing it
+  runs, so the pick stops at an entry that would, not at the head of a tenant that cannot use the worker.
 - ``SETTLE`` (worker): at the request's end, refunds ``(cost - used) / weight`` so the tenant is
   charged what it used, and XACKs and XDELs the entry in the same script: it runs once per entry.
   A redelivery (a dead worker's entries, XAUTOCLAIM) never goes through ``PULL``, so a re-run is
@@ -204,7 +206,7 @@ for i = 12, #ARGV do
 end
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local vt, left, cursor, heads = {}, {}, {}, {}
+local vt, left, cursor, heads, tops, skip = {}, {}, {}, {}, {}, {}
 local function vtime(tenant)
   if vt[tenant] == nil then vt[tenant] = tonumber(redis.call('HGET', KEYS[2], tenant) or '0') end
   return vt[tenant]
@@ -244,6 +246,24 @@ local function head(stream)
   heads[stream] = h
   return h
 end
+-- An offer stream holds every tenant's offers to one worker in arrival order: its head alone would leave
+-- a light tenant's offer behind a flooding tenant's. The first undelivered entry of each tenant among the
+-- next `scan` (a peek's picks skipped), each marked deep when it is not the stream's head.
+local function firsts(stream)
+  if tops[stream] ~= nil then return tops[stream] end
+  local found, seen = {}, {}
+  if head(stream) then
+    for i, e in ipairs(redis.call('XRANGE', stream, cursor[stream], '+', 'COUNT', scan)) do
+      local tenant = field(e[2], 'tenant') or ''
+      if not skip[e[1]] and not seen[tenant] then
+        seen[tenant] = true
+        found[#found + 1] = {e, i > 1}
+      end
+    end
+  end
+  tops[stream] = found
+  return found
+end
 local out = {}
 for n = 1, count do
   local best, other = nil, nil
@@ -251,12 +271,13 @@ for n = 1, count do
     return b == nil or c.v < b.v or (c.v == b.v and (c.queued < b.queued or (c.queued == b.queued
         and (c.rank < b.rank or (c.rank == b.rank and older(c.e[1], b.e[1]))))))
   end
-  local function consider(stream, e, rank)
+  local function consider(stream, e, rank, deep)
     if not e then return end
     -- waited past the steal bound: overdue, it goes before a worker's own younger offer
     if now_ms - id_parts(e[1]) >= steal_ms then rank = -1 end
     local tenant = field(e[2], 'tenant') or ''
-    local c = {stream = stream, e = e, tenant = tenant, v = vtime(tenant), queued = waiting(tenant), rank = rank}
+    local c = {stream = stream, e = e, tenant = tenant, v = vtime(tenant), queued = waiting(tenant), rank = rank,
+      deep = deep}
     if better(c, best) then best = c end
     if not passed[tenant] and not edge[tenant] and better(c, other) then other = c end
   end
@@ -271,16 +292,18 @@ for n = 1, count do
       end
     end
   end
-  consider(KEYS[7], head(KEYS[7]), 0)
+  for _, f in ipairs(firsts(KEYS[7])) do consider(KEYS[7], f[1], 0, f[2]) end
   for _, w in ipairs(redis.call('SMEMBERS', KEYS[6])) do
     if w ~= me then
       local stream = ARGV[8] .. w
       local h = head(stream)
       local live = redis.call('EXISTS', ARGV[9] .. w) == 1
       if h then
-        local age = now_ms - id_parts(h[1])
-        local held = tonumber(field(h[2], 'held') or '0') or 0
-        if idle or (not live) or age >= steal_ms + held * prefill_ms then consider(stream, h, 1) end
+        for _, f in ipairs(firsts(stream)) do
+          local age = now_ms - id_parts(f[1][1])
+          local held = tonumber(field(f[1][2], 'held') or '0') or 0
+          if idle or (not live) or age >= steal_ms + held * prefill_ms then consider(stream, f[1], 1, f[2]) end
+        end
       elseif not peek and not live and redis.call('XLEN', stream) == 0 then
         redis.call('SREM', KEYS[6], w)
         redis.call('SREM', KEYS[8], stream)
@@ -291,6 +314,22 @@ for n = 1, count do
   if best ~= nil and passed[best.tenant] then best = other end
   if best == nil then break end
   local e = best.e
+  tops[best.stream] = nil
+  if best.deep and peek then
+    skip[e[1]] = true
+  elseif best.deep then
+    -- A group delivers a stream in order: the entry moves to its tenant's lane, read from there (that
+    -- lane's older entries first: the same tenant's, so the pick is the same).
+    local lane = KEYS[1]
+    if best.tenant ~= '' then lane = ARGV[7] .. string.sub(redis.sha1hex(best.tenant), 1, 16) end
+    redis.call('XDEL', best.stream, e[1])
+    heads[best.stream] = nil
+    pcall(redis.call, 'XGROUP', 'CREATE', lane, group, '0', 'MKSTREAM')
+    redis.call('XADD', lane, '*', unpack(e[2]))
+    redis.call('SADD', KEYS[8], lane)
+    best.stream = lane
+    tops[lane], heads[lane] = nil, nil
+  end
   if not peek then
     e = redis.call('XREADGROUP', 'GROUP', group, me, 'COUNT', 1, 'STREAMS', best.stream, '>')[1][2][1]
   end
@@ -311,8 +350,10 @@ for n = 1, count do
       redis.call('ZREM', KEYS[3], best.tenant)
     end
   end
-  cursor[best.stream] = '(' .. e[1]
-  heads[best.stream] = nil
+  if not (best.deep and peek) then
+    cursor[best.stream] = '(' .. e[1]
+    heads[best.stream] = nil
+  end
   out[#out + 1] = {best.stream, e[1], flat, fmt(best.v), best.tenant}
 end
 return out

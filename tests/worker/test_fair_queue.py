@@ -254,6 +254,34 @@ def test_work_past_the_steal_bound_goes_before_a_workers_own_younger_offer(queue
     assert fair_pick([offer, lane]) == 1 and fair_pick([offer, lane._replace(overdue=False)]) == 0
 
 
+def test_a_light_tenants_offer_behind_a_floods_offers_to_the_same_worker_is_picked_and_moves_to_its_lane(
+    queue, redis_client, keys
+) -> None:
+    """Affinity sends a flooding tenant's requests (one shared prefix) to one worker's offer stream; a light
+    tenant's request that the same worker holds goes behind them there. The pick sees each tenant's first
+    offer, not the stream's head alone; the group delivers a stream in order, so the entry it takes from
+    behind the head moves to its tenant's lane and is read from there."""
+    redis_client.sadd(keys.held(MODEL, "w1"), "live")
+    for _ in range(4):
+        put(queue, "flood", offer_to="w1")
+    pull(redis_client, keys, "w1", count=2)  # the flood runs two: its share is now above the light tenant's
+    light = put(queue, "light", offer_to="w1")
+    offers = keys.offers(MODEL, LEVEL, "w1")
+    full = PassOver(frozenset({"flood"}), frozenset())  # a full worker: the flood's next displaces nothing
+    (peeked,) = pull(redis_client, keys, "w1", peek=True, passed_over=full)
+    assert (peeked[0], tenant_of(peeked)) == (offers, "light") and light in peeked[2]["request"], "behind the flood's"
+    assert peeked[1] == [e for e, _ in redis_client.xrange(offers)][-1]
+    assert redis_client.xlen(offers) == 5, "a peek moves nothing"
+    assert [tenant_of(p) for p in pull(redis_client, keys, "w1", count=3, peek=True)] == ["light", "flood", "flood"]
+    (taken,) = pull(redis_client, keys, "w1", passed_over=full)
+    assert (taken[0], tenant_of(taken)) == (keys.lane(MODEL, LEVEL, "light"), "light") and light in taken[2]["request"]
+    assert redis_client.xlen(offers) == 4 and peeked[1] not in [e for e, _ in redis_client.xrange(offers)]
+    assert queue.tenant_waiting(MODEL) == {"flood": 2}
+    assert settle_entry(redis_client, keys, taken[0], taken[1], used=16) == 1, "settled from its lane"
+    assert [tenant_of(p) for p in pull(redis_client, keys, "w1", count=3)] == ["flood", "flood"]
+    assert queue.queue_depth(MODEL)[LEVEL] == 0
+
+
 def test_an_offer_to_a_worker_that_is_gone_goes_to_the_tenant_lane(queue, redis_client, keys) -> None:
     put(queue, "t", offer_to="nobody")
     assert redis_client.xlen(keys.lane(MODEL, LEVEL, "t")) == 1
