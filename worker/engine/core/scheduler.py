@@ -176,25 +176,18 @@ class Scheduler:
             return False
         waiting, running = self.fair_urgencies(self.waiting), self.fair_urgencies(self.running)
         top = level(waiting[0])
-        ranked = list(zip(self.running, running, strict=True))  # before a displacement changes the running
-        if any(s.num_tokens - s.num_computed_tokens > 1 and level(u) < top for s, u in ranked):
+        prefilling = (u for s, u in zip(self.running, running, strict=True) if s.num_tokens - s.num_computed_tokens > 1)
+        if any(level(u) < top for u in prefilling):
             return False  # a more urgent prompt still prefills: it keeps the step's prefill budget
-        found = next(
-            (
-                (s, u)
-                for s, u in zip(self.waiting, waiting, strict=True)
-                if level(u) == top and prefills_first(u, running)
-            ),
+        seq = next(
+            (s for s, u in zip(self.waiting, waiting, strict=True) if level(u) == top and prefills_first(u, running)),
             None,
         )
-        if found is None:
+        if seq is None:
             return False
-        seq, _ = found
         if len(self.running) >= self.max_num_seqs and not self._displace_for_fairness(seq, batch):
             return False
-        beside = [
-            s for s, _ in ranked if s.status is not SequenceStatus.WAITING and s.num_tokens - s.num_computed_tokens == 1
-        ]
+        beside = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]  # its victim left them
         if not seq.block_table:
             hits = self.blocks.match_prefix(seq)
             self.stats.prefix_cache_queries += seq.num_tokens
