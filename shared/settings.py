@@ -274,15 +274,16 @@ class Settings(BaseSettings):
         True,
         description="Prefix affinity: the API offers a request to the worker whose prefix cache holds the longest "
         "prefix of it (a conversation's history, a shared system prompt); any worker takes it once the offer has "
-        "waited affinity_steal_after_ms, or at once when that worker is gone or another is idle. false: every "
+        "waited affinity_steal_after_ms longer than that worker's own work, or at once when that worker is gone "
+        "or another is idle. false: every "
         "request goes to whichever worker pulls first. The API's block_size must be the workers'.",
     )
     affinity_steal_after_ms: int = Field(
         500,
         ge=0,
-        description="How long a request offered to the worker holding its prefix waits for it before a busy worker "
-        "may take it, plus the time that worker would take to prefill again what the holder holds of it (it "
-        "measures its own prefill rate); an idle worker takes it at once, and work nobody holds that waited this "
+        description="How much longer than a busy worker's own oldest queued work a request offered to the worker "
+        "holding its prefix waits for it before that worker may take it, plus the time that worker would take to "
+        "prefill again what the holder holds of it (it measures its own prefill rate); an idle worker takes it at once, and work nobody holds that waited this "
         "long goes before a worker's own younger offers.",
     )
     torch_threads: int = Field(

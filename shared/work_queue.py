@@ -16,7 +16,8 @@ them all. Every queue script names keys of the model's slot only, so each is ato
 - ``PULL`` (worker): the fair pick, ``count`` times: among the heads of the backlogged tenants'
   lanes, and each tenant's first entry in its own offers and in the offers it may steal (at once when
   idle or their worker is gone, else once they waited the steal bound plus the time this worker would
-  take to prefill what their worker holds of them; an offer stream mixes tenants, and its head alone
+  take to prefill what their worker holds of them longer than the oldest work of this worker's own that
+  ranks with them: a backlog the whole pool shares steals nothing; an offer stream mixes tenants, and its head alone
   would hold a light tenant's offer behind a flood's), the
   entry whose tenant has the lowest virtual time (ties: the tenant with fewer waiting, then an entry
   past the steal bound, then its own offer, then the older entry); XREADGROUP it; charge the tenant
@@ -271,11 +272,15 @@ for n = 1, count do
     return b == nil or c.v < b.v or (c.v == b.v and (c.queued < b.queued or (c.queued == b.queued
         and (c.rank < b.rank or (c.rank == b.rank and older(c.e[1], b.e[1]))))))
   end
-  local function consider(stream, e, rank, deep)
+  -- what this worker may take without stealing: {its tenant's virtual time, waiting, its enqueue time}
+  local own = {}
+  local function consider(stream, e, rank, deep, stolen)
     if not e then return end
-    -- waited past the steal bound: overdue, it goes before a worker's own younger offer
-    if now_ms - id_parts(e[1]) >= steal_ms then rank = -1 end
     local tenant = field(e[2], 'tenant') or ''
+    local e_ms = id_parts(e[1])
+    if not stolen and not passed[tenant] then own[#own + 1] = {vtime(tenant), waiting(tenant), e_ms} end
+    -- waited past the steal bound: overdue, it goes before a worker's own younger offer
+    if now_ms - e_ms >= steal_ms then rank = -1 end
     local c = {stream = stream, e = e, tenant = tenant, v = vtime(tenant), queued = waiting(tenant), rank = rank,
       deep = deep}
     if better(c, best) then best = c end
@@ -300,9 +305,17 @@ for n = 1, count do
       local live = redis.call('EXISTS', ARGV[9] .. w) == 1
       if h then
         for _, f in ipairs(firsts(stream)) do
-          local age = now_ms - id_parts(f[1][1])
+          -- how much longer it waited than the oldest work of this worker's own that the pick ranks with it
+          -- or before it (a tenant no further over its share, with no more waiting): a backlog the whole pool
+          -- shares is no reason to take it from its holder, only a holder falling behind the others is
+          local tenant = field(f[1][2], 'tenant') or ''
+          local v, q, own_ms = vtime(tenant), waiting(tenant), now_ms
+          for _, o in ipairs(own) do
+            if (o[1] < v or (o[1] == v and o[2] <= q)) and o[3] < own_ms then own_ms = o[3] end
+          end
+          local lead = own_ms - id_parts(f[1][1])
           local held = tonumber(field(f[1][2], 'held') or '0') or 0
-          if idle or (not live) or age >= steal_ms + held * prefill_ms then consider(stream, f[1], 1, f[2]) end
+          if idle or (not live) or lead >= steal_ms + held * prefill_ms then consider(stream, f[1], 1, f[2], true) end
         end
       elseif not peek and not live and redis.call('XLEN', stream) == 0 then
         redis.call('SREM', KEYS[6], w)

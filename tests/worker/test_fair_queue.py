@@ -7,6 +7,7 @@ runs them again on a Redis Cluster."""
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 
 import pytest
@@ -237,6 +238,35 @@ def test_a_busy_worker_leaves_an_offer_as_long_as_prefilling_what_its_worker_hol
     assert not offer_stealable(900, 500, owner_live=True, idle=False, held_tokens=96, prefill_ms_per_token=5.0)
     assert offer_stealable(980, 500, owner_live=True, idle=False, held_tokens=96, prefill_ms_per_token=5.0)
     assert offer_stealable(600, 500, owner_live=True, idle=False, held_tokens=16, prefill_ms_per_token=5.0)
+
+
+def test_a_busy_worker_steals_an_offer_only_when_it_waited_the_bound_longer_than_its_own_work(
+    queue, redis_client, keys
+) -> None:
+    """When the whole pool is backlogged every entry outlives the steal bound; taking the holder's offers
+    then only trades them for the taker's own work and loses their cached prefixes. A busy worker steals an
+    offer that waited the bound longer than the oldest work of its own that the pick ranks with it; a tenant
+    further under its share than all of that is stolen for by its age alone, as before."""
+    redis_client.sadd(keys.held(MODEL, "w1"), "live")
+    offered = put(queue, "t", offer_to="w1")
+    put(queue, "t")  # w2's own work, as old as the offer
+    time.sleep(0.5)
+    (pick,) = pull(redis_client, keys, "w2", steal_after_ms=300, peek=True)
+    assert pick[0] == keys.lane(MODEL, LEVEL, "t"), "the offer is past the bound but no older than w2's work"
+    own, stolen = pull(redis_client, keys, "w2", count=2, steal_after_ms=300)
+    assert own[0] == pick[0] and stolen[0] == keys.offers(MODEL, LEVEL, "w1") and offered in stolen[2]["request"], (
+        "with its own work taken, a second free slot steals it"
+    )
+    assert not offer_stealable(500, 300, owner_live=True, idle=False, own_wait_ms=499)
+    assert offer_stealable(500, 300, owner_live=True, idle=False, own_wait_ms=200)
+
+    for _ in range(3):
+        put(queue, "flood")
+    pull(redis_client, keys, "w2", count=1)  # the flood is now over the light tenant's share
+    light = put(queue, "light", offer_to="w1")
+    time.sleep(0.5)
+    (pick,) = pull(redis_client, keys, "w2", steal_after_ms=300, peek=True)
+    assert light in pick[2]["request"], "w2's own work is the flood's, further over its share: the light offer's age decides"
 
 
 def test_work_past_the_steal_bound_goes_before_a_workers_own_younger_offer(queue, redis_client, keys) -> None:
