@@ -283,8 +283,8 @@ class Settings(BaseSettings):
         ge=0,
         description="How much longer than a busy worker's own oldest queued work a request offered to the worker "
         "holding its prefix waits for it before that worker may take it, plus the time that worker would take to "
-        "prefill again what the holder holds of it (it measures its own prefill rate); an idle worker takes it at once, and work nobody holds that waited this "
-        "long goes before a worker's own younger offers.",
+        "prefill again what the holder holds of it (it measures its own prefill rate); an idle worker takes it at "
+        "once, and work nobody holds that waited this long goes before a worker's own younger offers.",
     )
     torch_threads: int = Field(
         0,

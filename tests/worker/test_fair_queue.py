@@ -266,7 +266,7 @@ def test_a_busy_worker_steals_an_offer_only_when_it_waited_the_bound_longer_than
     light = put(queue, "light", offer_to="w1")
     time.sleep(0.5)
     (pick,) = pull(redis_client, keys, "w2", steal_after_ms=300, peek=True)
-    assert light in pick[2]["request"], "w2's own work is the flood's, further over its share: the light offer's age decides"
+    assert light in pick[2]["request"], "w2's own work is the flood's, further over its share: the offer's age decides"
 
 
 def test_work_past_the_steal_bound_goes_before_a_workers_own_younger_offer(queue, redis_client, keys) -> None:
