@@ -219,7 +219,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     axes[3].set_xscale("log", base=2)
     axes[3].set_xlabel("workers (simulated)")
     axes[3].set_title("affinity / plain pull (simulation)")
-    axes[3].legend(fontsize=6)
+    if proj:  # a partial run (one worker count) projects nothing
+        axes[3].legend(fontsize=6)
     fig.suptitle(f"inflightq bench affinity: {report['model']}, {report['dtype']}, {report['date']}")
     write_figure(fig, path)
 

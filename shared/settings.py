@@ -274,8 +274,8 @@ class Settings(BaseSettings):
         True,
         description="Prefix affinity: the API offers a request to the worker whose prefix cache holds the longest "
         "prefix of it (a conversation's history, a shared system prompt); any worker takes it once the offer has "
-        "waited affinity_steal_after_ms longer than that worker's own work, or at once when that worker is gone "
-        "or another is idle. false: every "
+        "waited affinity_steal_after_ms longer than that worker's own work, an idle worker sooner, and any at once "
+        "when that worker is gone. false: every "
         "request goes to whichever worker pulls first. The API's block_size must be the workers'.",
     )
     affinity_steal_after_ms: int = Field(
@@ -283,8 +283,9 @@ class Settings(BaseSettings):
         ge=0,
         description="How much longer than a busy worker's own oldest queued work a request offered to the worker "
         "holding its prefix waits for it before that worker may take it, plus the time that worker would take to "
-        "prefill again what the holder holds of it (it measures its own prefill rate); an idle worker takes it at "
-        "once, and work nobody holds that waited this long goes before a worker's own younger offers.",
+        "prefill again what the holder holds of it (it measures its own prefill rate); an idle worker takes it once "
+        "it waited that prefill time, this long at most, and work nobody holds that waited this long goes before a "
+        "worker's own younger offers.",
     )
     torch_threads: int = Field(
         0,

@@ -15,10 +15,11 @@ them all. Every queue script names keys of the model's slot only, so each is ato
   to that worker's own list alone: another idle worker woken first would steal it.
 - ``PULL`` (worker): the fair pick, ``count`` times: among the heads of the backlogged tenants'
   lanes, and each tenant's first entry in its own offers and in the offers it may steal (at once when
-  idle or their worker is gone, else once they waited the steal bound plus the time this worker would
-  take to prefill what their worker holds of them longer than the oldest work of this worker's own that
-  ranks with them: a backlog the whole pool shares steals nothing; an offer stream mixes tenants, and its head alone
-  would hold a light tenant's offer behind a flood's), the
+  their worker is gone; when idle, once they waited as long as this worker would take to prefill what
+  their worker holds of them, at most the steal bound; else once they waited the steal bound plus that
+  prefill time longer than the oldest work of this worker's own that ranks with them: a backlog the
+  whole pool shares steals nothing; an offer stream mixes tenants, and its head alone would hold a light
+  tenant's offer behind a flood's), the
   entry whose tenant has the lowest virtual time (ties: the tenant with fewer waiting, then an entry
   past the steal bound, then its own offer, then the older entry); XREADGROUP it; charge the tenant
   ``cost / weight``; an entry taken from behind an offer stream's head moves to its tenant's lane first,
@@ -315,7 +316,13 @@ for n = 1, count do
           end
           local lead = own_ms - id_parts(f[1][1])
           local held = tonumber(field(f[1][2], 'held') or '0') or 0
-          if idle or (not live) or lead >= steal_ms + held * prefill_ms then consider(stream, f[1], 1, f[2], true) end
+          -- an idle worker waits for the holder as long as prefilling what it holds would take itself, at
+          -- most the bound: a holder with a free slot starts it at its next step, and prefills less
+          local idle_wait = math.min(steal_ms, held * prefill_ms)
+          local age = now_ms - id_parts(f[1][1])
+          if (not live) or lead >= steal_ms + held * prefill_ms or (idle and age >= idle_wait) then
+            consider(stream, f[1], 1, f[2], true)
+          end
         end
       elseif not peek and not live and redis.call('XLEN', stream) == 0 then
         redis.call('SREM', KEYS[6], w)

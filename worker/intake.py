@@ -54,6 +54,9 @@ log = logging.getLogger("inflightq.worker")
 # How long an idle worker blocks on the notify list before looking at the streams again anyway
 # (a wake-up can be lost to a Redis restart, or taken by a busier worker).
 IDLE_BLOCK_S = 1.0
+# The shortest such block with prefix affinity on, where it is the steal bound: offers another worker
+# holds become this one's to take as they age, with no wake-up to say so.
+MIN_OFFER_BLOCK_S = 0.1
 # How long the pool's advertised free slots are trusted before asking again.
 POOL_VIEW_S = 0.25
 
@@ -97,6 +100,9 @@ class Intake(ResilientLoop):
         self._pull = connection.register_script(PULL)
         self.steal_after_ms = steal_after_ms(settings)
         self.offer_stats = OfferStats(self.keys, model, name, self.steal_after_ms)
+        self._block_s = (
+            max(MIN_OFFER_BLOCK_S, min(IDLE_BLOCK_S, self.steal_after_ms / 1000)) if settings.affinity else IDLE_BLOCK_S
+        )
         # The model's wake-ups, and those of offers made to this worker alone while it is idle.
         self._wake_lists = [self.keys.notify(model), self.keys.notify_worker(model, name)]
         self._first_seen: dict[str, float] = {}  # urgent entries left for a free worker, by entry id
@@ -116,7 +122,7 @@ class Intake(ResilientLoop):
             return
         full = self.capacity.room(self.load.engine_load(), self.load.in_transit()) <= 0
         if outcome == "empty" and not full:
-            self.redis.blpop(self._wake_lists, timeout=IDLE_BLOCK_S)
+            self.redis.blpop(self._wake_lists, timeout=self._block_s)
         elif outcome != "took":
             # Full or blocked: a freed slot wakes us at once; urgent work is looked for again soon.
             urgent_possible = self.capacity.displacing_levels(self.load.engine_load(), len(self.streams)) > 0

@@ -233,11 +233,18 @@ def test_a_busy_worker_leaves_an_offer_as_long_as_prefilling_what_its_worker_hol
     assert pull(redis_client, keys, "w2", steal_after_ms=0, prefill_ms_per_token=slow, peek=True) == []
     assert pull(redis_client, keys, "w2", steal_after_ms=0, peek=True), "past the bound at no prefill cost"
     assert pull(redis_client, keys, "w2", idle=True, steal_after_ms=0, prefill_ms_per_token=slow, peek=True)
+    assert pull(redis_client, keys, "w2", idle=True, prefill_ms_per_token=slow, peek=True) == [], (
+        "an idle worker waits for the holder as long as it would take to prefill the held prefix, up to the bound"
+    )
+    assert pull(redis_client, keys, "w2", idle=True, peek=True), "no prefill time to save: at once"
     redis_client.delete(keys.held(MODEL, "w1"))
     assert pull(redis_client, keys, "w2", steal_after_ms=60_000, prefill_ms_per_token=slow, peek=True)
     assert not offer_stealable(900, 500, owner_live=True, idle=False, held_tokens=96, prefill_ms_per_token=5.0)
     assert offer_stealable(980, 500, owner_live=True, idle=False, held_tokens=96, prefill_ms_per_token=5.0)
     assert offer_stealable(600, 500, owner_live=True, idle=False, held_tokens=16, prefill_ms_per_token=5.0)
+    assert not offer_stealable(400, 500, owner_live=True, idle=True, held_tokens=96, prefill_ms_per_token=5.0)
+    assert offer_stealable(480, 500, owner_live=True, idle=True, held_tokens=96, prefill_ms_per_token=5.0)
+    assert offer_stealable(500, 500, owner_live=True, idle=True, held_tokens=960, prefill_ms_per_token=5.0)
 
 
 def test_a_busy_worker_steals_an_offer_only_when_it_waited_the_bound_longer_than_its_own_work(

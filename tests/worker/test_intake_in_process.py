@@ -405,7 +405,9 @@ class Waits:
 def test_an_idle_worker_with_room_blocks_on_the_wakeup_list(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     waits = Waits(h, monkeypatch)
     h.intake.turn()  # nothing queued, room for two
-    assert waits.blpop == [intake_module.IDLE_BLOCK_S] and waits.capacity == []
+    # prefix affinity is on: it looks again within the steal bound (500 ms), as offers become its to take
+    assert h.settings.affinity and h.settings.affinity_steal_after_ms == 500
+    assert waits.blpop == [0.5] and waits.capacity == []
 
 
 def test_a_worker_that_took_work_looks_again_at_once(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -339,18 +339,23 @@ def offer_stealable(
     prefill_ms_per_token: float = 0.0,
     own_wait_ms: float = 0.0,
 ) -> bool:
-    """Whether a worker takes an entry offered to another: the taker is idle, or the worker it was offered
-    to is gone (its held key expired), or it waited longer than the oldest entry the taker may take without
-    stealing that the pick ranks with it or before it (a tenant no further over its share, with no more
-    waiting: ``own_wait_ms``; 0 with none) by ``steal_after_ms`` plus the time the taker would spend
-    prefilling again what that worker holds of it (``held_tokens`` at the taker's ``prefill_ms_per_token``).
-    A busy worker that steals sooner spends more computing the prefix again than the holder's queue costs
-    the request, and an offer for a short shared head (a chat template's) is not held back for long. The
-    lead, not the age: when the whole pool is backlogged every entry waits, and taking the holder's offers
-    would only trade them for the taker's own work and lose their cached prefixes; a holder falling behind
-    the others by the bound is what a steal mends."""
-    lead_ms = age_ms - own_wait_ms
-    return idle or not owner_live or lead_ms >= steal_bound_ms(steal_after_ms, held_tokens, prefill_ms_per_token)
+    """Whether a worker takes an entry offered to another: the worker it was offered to is gone (its held key
+    expired); or the taker is idle and it waited as long as the taker would take to prefill what that worker
+    holds of it, at most ``steal_after_ms`` (a holder with a free slot starts it at its next step, and prefills
+    less; a worker left idle longer than the bound beside queued work would waste the pool); or it waited longer
+    than the oldest entry the taker may take without stealing that the pick ranks with it or before it (a tenant
+    no further over its share, with no more waiting: ``own_wait_ms``; 0 with none) by ``steal_after_ms`` plus
+    the time the taker would spend prefilling again what that worker holds of it (``held_tokens`` at the taker's
+    ``prefill_ms_per_token``). A busy worker that steals sooner spends more computing the prefix again than the
+    holder's queue costs the request, and an offer for a short shared head (a chat template's) is not held back
+    for long. The lead, not the age: when the whole pool is backlogged every entry waits, and taking the
+    holder's offers would only trade them for the taker's own work and lose their cached prefixes; a holder
+    falling behind the others by the bound is what a steal mends."""
+    if not owner_live:
+        return True
+    if idle and age_ms >= min(steal_after_ms, held_tokens * prefill_ms_per_token):
+        return True
+    return age_ms - own_wait_ms >= steal_bound_ms(steal_after_ms, held_tokens, prefill_ms_per_token)
 
 
 def steal_bound_ms(steal_after_ms: float, held_tokens: int, prefill_ms_per_token: float) -> float:
