@@ -12,9 +12,10 @@ sequences pinned); a request reuses the longest cached run of its prompt's block
   (ties: the least loaded; the shared lane when no worker holds more than the others, as the API
   decides; a worker holds the prompts it has taken from the moment it takes them, as it advertises
   them); a worker with a free slot takes what waited past the steal bound first, then its own offers,
-  then the oldest of the shared lane and of other workers' offers that have waited past the steal
-  bound plus its time to prefill what their worker holds (any of them when it runs nothing), as the queue's pull
-  script does for one tenant.
+  then the oldest of the shared lane and of other workers' offers that have waited longer than its own
+  oldest work by the steal bound plus its time to prefill what their worker holds (when it runs nothing:
+  that have waited that prefill time, the bound at most), as the queue's pull script does for one tenant.
+  An idle worker looks again whenever any worker ends a step.
 
 The workloads are the benchmark's, scaled with the pool (conversations, prefixes and clients per
 worker held as measured). Redis is projected apart (``redis_projection``): commands, affinity's own
@@ -204,12 +205,19 @@ class Pool:
                 return 0 if now - q[0].enqueued >= self.steal_after_s else 1 if v == w.index else 2
 
             heads = [(rank(-1, self.lane), self.lane[0].enqueued, -1, self.lane)] if self.lane else []
+            mine = self.offers[w.index]
+            # The oldest work it may take without stealing (policy.offer_stealable's own wait).
+            own = min([q[0].enqueued for q in (self.lane, mine) if q], default=now)
             for v, q in enumerate(self.offers):
                 if not q:
                     continue
-                # A busy worker steals past the bound plus the time it would take to prefill what the holder holds.
-                bound = self.steal_after_s + q[0].offered * w.costs.prefill_s
-                if v == w.index or not w.load or now - q[0].enqueued >= bound:
+                # A busy worker steals once the offer waited longer than its own work by the bound plus the time
+                # it would take to prefill what the holder holds; an idle one once it waited that prefill time,
+                # the bound at most.
+                refill = q[0].offered * w.costs.prefill_s
+                busy_steal = own - q[0].enqueued >= self.steal_after_s + refill
+                idle_steal = not w.load and now - q[0].enqueued >= min(self.steal_after_s, refill)
+                if v == w.index or busy_steal or idle_steal:
                     heads.append((rank(v, q), q[0].enqueued, v, q))
             if not heads:
                 break
@@ -217,6 +225,15 @@ class Pool:
             self.steals += v not in (-1, w.index)
             taken.append(q.popleft())
         return taken
+
+    def idle_steal_at(self, w: Worker) -> float | None:
+        """When the first of the other workers' offers becomes one an idle ``w`` takes (``pull``)."""
+        times = [
+            q[0].enqueued + min(self.steal_after_s, q[0].offered * w.costs.prefill_s)
+            for v, q in enumerate(self.offers)
+            if q and v != w.index
+        ]
+        return min(times, default=None)
 
     @property
     def queued(self) -> int:
@@ -317,6 +334,7 @@ def simulate(
             w.stepping = True
             push(now, "step", w.index)
 
+    recheck: dict[int, float] = {}  # an idle worker's next look, by worker
     now = 0.0
     while events:
         now, _, what, payload = heapq.heappop(events)
@@ -331,6 +349,9 @@ def simulate(
             for r in first:
                 r.first_token = now + dt
             push(now + dt, "stepped", (w.index, done))
+        elif what == "recheck":
+            recheck.pop(payload, None)
+            kick(pool.workers[payload], now)
         else:  # stepped
             index, done = payload
             w = pool.workers[index]
@@ -344,10 +365,15 @@ def simulate(
                 elif kind == SHARED_PREFIX and (nxt := next_request(r.client)) is not None:
                     push(now, "submit", nxt)
             kick(w, now)
-            if pool.queued:  # a stealable offer may be waiting for an idle worker
-                for v in pool.workers:
-                    if not v.running:
-                        kick(v, now)
+        if pool.queued:  # a stealable offer may be waiting for an idle worker
+            for v in pool.workers:
+                if not v.running:
+                    kick(v, now)
+                    # an idle worker looks again as the offers it leaves to their holders become its to take
+                    at = pool.idle_steal_at(v) if not v.running else None
+                    if at is not None and at > now and recheck.get(v.index, math.inf) > at:
+                        recheck[v.index] = at
+                        push(at + 1e-9, "recheck", v.index)  # past it, whatever the rounding
     return summary(pool, finished, now)
 
 

@@ -11,8 +11,9 @@ them all. Every queue script names keys of the model's slot only, so each is ato
   the tenant's waiting count, and the lift of a tenant that becomes backlogged (it starts at the
   least-served backlogged tenant's virtual time: no credit is banked while idle), which also wakes a
   full worker (the light arrivals list) to look for it at once. The wake-up goes
-  to the model's notify list, or, for an offer to a worker that is idle (its held set has ``idle``),
-  to that worker's own list alone: another idle worker woken first would steal it.
+  to the model's notify list, or, for an offer, to its worker's own list alone: no other worker may
+  take it yet, and one woken in its place would leave the holder asleep (idle workers look again within
+  the steal bound).
 - ``PULL`` (worker): the fair pick, ``count`` times: among the heads of the backlogged tenants'
   lanes, and each tenant's first entry in its own offers and in the offers it may steal (at once when
   their worker is gone; when idle, once they waited as long as this worker would take to prefill what
@@ -172,8 +173,10 @@ if redis.call('HINCRBY', KEYS[6], tenant, 1) == 1 then
     redis.call('LTRIM', KEYS[12], 0, tonumber(ARGV[2]) - 1)
   end
 end
+-- An offer wakes its worker alone: no other worker may take it yet (an idle one after the held prefix's
+-- prefill time, a busy one after the steal bound), and a token taken by one would leave the holder asleep.
 local wake = KEYS[2]
-if target == KEYS[8] and redis.call('SISMEMBER', KEYS[9], 'idle') == 1 then wake = KEYS[11] end
+if target == KEYS[8] then wake = KEYS[11] end
 redis.call('LPUSH', wake, '1')
 redis.call('LTRIM', wake, 0, tonumber(ARGV[2]) - 1)
 -- a worker's own list goes with the worker (names are per process)

@@ -52,9 +52,9 @@ def test_linear_in_workers_goes_through_two_points() -> None:
     assert linear_in_workers({2: 10.0}) is None
 
 
-def multi_turn(workers: int, affinity: bool, conversations: int = 8) -> dict:
+def multi_turn(workers: int, affinity: bool, conversations: int = 8, engine: Engine = ENGINE) -> dict:
     wl = {"conversations": conversations, "prompt_by_turn": TURN_PROMPTS, "answer_len": 16, "start_spread": 0.5}
-    return simulate(MULTI_TURN, workers, affinity, COSTS, ENGINE, wl, steal_after_s=0.5)
+    return simulate(MULTI_TURN, workers, affinity, COSTS, engine, wl, steal_after_s=0.5)
 
 
 def test_simulated_follow_up_turns_reuse_their_history_where_affinity_sends_them() -> None:
@@ -70,10 +70,16 @@ def test_simulated_follow_up_turns_reuse_their_history_where_affinity_sends_them
         assert run["prefilled_tokens"] == pytest.approx(total * (1 - run["hit_rate"]), rel=1e-3)
 
 
-def test_simulated_idle_worker_steals_offers_at_once() -> None:
-    """Four conversations on eight slots' worth of workers: an idle worker takes a busy one's offers
-    (steals) instead of waiting for the bound, so affinity never runs slower than plain pull here."""
-    plain, aff = multi_turn(4, False, conversations=4), multi_turn(4, True, conversations=4)
+def test_simulated_idle_worker_steals_a_full_workers_offers_without_waiting_the_bound() -> None:
+    """Four conversations on four one-slot workers: the worker holding the chat template's block is offered
+    every first turn and is full; an idle worker takes its offers once they waited the held prefix's prefill
+    time, long before the bound, so affinity runs no slower than plain pull here."""
+    one_slot = Engine(
+        max_num_seqs=1, max_batched_tokens=256, max_prefill_beside_decodes=64, num_kv_blocks=400, block_size=16
+    )
+    plain = multi_turn(4, False, conversations=4, engine=one_slot)
+    aff = multi_turn(4, True, conversations=4, engine=one_slot)
+    assert aff["steals"] > 0
     assert aff["output_throughput"] >= 0.95 * plain["output_throughput"]
 
 

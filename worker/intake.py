@@ -5,7 +5,8 @@ pick would hand it next, across the tenants' lanes and the offer streams (``shar
 and takes (``PULL``) exactly as many as ``Capacity.how_many_to_take`` (``policy``) allows; a less
 urgent priority is only read once every more urgent one is drained, and what is not taken stays in
 Redis for any other worker. With room but nothing to read, it blocks on the model's notify list
-and its own (an offer made to it while idle wakes it alone), never busy-polling.
+and its own (an offer made to it wakes it alone), never busy-polling; with prefix affinity on, for the
+steal bound at most, as others' offers become its to take with no wake-up to say so.
 
 A full worker keeps reading, every ``urgent_poll_s``, the priorities whose entries would displace
 work it runs (``Capacity.displacing_levels``), and takes those; when the fair pick's first entry would
@@ -103,7 +104,7 @@ class Intake(ResilientLoop):
         self._block_s = (
             max(MIN_OFFER_BLOCK_S, min(IDLE_BLOCK_S, self.steal_after_ms / 1000)) if settings.affinity else IDLE_BLOCK_S
         )
-        # The model's wake-ups, and those of offers made to this worker alone while it is idle.
+        # The model's wake-ups, and those of offers made to this worker alone.
         self._wake_lists = [self.keys.notify(model), self.keys.notify_worker(model, name)]
         self._first_seen: dict[str, float] = {}  # urgent entries left for a free worker, by entry id
         self._pool_free: tuple[float, bool] = (0.0, False)  # (when asked, another worker has a free slot)

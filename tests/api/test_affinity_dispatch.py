@@ -118,8 +118,9 @@ def test_a_request_is_offered_to_the_worker_holding_its_prefix(
         assert sync.xrange(offers)[0][1]["held"] == str(5 * BLOCK)
         assert sync.xrange(a_offers)[0][1]["held"] == str(4 * BLOCK)
         assert sync.xlen(lane) == 1  # the unrelated prompt: nobody holds its first block
-        # An offer to an idle worker wakes it alone; the rest wake whichever worker waits.
-        assert sync.llen(keys.notify_worker(MODEL, "b")) == 1 and sync.llen(keys.notify(MODEL)) == 2
+        # An offer wakes its worker alone (nobody else may take it yet); the lane's entry whichever worker waits.
+        assert sync.llen(keys.notify_worker(MODEL, "b")) == 1 and sync.llen(keys.notify_worker(MODEL, "a")) == 1
+        assert sync.llen(keys.notify(MODEL)) == 1
     else:
         assert not sync.exists(offers) and not sync.exists(a_offers) and sync.xlen(lane) == 3
         assert sync.llen(keys.notify(MODEL)) == 3 and not sync.exists(keys.notify_worker(MODEL, "b"))
