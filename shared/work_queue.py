@@ -317,13 +317,12 @@ for n = 1, count do
           for _, o in ipairs(own) do
             if (o[1] < v or (o[1] == v and o[2] <= q)) and o[3] < own_ms then own_ms = o[3] end
           end
-          local lead = own_ms - id_parts(f[1][1])
-          local held = tonumber(field(f[1][2], 'held') or '0') or 0
+          local e_ms = id_parts(f[1][1])
+          local refill = (tonumber(field(f[1][2], 'held') or '0') or 0) * prefill_ms
           -- an idle worker waits for the holder as long as prefilling what it holds would take itself, at
           -- most the bound: a holder with a free slot starts it at its next step, and prefills less
-          local idle_wait = math.min(steal_ms, held * prefill_ms)
-          local age = now_ms - id_parts(f[1][1])
-          if (not live) or lead >= steal_ms + held * prefill_ms or (idle and age >= idle_wait) then
+          local idle_wait = math.min(steal_ms, refill)
+          if (not live) or own_ms - e_ms >= steal_ms + refill or (idle and now_ms - e_ms >= idle_wait) then
             consider(stream, f[1], 1, f[2], true)
           end
         end
