@@ -28,31 +28,36 @@ from typing import Any
 from bench.engine import QUESTIONS
 from bench.results_files import pyplot, run_header, save, stem, write_figure
 
+# Each answer of the default model (greedy) copies most of its tokens from its prompt: tasks whose
+# answers it paraphrases or invents (a rename it refuses, a JSON edit it echoes unchanged) are not
+# this workload, whatever the prompt asks. `copy_ceiling` below reports what the answers allow.
 GROUNDED = [
     "Extract every email address from the text below and list them one per line.\n\nText: For billing questions "
     "write to billing@northwind-supplies.com; technical issues go to support.team@northwind-supplies.com, and "
     "press enquiries to media-relations@northwind-supplies.com. Our CEO, Dana Whitfield, can be reached at "
     "dana.whitfield@northwind-supplies.com, and the office manager at office.manager@northwind-supplies.com.",
-    "Rewrite this Python function so the variable `tmp` is called `total`. Change nothing else.\n\n"
-    "def sum_prices(items):\n    tmp = 0\n    for item in items:\n        if item.price > 0:\n"
-    "            tmp += item.price * item.quantity\n    return tmp\n",
-    "Convert this list into a JSON array of objects with the keys name, city and age.\n\n"
-    "Alice Johnson, Seattle, 34\nBob Martinez, Denver, 41\nCarla Nguyen, Austin, 29\nDavid Okafor, Boston, 52",
-    "Quote the sentence from the passage that says when the bridge was opened.\n\nPassage: The Golden Gate "
-    "Bridge spans the strait between San Francisco Bay and the Pacific Ocean. Construction began in January "
-    "1933. The bridge was opened to vehicles on May 28, 1937, after four years of work. At the time it was the "
-    "longest suspension bridge in the world.",
-    "Fix the spelling mistakes in this paragraph and return the corrected paragraph.\n\nThe comittee will "
-    "meet on Tuesday to discus the new budjet. Every member should bring there notes from the last meeting, "
-    "and the secretery will send the agenda by Monday evening.",
     "Summarise the following meeting notes as a bulleted list, keeping the original wording.\n\n"
     "- The launch date moves to March 14.\n- Marketing prepares the press release by March 1.\n"
     "- Engineering fixes the login bug before the launch.\n- Sales trains the support team in February.",
-    "Add type hints to this function and return the whole function.\n\n"
-    "def greet(name, times):\n    message = 'Hello, ' + name + '!'\n    return [message for _ in range(times)]\n",
-    "List the product names mentioned in this review, exactly as written.\n\nReview: I replaced my old "
-    "Acme PowerBlend 3000 with the Vitamix Explorian E310, and paired it with the Ninja Professional Plus "
-    "food processor. The KitchenAid Artisan stand mixer stays, of course.",
+    "Summarise these release notes as a bulleted list, keeping the original wording.\n\n- Added dark mode to "
+    "the settings page.\n- Fixed a crash when uploading files larger than 2 GB.\n- The search bar now remembers "
+    "your last ten queries.\n- Removed the deprecated export to XLS.",
+    "List the steps of this recipe as a numbered list, keeping the original wording.\n\nPreheat the oven to 200 "
+    "degrees. Mix the flour, sugar and butter in a large bowl. Add two eggs and stir until smooth. Pour the "
+    "batter into a greased tin. Bake for 25 minutes until golden brown.",
+    "Extract the lines of this log that contain ERROR, exactly as written.\n\n2024-03-01 10:00:01 INFO Server "
+    "started on port 8080\n2024-03-01 10:00:05 ERROR Database connection refused: host db-primary\n2024-03-01 "
+    "10:00:09 INFO Retrying connection\n2024-03-01 10:00:12 ERROR Database connection refused: host "
+    "db-replica\n2024-03-01 10:00:20 INFO Connected to db-primary",
+    "Remove the comments from this Python code and return the code.\n\ndef area(width, height):\n    # compute "
+    "the area of a rectangle\n    result = width * height  # multiply\n    return result\n\ndef "
+    "perimeter(width, height):\n    # compute the perimeter\n    return 2 * (width + height)\n",
+    "Convert these bullet points to a numbered list.\n\n- Open the app and sign in with your account.\n- Go to "
+    "the billing page from the main menu.\n- Choose the plan you want and enter your card details.\n- Confirm "
+    "the payment and wait for the receipt email.",
+    "Copy the second paragraph of the text below.\n\nThe library opens at nine in the morning and closes at six "
+    "in the evening on weekdays.\n\nOn Saturdays the library opens at ten and closes at four, and it is closed "
+    "on Sundays and public holidays.\n\nMembership is free for residents of the city.",
 ]
 
 STREAMS = (1, 8)
@@ -89,7 +94,30 @@ def run_chunk(llm: Any, prompts: list[list[int]], max_new: int, speculate: bool)
         "steps": steps,
         "proposed": proposed,
         "accepted": kept,
+        "answers": [(list(p), list(o.token_ids)) for p, o in zip(prompts, outs, strict=True)],
     }
+
+
+def copy_ceiling(answers: list[tuple[list[int], list[int]]], num_tokens: int) -> float:
+    """Tokens per sequence-step if every step proposed ``num_tokens`` tokens by the engine's n-gram
+    lookup: what the answers themselves allow speculation to gain, whatever a step costs."""
+    from worker.engine.core.speculation import SpeculationConfig, Speculator
+
+    speculator = Speculator(SpeculationConfig(num_tokens=num_tokens))
+    tokens_total = steps = 0
+    for prompt, answer in answers:
+        state, seen, done = speculator.new_state(), list(prompt), 0
+        while done < len(answer):
+            proposal = speculator.propose(state, seen, num_tokens)
+            kept = 0
+            while kept < len(proposal) and done + kept < len(answer) and proposal[kept] == answer[done + kept]:
+                kept += 1
+            gained = min(kept + 1, len(answer) - done)
+            seen += answer[done : done + gained]
+            done += gained
+            steps += 1
+        tokens_total += len(answer)
+    return round(tokens_total / steps, 3) if steps else 0.0
 
 
 def merge(runs: list[dict]) -> dict:
@@ -98,6 +126,7 @@ def merge(runs: list[dict]) -> dict:
     }
     return {
         "tokens": total["tokens"],
+        "generated": total["generated"],
         "seconds": round(total["seconds"], 3),
         "tok_s": round(total["tokens"] / total["seconds"], 2),
         "tokens_per_step": round(total["generated"] / total["steps"], 3) if total["steps"] else 0.0,
@@ -126,6 +155,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the two sides per cell")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per workload (cycled)")
     parser.add_argument("--speculative-tokens", type=int, default=4)
+    parser.add_argument(
+        "--stack", action="store_true", help="each cell through the API and a worker too (the configured Redis)"
+    )
     parser.add_argument("--out", default="bench/results", help="folder for speculative-<date>.*; '' to skip")
     parser.add_argument("--tag", default="", help="suffix of the results files' names")
     args = parser.parse_args(argv)
@@ -159,21 +191,39 @@ def main(argv: list[str] | None = None) -> dict:
                 "off": off,
                 "on": on,
                 "ratio": round(on["tok_s"] / off["tok_s"], 3),
+                "copy_ceiling": copy_ceiling(
+                    [a for run in sides[False] for a in run["answers"]], args.speculative_tokens
+                ),
             }
             cells.append(cell)
             print(
                 f"{name:9s} {streams} stream(s): off {off['tok_s']:7.1f} tok/s, on {on['tok_s']:7.1f} tok/s "
-                f"({cell['ratio']:.2f}x), kept {on['acceptance']}, tokens/step {on['tokens_per_step']:.2f}",
+                f"({cell['ratio']:.2f}x), kept {on['acceptance']}, tokens/step {on['tokens_per_step']:.2f} "
+                f"(ceiling {cell['copy_ceiling']:.2f})",
                 flush=True,
             )
+    dtype = str(next(llm.engine.model.parameters()).dtype).removeprefix("torch.")
+    stack_cells: list[dict] = []
+    if args.stack:
+        from bench.speculative_stack import run_stack
+
+        del llm  # the worker loads its own copy
+        texts = {
+            "grounded": [GROUNDED[i % len(GROUNDED)] for i in range(args.prompts)],
+            "chat": [QUESTIONS[i % len(QUESTIONS)] for i in range(args.prompts)],
+        }
+        stack_cells = run_stack(
+            texts, STREAMS, args.rounds, args.max_new_tokens, args.speculative_tokens, args.model, dtype, merge
+        )
     results = {
         **header,
         "model": args.model,
-        "dtype": str(next(llm.engine.model.parameters()).dtype).removeprefix("torch."),
+        "dtype": dtype,
         "max_new_tokens": args.max_new_tokens,
         "rounds": args.rounds,
         "speculative_tokens": args.speculative_tokens,
         "cells": cells,
+        "stack_cells": stack_cells,
         "peers": peers_note(),
     }
     if args.out:
@@ -182,13 +232,34 @@ def main(argv: list[str] | None = None) -> dict:
             "",
             f"`{header['command']}` — {header['date']}, {header['machine']}",
             "",
-            "| workload | streams | off tok/s | on tok/s | on / off | kept / proposed | tokens / step |",
-            "|---|---|---|---|---|---|---|",
+            "| workload | streams | off tok/s | on tok/s | on / off | kept / proposed | tokens / step "
+            "| copy ceiling, tokens / step |",
+            "|---|---|---|---|---|---|---|---|",
             *(
                 f"| {c['workload']} | {c['streams']} | {c['off']['tok_s']} | {c['on']['tok_s']} | {c['ratio']}x | "
-                f"{c['on']['acceptance']} | {c['on']['tokens_per_step']} |"
+                f"{c['on']['acceptance']} | {c['on']['tokens_per_step']} | {c['copy_ceiling']} |"
                 for c in cells
             ),
+            "",
+            *(
+                [
+                    "",
+                    "Through the whole stack (OpenAI chat route, one worker on Redis), the same cells:",
+                    "",
+                    "| workload | streams | off tok/s | on tok/s | on / off | kept / proposed | tokens / step |",
+                    "|---|---|---|---|---|---|---|",
+                    *(
+                        f"| {c['workload']} | {c['streams']} | {c['off']['tok_s']} | {c['on']['tok_s']} | "
+                        f"{c['ratio']}x | {c['on']['acceptance']} | {c['on']['tokens_per_step']} |"
+                        for c in stack_cells
+                    ),
+                ]
+                if stack_cells
+                else []
+            ),
+            "",
+            f"Copy ceiling: tokens per sequence-step were {args.speculative_tokens} tokens proposed at every "
+            "step (the engine's n-gram lookup over the answers without speculation): what the answers allow.",
             "",
             f"Peers: {results['peers']}.",
         ]

@@ -34,3 +34,31 @@ def test_speculative_bench_runs_both_sides_per_cell_and_reports_consistent_ratio
     assert written["cells"] == cells and "peers" in written
     assert "on / off" in next(tmp_path.glob("speculative-*.md")).read_text()
     assert next(tmp_path.glob("speculative-*.png")).stat().st_size > 0
+
+
+@pytest.mark.timeout(600)
+def test_speculative_bench_through_the_stack_counts_the_servers_tokens_and_the_workers_drafts(
+    tiny_model_dir: Path, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench import speculative
+    from shared.settings import get_settings
+
+    monkeypatch.setenv("INFLIGHTQ_REDIS_URL", redis_url)
+    get_settings.cache_clear()
+    try:
+        args = ["--model", str(tiny_model_dir), "--dtype", "float32", "--prompts", "2", "--max-new-tokens", "6"]
+        results = speculative.main([*args, "--rounds", "1", "--stack", "--out", str(tmp_path)])
+    finally:
+        get_settings.cache_clear()
+    offline, stack = results["cells"], results["stack_cells"]
+    assert [(c["workload"], c["streams"]) for c in stack] == [(c["workload"], c["streams"]) for c in offline]
+    for cell, alone in zip(stack, offline, strict=True):
+        off, on = cell["off"], cell["on"]
+        # Greedy: the same answers either way, and the same as the offline engine's.
+        assert off["tokens"] == on["tokens"] == alone["off"]["tokens"]
+        # The worker's own counters, read around each chunk: every token the server reported was generated.
+        assert off["generated"] == off["tokens"] and on["generated"] == on["tokens"]
+        assert off["proposed"] == 0 and off["tokens_per_step"] == 1.0
+        assert on["accepted"] <= on["proposed"]
+        assert cell["ratio"] == pytest.approx(on["tok_s"] / off["tok_s"], abs=0.01)
+    assert "Through the whole stack" in next(tmp_path.glob("speculative-*.md")).read_text()
