@@ -15,6 +15,7 @@ weights, KV cache and sequences):
 - ``no one-op layer``: the fused layer's ops called one by one from Python instead of
   ``decode_layer``;
 - ``no decode_linear``: small bf16 matmuls back on oneDNN;
+- ``no amx_linear``: matmuls of a few dozen rows back on oneDNN (AMX CPUs; elsewhere the same as ``all``);
 - ``no fused layers``: transformers' decoder layers over the fused projections and norms;
 - ``neither``.
 
@@ -51,10 +52,24 @@ VARIANTS = (
     "no decode forward",
     "no one-op layer",
     "no decode_linear",
+    "no amx_linear",
     "no fused layers",
     "neither",
 )
 FLOOR = "weights read"
+
+
+def _tile_switch(model: Any) -> Callable[[bool], None]:
+    """Sets ``amx_linear`` on/off for every linear of a built engine's model that has its tiles."""
+    from worker.engine.model.fast_linear import packed_linears_in_order
+
+    tiled = [(linear, linear.tiles) for linear in packed_linears_in_order(model) if linear.tiles is not None]
+
+    def set_tiles(on: bool) -> None:
+        for linear, tiles in tiled:
+            linear.tiles = tiles if on else None
+
+    return set_tiles
 
 
 def _switches(model: Any) -> tuple[Callable[..., None], Callable[..., None], int, int, int]:
@@ -134,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model, tokenizer = load_model(args.model, getattr(torch, args.dtype), "cpu")
     engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=4096))
     set_linears, set_layers, num_linears, num_layers, weight_bytes = _switches(model)
+    set_tiles = _tile_switch(model)
     read_weights = _weights_read(weight_bytes)
     prompt = tokenizer.encode("Tell me a long story about a brave mouse who sails the sea.")
 
@@ -144,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             gathered=variant != "layouts apart",
             huge_pages=variant != "4 KB pages",
         )
+        set_tiles(variant not in ("no amx_linear", "neither"))
         set_layers(variant not in ("no fused layers", "neither"), one_op=variant != "no one-op layer")
         decode_forward = engine.runner.decode_forward
         if decode_forward is not None:

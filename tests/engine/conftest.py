@@ -87,7 +87,7 @@ def tiny_llm(
 
     if decode_rows:
         monkeypatch.setattr(model_runner, "decode_rows_for", lambda dtype: decode_rows)
-        monkeypatch.setattr(model_runner, "decode_copy_fits", lambda model, available: True)
+        monkeypatch.setattr(model_runner, "decode_copy_fits", lambda model, available, copies=1: True)
     model, tokenizer = load_model(str(tiny_model_dir), dtype, "cpu")
     llm = LLM.__new__(LLM)
     config = EngineConfig(

@@ -152,7 +152,7 @@ def test_a_bf16_engine_on_the_kernel_serves_prompts_longer_than_a_step(
     monkeypatch.setattr(model_runner, "decode_rows_for", lambda dtype: 4)  # as on an AVX512-BF16 CPU
     outputs = []
     for kernel in (True, False):
-        monkeypatch.setattr(model_runner, "decode_copy_fits", lambda model, available, kernel=kernel: kernel)
+        monkeypatch.setattr(model_runner, "decode_copy_fits", lambda model, available, copies=1, kernel=kernel: kernel)
         model, tokenizer = load_model(str(tiny_model_dir), torch.bfloat16, "cpu")
         engine = LLMEngine(model, tokenizer, EngineConfig(num_kv_blocks=128, block_size=4, max_num_batched_tokens=8))
         llm = LLM.__new__(LLM)
@@ -176,7 +176,7 @@ def test_an_engine_keeps_its_decode_layouts_back_to_back_in_the_forward_order(
     from worker.engine.model.fused_projections import fuse_sibling_projections
 
     monkeypatch.setattr(model_runner, "decode_rows_for", lambda dtype: 4)  # as on an AVX512-BF16 CPU
-    monkeypatch.setattr(model_runner, "decode_copy_fits", lambda model, available: True)
+    monkeypatch.setattr(model_runner, "decode_copy_fits", lambda model, available, copies=1: True)
     reference, _ = load_model(str(tiny_model_dir), torch.bfloat16, "cpu")
     fuse_sibling_projections(reference, decode_rows=4)
     prepack_linears(reference, decode_rows=4)

@@ -17,6 +17,12 @@ streams the bf16 weight (with AVX-512 but no bf16 unit it reads half the bytes o
 upcast); larger calls stay on oneDNN. The cost is one more copy of the weights, so the engine
 takes it only while that copy is a small share of the free memory (``decode_copy_fits``).
 
+With ``tile_rows`` (``tile_rows_for``: a CPU with AMX whose kernel is built and allowed), a bf16
+weight also gets ``amx_linear.cpp``'s layout of AMX tiles, and calls of more rows than
+``decode_rows`` up to ``tile_rows`` -- the decode steps of several streams -- go through it,
+which streams the weight nearer the memory's rate than oneDNN's AMX matmul at those row counts;
+one more copy of the weights, under the same memory rule.
+
 An fp32 weight on an Intel CPU is packed for MKL's sgemm (``cblas_sgemm_pack``, through torch's
 ``mkl::_mkl_linear``) instead of oneDNN, which it beats at decode and prefill-chunk row counts;
 a vocabulary-wide weight (wider than ``MKL_MAX_OUT_FEATURES``) stays on oneDNN, which is faster
@@ -42,7 +48,10 @@ KERNEL_MAX_ROWS = 16  # the most rows the decode_linear op takes
 # kernel reads half the bytes and still wins at 16.
 DECODE_ROWS_NATIVE_BF16 = 4
 DECODE_ROWS_UPCAST = 16
-DECODE_CHUNK = 32  # decode_linear reads in_features in chunks of this many values
+DECODE_CHUNK = 32  # decode_linear (and amx_linear) read in_features in chunks of this many values
+# Rows up to which amx_linear beats oneDNN's AMX matmul over a whole model's linears (see
+# docs/benchmarks.md); the op takes up to 32.
+TILE_ROWS = 32
 DECODE_COPY_MAX_SHARE = 0.1  # of the free memory the decode layouts may take
 # Rows MKL packs an fp32 weight for: a packing serves any row count; 32 is the fastest of 16, 32
 # and 64 at decode and prefill-chunk row counts (see docs/benchmarks.md).
@@ -110,19 +119,34 @@ def decode_rows_for(dtype: torch.dtype) -> int:
     return DECODE_ROWS_UPCAST if cpu_has_avx512() else 0
 
 
-def decode_copy_fits(model: nn.Module, available_bytes: int) -> bool:
-    """Whether the decode layouts of ``model``'s linear weights fit in DECODE_COPY_MAX_SHARE of
+def tile_rows_for(dtype: torch.dtype) -> int:
+    """Rows up to which ``amx_linear`` is used for a bf16 linear on this CPU; 0 = never (no AMX, or
+    the kernel not built, or the OS did not grant the tiles' state). Call with the kernels loaded."""
+    if dtype != torch.bfloat16 or not hasattr(torch.ops.inflightq, "amx_linear_supported"):
+        return 0
+    return TILE_ROWS if torch.ops.inflightq.amx_linear_supported() else 0
+
+
+def decode_copy_fits(model: nn.Module, available_bytes: int, copies: int = 1) -> bool:
+    """Whether ``copies`` more layouts of ``model``'s linear weights fit in DECODE_COPY_MAX_SHARE of
     ``available_bytes`` (the memory free before the engine sizes its KV cache)."""
     copy = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) is nn.Linear)
-    return copy <= DECODE_COPY_MAX_SHARE * available_bytes
+    return copies * copy <= DECODE_COPY_MAX_SHARE * available_bytes
 
 
 class PackedLinear:
     """``x -> x @ weight.T + bias`` through a packed copy of ``weight`` (and, with
-    ``decode_rows``, ``decode_linear``'s layout of it for calls of up to that many rows)."""
+    ``decode_rows``, ``decode_linear``'s layout of it for calls of up to that many rows; with
+    ``tile_rows``, ``amx_linear``'s for calls of more rows, up to that many)."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, *, decode_rows: int = 0, mkl: bool | None = None
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        decode_rows: int = 0,
+        tile_rows: int = 0,
+        mkl: bool | None = None,
     ) -> None:
         self.upcast = weight.dtype == torch.bfloat16 and upcast_bf16_matmuls()
         compute = torch.float32 if self.upcast else weight.dtype
@@ -142,10 +166,18 @@ class PackedLinear:
             self.laid_out = torch.ops.inflightq.decode_linear_layout(weight.detach())
             self.bias32 = bias.detach().float() if bias is not None else None
         self.decode_numel = min(decode_rows, KERNEL_MAX_ROWS) * self.in_features
+        self.tiles: torch.Tensor | None = None
+        if tile_rows and weight.dtype == torch.bfloat16 and self.in_features % DECODE_CHUNK == 0:
+            self.tiles = torch.ops.inflightq.amx_linear_layout(weight.detach())
+            if self.bias32 is None and bias is not None:
+                self.bias32 = bias.detach().float()
+        self.tile_numel = min(tile_rows, TILE_ROWS) * self.in_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.laid_out is not None and x.numel() <= self.decode_numel:
             return torch.ops.inflightq.decode_linear(x, self.laid_out, self.bias32, self.out_features)
+        if self.tiles is not None and x.numel() <= self.tile_numel:
+            return torch.ops.inflightq.amx_linear(x, self.tiles, self.bias32, self.out_features)
         if self.upcast:
             return packed_linear(self.packed, self.bias, x.float()).to(torch.bfloat16)
         if self.weight is not None:
@@ -154,34 +186,42 @@ class PackedLinear:
 
 
 @torch.no_grad()
-def prepack_linears(model: nn.Module, *, decode_rows: int = 0) -> int:
+def prepack_linears(model: nn.Module, *, decode_rows: int = 0, tile_rows: int = 0) -> int:
     """Routes every bf16/fp32 nn.Linear of ``model`` through a packed weight; returns how many.
-    ``decode_rows``: bf16 calls of up to that many rows through ``decode_linear`` (``decode_rows_for``)."""
+    ``decode_rows``: bf16 calls of up to that many rows through ``decode_linear`` (``decode_rows_for``);
+    ``tile_rows``: of more, up to that many, through ``amx_linear`` (``tile_rows_for``)."""
     count = 0
     for module in model.modules():
         if type(module) is not nn.Linear or module.weight.dtype not in PACKED_DTYPES:
             continue
         if "forward" in module.__dict__:  # already rerouted (a fused sibling projection)
             continue
-        module.forward = PackedLinear(module.weight, module.bias, decode_rows=decode_rows)  # type: ignore[method-assign]
+        module.forward = PackedLinear(  # type: ignore[method-assign]
+            module.weight, module.bias, decode_rows=decode_rows, tile_rows=tile_rows
+        )
         count += 1
     return count
 
 
-def decode_layouts_in_order(model: nn.Module) -> list[PackedLinear]:
-    """The linears laid out for ``decode_linear``, each once, in the order ``model.modules()``
-    reaches them: for Llama-style models the forward's order (each layer's fused q/k/v, o, fused
-    gate/up, down; then the head)."""
+def packed_linears_in_order(model: nn.Module) -> list[PackedLinear]:
+    """``model``'s packed linears, each once, in the order ``model.modules()`` reaches them: for
+    Llama-style models the forward's order (each layer's fused q/k/v, o, fused gate/up, down; then
+    the head)."""
     found: list[PackedLinear] = []
     seen: set[int] = set()
     for module in model.modules():
         forward = module.__dict__.get("forward")
         group = getattr(forward, "group", None)  # a fused sibling's slice: the group holds the matmul
         for linear in (getattr(group, "packed", None), forward):
-            if isinstance(linear, PackedLinear) and linear.laid_out is not None and id(linear) not in seen:
+            if isinstance(linear, PackedLinear) and id(linear) not in seen:
                 seen.add(id(linear))
                 found.append(linear)
     return found
+
+
+def decode_layouts_in_order(model: nn.Module) -> list[PackedLinear]:
+    """The linears laid out for ``decode_linear``, each once, in the forward's order."""
+    return [linear for linear in packed_linears_in_order(model) if linear.laid_out is not None]
 
 
 @torch.no_grad()

@@ -28,7 +28,7 @@ SIBLING_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), (
 class FusedProjection:
     """The wide matmul of one sibling group and the column range of each sibling."""
 
-    def __init__(self, linears: list[nn.Linear], *, pack: bool, decode_rows: int = 0) -> None:
+    def __init__(self, linears: list[nn.Linear], *, pack: bool, decode_rows: int = 0, tile_rows: int = 0) -> None:
         weight = torch.cat([m.weight.detach() for m in linears])
         biases = [m.bias for m in linears]
         self.bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None  # type: ignore[misc]
@@ -39,7 +39,7 @@ class FusedProjection:
             start += m.out_features
         self.packed: PackedLinear | None = None
         if pack and prepack_supported(weight.device, weight.dtype):
-            self.packed = PackedLinear(weight, self.bias, decode_rows=decode_rows)
+            self.packed = PackedLinear(weight, self.bias, decode_rows=decode_rows, tile_rows=tile_rows)
             self.weight = weight  # kept for F.linear fallbacks; the originals still hold theirs too
         else:
             # Point the originals into the fused weight so the fusion costs no memory.
@@ -85,17 +85,18 @@ def _fusable(linears: list[nn.Module]) -> bool:
 
 
 @torch.no_grad()
-def fuse_sibling_projections(model: nn.Module, *, pack: bool = True, decode_rows: int = 0) -> int:
+def fuse_sibling_projections(model: nn.Module, *, pack: bool = True, decode_rows: int = 0, tile_rows: int = 0) -> int:
     """Reroutes every sibling group of ``model`` through one wide matmul; returns how many groups.
     ``pack``: lay the fused weight out for oneDNN where ``prepack_supported`` says it helps;
-    ``decode_rows``: and for ``decode_linear`` up to that many rows (``fast_linear.PackedLinear``)."""
+    ``decode_rows`` / ``tile_rows``: and for ``decode_linear`` / ``amx_linear`` up to that many rows
+    (``fast_linear.PackedLinear``)."""
     count = 0
     for parent in model.modules():
         for names in SIBLING_GROUPS:
             linears = [getattr(parent, name, None) for name in names]
             if any(m is None for m in linears) or not _fusable(linears):  # type: ignore[arg-type]
                 continue
-            group = FusedProjection(linears, pack=pack, decode_rows=decode_rows)  # type: ignore[arg-type]
+            group = FusedProjection(linears, pack=pack, decode_rows=decode_rows, tile_rows=tile_rows)  # type: ignore[arg-type]
             for index, module in enumerate(linears):
                 module.forward = _SliceForward(group, index)  # type: ignore[union-attr, method-assign]
             count += 1

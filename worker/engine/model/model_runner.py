@@ -25,6 +25,7 @@ from worker.engine.model.fast_linear import (
     gather_decode_layouts,
     prepack_linears,
     prepack_supported,
+    tile_rows_for,
 )
 from worker.engine.model.fused_decoder_layer import fuse_decoder_layers
 from worker.engine.model.fused_norms import fuse_rms_norms
@@ -128,13 +129,18 @@ class ModelRunner:
             and attention.cpu_kernels_available(config.kernel_cache_dir)
         )
         decode_rows = decode_rows_for(self.dtype) if kernels else 0
-        if decode_rows and not decode_copy_fits(model, available_memory_bytes(self.device)):
+        tile_rows = tile_rows_for(self.dtype) if kernels else 0
+        free = available_memory_bytes(self.device) if decode_rows or tile_rows else 0
+        if tile_rows and not decode_copy_fits(model, free, 1 + bool(decode_rows)):
+            log.info("bf16 matmuls of a few dozen rows stay on oneDNN: one more copy of the weights would not fit")
+            tile_rows = 0
+        if decode_rows and not decode_copy_fits(model, free):
             log.info("small bf16 matmuls stay on oneDNN: a second copy of the weights would not fit")
             decode_rows = 0
         if fuse_projections:
-            fuse_sibling_projections(model, pack=prepack_weights, decode_rows=decode_rows)
+            fuse_sibling_projections(model, pack=prepack_weights, decode_rows=decode_rows, tile_rows=tile_rows)
         if prepack_weights and prepack_supported(self.device, self.dtype):
-            prepack_linears(model, decode_rows=decode_rows)
+            prepack_linears(model, decode_rows=decode_rows, tile_rows=tile_rows)
         if decode_rows:
             gather_decode_layouts(model)
         if kernels:

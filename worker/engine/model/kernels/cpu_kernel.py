@@ -1,6 +1,7 @@
 """Builds and loads the CPU kernels on first use: the paged-decode attention and KV-cache write
 (``paged_decode.cpp``), the fused RMSNorm (``rms_norm.cpp``), the small-row bf16 linear
-(``decode_linear.cpp``), the decoder layer's elementwise steps (``decoder_layer_ops.cpp``) and
+(``decode_linear.cpp``), the same on AMX tiles for a few dozen rows
+(``amx_linear.cpp``), the decoder layer's elementwise steps (``decoder_layer_ops.cpp``) and
 a decode step's whole layer as one op (``decode_layer.cpp``), the greedy pick
 (``greedy_argmax.cpp``), the sampled rows' filters and draw (``sample_rows.cpp``) and a step's
 LoRA deltas (``lora_rows.cpp``), all in this folder, one shared library.
@@ -35,6 +36,7 @@ SOURCES = tuple(
         "paged_decode.cpp",
         "rms_norm.cpp",
         "decode_linear.cpp",
+        "amx_linear.cpp",
         "decoder_layer_ops.cpp",
         "decode_layer.cpp",
         "greedy_argmax.cpp",

@@ -1,0 +1,233 @@
+// A bf16 linear layer for the few to few dozen rows of a decode step, on AMX tiles.
+//
+// A decode step of 2-32 sequences multiplies each weight by a few rows: a read of every weight
+// with a little arithmetic per byte. AVX512-BF16's dot product (decode_linear.cpp) runs out of
+// arithmetic past a handful of rows, and oneDNN's AMX matmul, blocked for large row counts, stays
+// near half the memory's rate at these shapes. Here the weight is laid out once, at load, as AMX
+// B tiles: per group of 64 output columns, its 32-value chunks of the input dimension one after
+// another, each chunk four 1 KB tiles of 16 columns ([N / 64][K / 32][4][16 pairs][16 columns][2]),
+// so a thread walks one contiguous stream per group; up to 16 input rows make one A tile, and
+// each chunk is four tile dot products into four fp32 accumulator tiles. More than 16 rows go
+// in halves whose second pass over a group reads it from L2.
+//
+// Results: products of bf16 values are exact in fp32 and summed in fp32 (TDPBF16PS), bias added
+// in fp32, rounded once to bf16 -- what a native bf16 matmul does, in another order.
+//
+// Linux hands out AMX state only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM):
+// amx_linear_supported asks once and says whether the tiles can be used. Without AMX at build
+// time a plain loop over the same layout gives the same results, so the op exists and is
+// tested on every CPU. Built with the other CPU kernels by cpu_kernel.py; registered as
+// torch.ops.inflightq.amx_linear. Figures: docs/benchmarks.md.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "rounding.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define INFLIGHTQ_AMX 1
+#endif
+
+namespace {
+
+constexpr int64_t TILE_COLS = 16;                   // output columns per B tile (and per C tile)
+constexpr int64_t GROUP_TILES = 4;                  // B tiles (accumulators) per pass over a chunk
+constexpr int64_t GROUP_COLS = TILE_COLS * GROUP_TILES;  // output columns per group: 64
+constexpr int64_t CHUNK = 32;                       // input-dimension values per tile (16 bf16 pairs)
+constexpr int64_t TILE_ELEMS = CHUNK * TILE_COLS;   // bf16 values per B tile: 1 KB
+constexpr int64_t TILE_ROWS = 16;                   // input rows per A tile
+constexpr int64_t MAX_ROWS = 64;                    // input rows one call takes
+#ifndef AMX_PREFETCH_CHUNKS
+#define AMX_PREFETCH_CHUNKS 2
+#endif
+#ifndef AMX_PREFETCH_LINES
+#define AMX_PREFETCH_LINES 64
+#endif
+constexpr int64_t PREFETCH_CHUNKS = AMX_PREFETCH_CHUNKS;  // how far ahead the weight's stream is prefetched
+
+using inflightq_rounding::bf16_bits;
+using inflightq_rounding::widen_bf16_bits;
+
+#if defined(INFLIGHTQ_AMX)
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool request_amx() {
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;
+  constexpr long XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+// Tiles 0-3: the group's four accumulators (rows x 16 fp32); 4: the input rows' chunk (rows x 32
+// bf16); 5-7: the weight's tiles (16 pairs x 16 columns), in turn.
+void configure(int rows) {
+  TileConfig config;
+  for (int t = 0; t < 5; ++t) {
+    config.rows[t] = static_cast<uint8_t>(rows);
+    config.colsb[t] = 64;
+  }
+  for (int t = 5; t < 8; ++t) {
+    config.rows[t] = CHUNK / 2;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// One group's 64 output columns for `rows` (<= 16) input rows into sums (rows x 64 fp32).
+void group_sums(const uint16_t* group, const uint16_t* x, int64_t k, float* sums) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t stride = k * static_cast<int64_t>(sizeof(uint16_t));
+  for (int64_t c = 0; c < k; c += CHUNK) {
+    const uint16_t* tiles = group + c * GROUP_COLS;
+    // The stream PREFETCH_CHUNKS chunks ahead, into L2: a tile load from memory waits for its
+    // lines, and the hardware prefetcher alone leaves the stream short of the memory's rate.
+    const char* ahead = reinterpret_cast<const char*>(tiles + PREFETCH_CHUNKS * CHUNK * GROUP_COLS);
+    for (int line = 0; line < AMX_PREFETCH_LINES; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T1);
+    _tile_loadd(4, x + c, stride);
+    _tile_loadd(5, tiles, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, tiles + TILE_ELEMS, 64);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, tiles + 2 * TILE_ELEMS, 64);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, tiles + 3 * TILE_ELEMS, 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  constexpr int64_t row_bytes = GROUP_COLS * sizeof(float);
+  _tile_stored(0, sums, row_bytes);
+  _tile_stored(1, sums + TILE_COLS, row_bytes);
+  _tile_stored(2, sums + 2 * TILE_COLS, row_bytes);
+  _tile_stored(3, sums + 3 * TILE_COLS, row_bytes);
+}
+#endif
+
+// The plain loop: the same sums from the same layout, one product at a time.
+void group_sums_plain(const uint16_t* group, const uint16_t* x, int64_t k, int64_t rows, float* sums) {
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t col = 0; col < GROUP_COLS; ++col) {
+      const int64_t tile = col / TILE_COLS, n = col % TILE_COLS;
+      float s = 0.f;
+      for (int64_t c = 0; c < k; c += CHUNK) {
+        const uint16_t* b = group + c * GROUP_COLS + tile * TILE_ELEMS;
+        for (int64_t i = 0; i < CHUNK; ++i)
+          s += widen_bf16_bits(b[(i / 2) * 2 * TILE_COLS + 2 * n + i % 2]) * widen_bf16_bits(x[m * k + c + i]);
+      }
+      sums[m * GROUP_COLS + col] = s;
+    }
+}
+
+void write_rows(const float* sums, const float* bias, uint16_t* y, int64_t n, int64_t rows, int64_t col0) {
+  const int64_t cols = std::min(GROUP_COLS, n - col0);
+  for (int64_t m = 0; m < rows; ++m) {
+    uint16_t* y_row = y + m * n + col0;
+    const float* s = sums + m * GROUP_COLS;
+    for (int64_t j = 0; j < cols; ++j) y_row[j] = bf16_bits(s[j] + (bias ? bias[col0 + j] : 0.f));
+  }
+}
+
+// [N, K] bf16 -> [ceil(N / 64), K / 32, 4, 16, 16, 2]: the tiles `group_sums` reads (zero rows pad N).
+at::Tensor amx_linear_layout(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "amx_linear_layout: a 2-D bf16 weight");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(k % CHUNK == 0, "amx_linear_layout: in_features must be a multiple of ", CHUNK);
+  const int64_t groups = (n + GROUP_COLS - 1) / GROUP_COLS;
+  auto rows = at::zeros({groups * GROUP_COLS, k}, weight.options());
+  rows.narrow(0, 0, n).copy_(weight);
+  // [group, tile, column, chunk, pair, 2] -> [group, chunk, tile, pair, column, 2]
+  return rows.view({groups, GROUP_TILES, TILE_COLS, k / CHUNK, CHUNK / 2, 2}).permute({0, 3, 1, 4, 2, 5}).contiguous();
+}
+
+bool amx_linear_supported() {
+#if defined(INFLIGHTQ_AMX)
+  static const bool granted = request_amx();
+  return granted;
+#else
+  return false;
+#endif
+}
+
+at::Tensor amx_linear(const at::Tensor& input, const at::Tensor& laid_out, const std::optional<at::Tensor>& bias,
+                      int64_t out_features) {
+  TORCH_CHECK(input.scalar_type() == at::kBFloat16 && laid_out.scalar_type() == at::kBFloat16,
+              "amx_linear: bf16 input and weight");
+  TORCH_CHECK(laid_out.dim() == 6 && laid_out.size(1) * CHUNK == input.size(-1), "amx_linear: weight layout");
+  const int64_t k = input.size(-1);
+  const int64_t m = input.numel() / k;
+  TORCH_CHECK(m <= MAX_ROWS, "amx_linear: 0 to ", MAX_ROWS, " rows, got ", m);
+  const int64_t groups = laid_out.size(0);
+  TORCH_CHECK(out_features <= groups * GROUP_COLS && out_features > (groups - 1) * GROUP_COLS,
+              "amx_linear: out_features does not match the weight");
+  at::Tensor bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == out_features, "amx_linear: bias size");
+    bias32 = bias->scalar_type() == at::kFloat ? bias->contiguous() : bias->to(at::kFloat).contiguous();
+  }
+  const at::Tensor x = input.reshape({m, k}).contiguous();
+  const at::Tensor w = laid_out.contiguous();
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end() - 1);
+  shape.push_back(out_features);
+  at::Tensor out = at::empty(shape, input.options());
+  if (m == 0) return out;
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const bool tiles = amx_linear_supported();
+  const int64_t n = out_features;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    alignas(64) float sums[TILE_ROWS * GROUP_COLS];
+    int64_t configured = 0;  // the rows the tiles are configured for
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint16_t* group = wp + g * k * GROUP_COLS;
+      // A group's second half of the rows reads its weight again, from L2 now.
+      for (int64_t h = 0; h < m; h += TILE_ROWS) {
+        const int64_t rows = std::min(TILE_ROWS, m - h);
+#if defined(INFLIGHTQ_AMX)
+        if (tiles) {
+          if (rows != configured) configure(static_cast<int>(rows));
+          configured = rows;
+          group_sums(group, xp + h * k, k, sums);
+        } else {
+          group_sums_plain(group, xp + h * k, k, rows, sums);
+        }
+#else
+        (void)tiles;
+        (void)configured;
+        group_sums_plain(group, xp + h * k, k, rows, sums);
+#endif
+        write_rows(sums, bp, yp + h * n, n, rows, g * GROUP_COLS);
+      }
+    }
+#if defined(INFLIGHTQ_AMX)
+    if (configured) _tile_release();
+#endif
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(inflightq, m) {
+  m.def("amx_linear_layout(Tensor weight) -> Tensor");
+  m.impl("amx_linear_layout", c10::DispatchKey::CPU, TORCH_FN(amx_linear_layout));
+  m.def("amx_linear_supported() -> bool");
+  m.impl("amx_linear_supported", TORCH_FN(amx_linear_supported));
+  m.def("amx_linear(Tensor input, Tensor laid_out, Tensor? bias, int out_features) -> Tensor");
+  m.impl("amx_linear", c10::DispatchKey::CPU, TORCH_FN(amx_linear));
+}
