@@ -1,17 +1,18 @@
-"""Which live worker holds the longest cached prefix of a request: the API asks at dispatch, and
-offers the request to that worker (``offer_to`` of the queue's enqueue).
+"""Which live worker holds the longest cached prefix of a request: the API asks at dispatch, and offers
+the request to that worker (``offer_to`` of the queue's enqueue).
 
 Each worker mirrors its prefix cache into ``Keys.held(model, worker)``: a SET of the block hashes
 (``shared.prefix_hash``, hex) it holds, plus the member ``LIVE`` while the worker is live (so the
-key exists, as long as the worker does, even with an empty cache) and ``IDLE`` while it runs
-nothing, with a TTL its heartbeat refreshes. ``LONGEST_PREFIX`` looks in every candidate's set, in
-one script call in the model's slot: a worker's cache keeps a prefix's head blocks longest (tail
-blocks are freed first), so whether it holds the first k blocks is a binary search over the chain.
-A worker also holds the member ``adapter_member(key)`` for each LoRA adapter it has loaded: a request
-with an adapter whose prefix no worker holds is offered to the (least loaded) worker holding the adapter,
-unless all or none do. Affinity only decides where a request is offered; the queue lets another worker
-take it at once when that one is idle or the holder is gone, and a busy one once the offer waited the
-steal bound plus the time it would take to prefill what the holder holds (``policy.offer_stealable``)."""
+key exists, as long as the worker does, even with an empty cache), with a TTL its heartbeat
+refreshes. ``LONGEST_PREFIX`` looks in every candidate's set, in one script call in the model's
+slot: a worker's cache keeps a prefix's head blocks longest (tail blocks are freed first), so
+whether it holds the first k blocks is a binary search over the chain. A worker also holds the
+member ``adapter_member(key)`` for each LoRA adapter it has loaded: a request with an adapter whose
+prefix no worker holds is offered to the (least loaded) worker holding the adapter, unless all or
+none do. Affinity only decides where a request is offered; the queue lets another worker take it at
+once when the holder is gone, an idle one once the offer waited as long as prefilling what the
+holder holds would take (the steal bound at most), and a busy one once it waited the steal bound
+plus that time longer than the busy worker's own oldest work (``policy.offer_stealable``)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,6 @@ from shared.prefix_hash import chain, to_hex
 
 # Never a hex hash: present while the worker is live, whatever its cache holds.
 LIVE = "live"
-# Never a hex hash: present while the worker runs nothing (an offer to it needs no stealing to start now).
-IDLE = "idle"
 # Never a hex hash: the prefix of the member naming a LoRA adapter the worker holds loaded.
 ADAPTER = "adapter:"
 

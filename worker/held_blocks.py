@@ -1,8 +1,8 @@
 """The worker's advertisement of its prefix cache: ``Keys.held(model, worker)``, a SET of the block
-hashes its engine holds (``shared.prefix_hash``, hex) plus ``shared.affinity.LIVE`` (and ``IDLE``
-while the worker runs nothing), which the API reads to offer a request to the worker holding its
-longest prefix (``shared.affinity``), and a member per LoRA adapter its engine holds loaded
-(``shared.affinity.adapter_member``), so a request with an adapter goes to a worker that has it.
+hashes its engine holds (``shared.prefix_hash``, hex) plus ``shared.affinity.LIVE``, which the API
+reads to offer a request to the worker holding its longest prefix (``shared.affinity``), and a
+member per LoRA adapter its engine holds loaded (``shared.affinity.adapter_member``), so a request
+with an adapter goes to a worker that has it.
 
 After each step the engine loop takes what the engine cached and evicted (``prefix_cache_changes``)
 and hands it to the publisher, which sends it in the step's round trip (SADD, SREM, EXPIRE). A request
@@ -21,12 +21,12 @@ from __future__ import annotations
 import math
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import redis
 
-from shared.affinity import IDLE, LIVE, adapter_member
+from shared.affinity import LIVE, adapter_member
 from shared.keys import Keys
 from shared.prefix_hash import chain, to_hex
 from shared.settings import Settings
@@ -48,7 +48,6 @@ class HeldBlocks:
         name: str,
         model: str,
         draining: threading.Event,
-        is_idle: Callable[[], bool],
     ) -> None:
         self.redis = connection
         self.publisher = publisher
@@ -56,8 +55,6 @@ class HeldBlocks:
         self.key = Keys.for_prefix(settings.key_prefix).held(model, name)
         self.ttl = max(1, math.ceil(settings.heartbeat_ttl_s))
         self.draining = draining
-        self.is_idle = is_idle
-        self._idle: bool | None = None  # as last written
         self._adapters: set[str] = set()  # adapter members as last written
         self._rewrite = threading.Event()  # set by the heartbeat; the engine loop writes the whole set
         self._rewrite.set()  # the first write creates it
@@ -116,12 +113,6 @@ class HeldBlocks:
             add = set(self._promised) - self._cache
         cached = [to_hex(h) for h in (*changes.cached, *sorted(add))]
         evicted = [to_hex(h) for h in (*changes.evicted, *sorted(drop)) if not self._promised[h]]
-        idle = self.is_idle()
-        if idle and (changes.full or not self._idle):
-            cached.append(IDLE)
-        elif not idle and self._idle:
-            evicted.append(IDLE)
-        self._idle = idle
         adapters = self._adapter_members()
         if changes.full:
             cached.extend(sorted(adapters))

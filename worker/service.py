@@ -133,7 +133,7 @@ class WorkerService:
         )  # fmt: skip
         self.held = HeldBlocks(
             settings, self.redis, self.publisher, engine,
-            name=self.name, model=self.model, draining=self.draining, is_idle=self.is_idle,
+            name=self.name, model=self.model, draining=self.draining,
         )  # fmt: skip
         self.heartbeat_thread = Heartbeat(settings, self.redis, self.name, self.heartbeat, self.stopping, self.held)
         self.cancel_listener = CancelListener(settings, self.redis, self.cancel, self.stopping)

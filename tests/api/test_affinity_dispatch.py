@@ -15,7 +15,7 @@ import redis
 
 from producer_api.dispatch import Dispatcher
 from shared.adapters import AdapterRecord, register
-from shared.affinity import IDLE, LIVE, LONGEST_PREFIX, adapter_member, holder, lookup
+from shared.affinity import LIVE, LONGEST_PREFIX, adapter_member, holder, lookup
 from shared.async_client import AsyncQueueClient
 from shared.keys import Keys
 from shared.prefix_hash import chain, to_hex
@@ -92,9 +92,8 @@ def test_a_request_is_offered_to_the_worker_holding_its_prefix(
     sync = redis_client
     hold(sync, keys, "a", history, 1)  # the shared head only
     hold(sync, keys, "b", history, 5)  # the whole history
-    sync.sadd(keys.held(MODEL, "b"), IDLE)  # b runs nothing now
     document = list(range(3000, 3000 + 4 * BLOCK))
-    hold(sync, keys, "a", document, 4)  # a busy worker (no IDLE) holding a document
+    hold(sync, keys, "a", document, 4)  # a worker holding a document
 
     async def scenario() -> None:
         async with AsyncQueueClient(settings) as client:

@@ -14,7 +14,7 @@ import pytest
 import redis
 import torch
 
-from shared.affinity import IDLE, LIVE, adapter_member
+from shared.affinity import LIVE, adapter_member
 from shared.keys import Keys
 from shared.prefix_hash import chain, to_hex
 from shared.settings import Settings
@@ -41,7 +41,7 @@ def parts(redis_url: str, key_prefix: str, tiny_model_dir: Path) -> Iterator[tup
     state = RunState()
     held = HeldBlocks(
         settings, connection, publisher, engine,
-        name="w", model=MODEL, draining=state.draining, is_idle=lambda: not engine.has_unfinished(),
+        name="w", model=MODEL, draining=state.draining,
     )  # fmt: skip
     yield engine, held, settings
     publisher.stop(timeout=5)
@@ -62,8 +62,8 @@ def cached(engine: LLMEngine) -> set[str]:
 
 
 def advertised(engine: LLMEngine) -> set[str]:
-    """What the held set must be: the cache, live, and idle while the engine runs nothing."""
-    return cached(engine) | {LIVE} | (set() if engine.has_unfinished() else {IDLE})
+    """What the held set must be: the cache, and live."""
+    return cached(engine) | {LIVE}
 
 
 def step_and_sync(engine: LLMEngine, held: HeldBlocks) -> None:
@@ -76,7 +76,7 @@ def test_the_set_follows_the_cache_through_evictions(parts: tuple[LLMEngine, Hel
     engine, held, settings = parts
     held.sync()  # the first sync creates the set, empty but live
     assert held.publisher.flush(timeout=10)
-    assert in_redis(settings) == {LIVE, IDLE}
+    assert in_redis(settings) == {LIVE}
     rng = random.Random(7)
     prefixes = [[rng.randrange(3, 200) for _ in range(12)] for _ in range(4)]
     evicted = 0
@@ -154,7 +154,7 @@ def test_drain_removes_the_set_and_nothing_writes_it_again(parts: tuple[LLMEngin
     engine, held, settings = parts
     engine.add_request("a", list(range(10, 30)), SamplingParams(max_new_tokens=4))
     step_and_sync(engine, held)
-    assert LIVE in in_redis(settings) and IDLE not in in_redis(settings)
+    assert LIVE in in_redis(settings)
     held.draining.set()
     while engine.has_unfinished():  # still running what it has, caching its blocks
         step_and_sync(engine, held)
@@ -183,7 +183,7 @@ def test_with_affinity_off_nothing_is_written(parts: tuple[LLMEngine, HeldBlocks
     off_settings = settings.model_copy(update={"affinity": False})
     held = HeldBlocks(
         off_settings, on.redis, on.publisher, engine,
-        name="w", model=MODEL, draining=threading.Event(), is_idle=lambda: not engine.has_unfinished(),
+        name="w", model=MODEL, draining=threading.Event(),
     )  # fmt: skip
     engine.add_request("a", list(range(10, 30)), SamplingParams(max_new_tokens=2))
     while engine.has_unfinished():
@@ -212,12 +212,12 @@ def test_loaded_adapters_are_advertised_and_their_blocks_rooted_in_them(
     publisher.start()
     held = HeldBlocks(
         settings, connection, publisher, engine,
-        name="w", model=MODEL, draining=threading.Event(), is_idle=lambda: not engine.has_unfinished(),
+        name="w", model=MODEL, draining=threading.Event(),
     )  # fmt: skip
     try:
         held.sync()
         assert held.publisher.flush(timeout=10)
-        assert in_redis(settings) == {LIVE, IDLE}
+        assert in_redis(settings) == {LIVE}
         prompt = list(range(10, 23))  # 3 full blocks and one token
         for i, name in enumerate(("attn", "mlp")):  # max_loras 1: the second evicts the first
             engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=2), lora=loras[name])
