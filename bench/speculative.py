@@ -11,16 +11,17 @@ the two sides alternating chunk by chunk:
   should leave them as fast as without speculation).
 
 Reports tokens/s of each side and their ratio, the share of proposed tokens kept and the tokens
-each sequence gained per step. Peers' own lookup decoding (llama.cpp) runs only where
-``bench/peers/install.sh`` installed it; its absence is recorded.
+each sequence gained per step. ``--stack``: the same cells through the API and a worker
+(``bench/speculative_stack.py``); ``--peers llamacpp``: llama.cpp's server without and with its own
+lookup decoding (``bench/speculative_peers.py``), where ``bench/peers/install.sh`` installed it (its
+absence is recorded).
 
-    python -m bench.speculative            # or: inflightq bench speculative
+    python -m bench.speculative [--stack] [--peers llamacpp]     # or: inflightq bench speculative
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -136,17 +137,6 @@ def merge(runs: list[dict]) -> dict:
     }
 
 
-def peers_note() -> str:
-    cache = os.environ.get("INFLIGHTQ_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "inflightq"
-    )
-    peers = Path(os.environ.get("INFLIGHTQ_PEERS_DIR") or os.path.join(cache, "peers"))
-    server = peers / "llamacpp" / "bin" / "llama-server"
-    if server.is_file():
-        return f"llama.cpp found at {server}; its lookup decoding is not driven by this benchmark yet"
-    return f"no llama.cpp build at {server} (bench/peers/install.sh llamacpp): peers not measured"
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="inflightq bench speculative", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -157,6 +147,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--speculative-tokens", type=int, default=4)
     parser.add_argument(
         "--stack", action="store_true", help="each cell through the API and a worker too (the configured Redis)"
+    )
+    parser.add_argument(
+        "--peers", default="", help="llamacpp: its server without and with its own lookup decoding, same cells"
     )
     parser.add_argument("--out", default="bench/results", help="folder for speculative-<date>.*; '' to skip")
     parser.add_argument("--tag", default="", help="suffix of the results files' names")
@@ -215,6 +208,17 @@ def main(argv: list[str] | None = None) -> dict:
         stack_cells = run_stack(
             texts, STREAMS, args.rounds, args.max_new_tokens, args.speculative_tokens, args.model, dtype, merge
         )
+    peers: dict[str, Any] = {"llamacpp": {"skipped": "not asked for (--peers llamacpp)"}}
+    if "llamacpp" in args.peers.split(","):
+        from bench.speculative_peers import run_llamacpp
+
+        texts = {
+            "grounded": [GROUNDED[i % len(GROUNDED)] for i in range(args.prompts)],
+            "chat": [QUESTIONS[i % len(QUESTIONS)] for i in range(args.prompts)],
+        }
+        peers["llamacpp"] = run_llamacpp(
+            texts, STREAMS, args.rounds, args.max_new_tokens, args.speculative_tokens, args.model, dtype, merge
+        )
     results = {
         **header,
         "model": args.model,
@@ -224,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
         "speculative_tokens": args.speculative_tokens,
         "cells": cells,
         "stack_cells": stack_cells,
-        "peers": peers_note(),
+        "peers": peers,
     }
     if args.out:
         markdown = [
@@ -261,10 +265,26 @@ def main(argv: list[str] | None = None) -> dict:
             f"Copy ceiling: tokens per sequence-step were {args.speculative_tokens} tokens proposed at every "
             "step (the engine's n-gram lookup over the answers without speculation): what the answers allow.",
             "",
-            f"Peers: {results['peers']}.",
+            *peer_lines(peers["llamacpp"]),
         ]
         save(stem(args.out, "speculative", header["date"], args.tag), results, markdown, plot)
     return results
+
+
+def peer_lines(peer: dict) -> list[str]:
+    if "cells" not in peer:
+        return [f"llama.cpp's lookup decoding: {peer.get('skipped', 'not run')}."]
+    return [
+        f"{peer['label']}, without and with its lookup decoding (`{' '.join(peer['command'][-6:])}`), the same cells:",
+        "",
+        "| workload | streams | off tok/s | on tok/s | on / off | kept / proposed |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {c['workload']} | {c['streams']} | {c['off']['tok_s']} | {c['on']['tok_s']} | {c['ratio']}x | "
+            f"{c['on']['acceptance']} |"
+            for c in peer["cells"]
+        ),
+    ]
 
 
 def plot(results: dict, path: Path) -> None:

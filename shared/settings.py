@@ -301,6 +301,11 @@ class Settings(BaseSettings):
         "attention and oneDNN matmuls (same results up to rounding order, slower) without trying a build, "
         "and dtype auto then picks float32 on a CPU without bf16 units.",
     )
+    amx_linear: bool = Field(
+        True,
+        description="On a CPU with AMX (and the CPU kernels built), bf16 matmuls of 5-32 rows (decode steps of a "
+        "few dozen sequences) run on AMX tiles in the engine's own kernel instead of oneDNN's; 0 keeps oneDNN.",
+    )
     kernel_cache: str | None = Field(
         None, description="Directory the CPU kernels are built into; unset = ~/.cache/inflightq/kernels."
     )

@@ -12,12 +12,13 @@ import pytest
 
 @pytest.mark.timeout(600)
 def test_speculative_bench_runs_both_sides_per_cell_and_reports_consistent_ratios(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from bench import speculative
 
+    monkeypatch.setenv("INFLIGHTQ_PEERS_DIR", str(tmp_path / "no-peers"))  # llama.cpp not installed there
     args = ["--model", str(tiny_model_dir), "--dtype", "float32", "--prompts", "2", "--max-new-tokens", "6"]
-    results = speculative.main([*args, "--rounds", "1", "--out", str(tmp_path)])
+    results = speculative.main([*args, "--rounds", "1", "--peers", "llamacpp", "--out", str(tmp_path)])
     cells = results["cells"]
     assert [(c["workload"], c["streams"]) for c in cells] == [
         ("grounded", 1),
@@ -31,8 +32,11 @@ def test_speculative_bench_runs_both_sides_per_cell_and_reports_consistent_ratio
         assert off["proposed"] == 0 and off["tokens_per_step"] == 1.0
         assert cell["ratio"] == pytest.approx(on["tok_s"] / off["tok_s"], abs=0.01)
     written = json.loads(next(tmp_path.glob("speculative-*.json")).read_text())
-    assert written["cells"] == cells and "peers" in written
-    assert "on / off" in next(tmp_path.glob("speculative-*.md")).read_text()
+    assert written["cells"] == cells
+    # A peer that is not installed is recorded as skipped, with the script that installs it.
+    assert "bench/peers/install.sh" in written["peers"]["llamacpp"]["skipped"]
+    markdown = next(tmp_path.glob("speculative-*.md")).read_text()
+    assert "on / off" in markdown and "llama.cpp's lookup decoding:" in markdown
     assert next(tmp_path.glob("speculative-*.png")).stat().st_size > 0
 
 

@@ -30,6 +30,7 @@ def engine_config(settings: Settings, **overrides: Any) -> EngineConfig:
         # Workers sharing a host each take their share, so the caches together fit the budget.
         "kv_memory_fraction": settings.kv_cache_memory_fraction / settings.workers_per_host,
         "cpu_kernels": settings.cpu_kernels,
+        "amx_linear": settings.amx_linear,
         "kernel_cache_dir": settings.kernel_cache,
         "compile": settings.compile,
         "compile_cache_dir": settings.compile_cache,

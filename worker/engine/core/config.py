@@ -30,6 +30,7 @@ class EngineConfig:
     fair_share: bool = True  # False: tenants are not told apart in who runs next (no fair clause of displaces)
     attention_backend: str = "auto"  # auto, torch, cpu (the compiled CPU kernel), flash
     cpu_kernels: bool = True  # False: never build or use the compiled CPU kernels (plain-torch attention, HF layers)
+    amx_linear: bool = True  # False: bf16 matmuls of a few dozen rows stay on oneDNN on AMX CPUs too
     kernel_cache_dir: str | None = None  # where the CPU kernel is built; None: ~/.cache/inflightq/kernels
     # Compiled forward (torch.compile over padded token-count buckets, all compiled at start). Off by
     # default: a CPU step is bound by streaming the weights, so compiling gains little for minutes of

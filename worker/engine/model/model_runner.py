@@ -129,7 +129,7 @@ class ModelRunner:
             and attention.cpu_kernels_available(config.kernel_cache_dir)
         )
         decode_rows = decode_rows_for(self.dtype) if kernels else 0
-        tile_rows = tile_rows_for(self.dtype) if kernels else 0
+        tile_rows = tile_rows_for(self.dtype) if kernels and config.amx_linear else 0
         free = available_memory_bytes(self.device) if decode_rows or tile_rows else 0
         if tile_rows and not decode_copy_fits(model, free, 1 + bool(decode_rows)):
             log.info("bf16 matmuls of a few dozen rows stay on oneDNN: one more copy of the weights would not fit")
