@@ -45,13 +45,6 @@ constexpr int64_t CHUNK = 32;                       // input-dimension values pe
 constexpr int64_t TILE_ELEMS = CHUNK * TILE_COLS;   // bf16 values per B tile: 1 KB
 constexpr int64_t TILE_ROWS = 16;                   // input rows per A tile
 constexpr int64_t MAX_ROWS = 64;                    // input rows one call takes
-#ifndef AMX_PREFETCH_CHUNKS
-#define AMX_PREFETCH_CHUNKS 2
-#endif
-#ifndef AMX_PREFETCH_LINES
-#define AMX_PREFETCH_LINES 64
-#endif
-constexpr int64_t PREFETCH_CHUNKS = AMX_PREFETCH_CHUNKS;  // how far ahead the weight's stream is prefetched
 
 using inflightq_rounding::bf16_bits;
 using inflightq_rounding::widen_bf16_bits;
@@ -95,10 +88,8 @@ void group_sums(const uint16_t* group, const uint16_t* x, int64_t k, float* sums
   const int64_t stride = k * static_cast<int64_t>(sizeof(uint16_t));
   for (int64_t c = 0; c < k; c += CHUNK) {
     const uint16_t* tiles = group + c * GROUP_COLS;
-    // The stream PREFETCH_CHUNKS chunks ahead, into L2: a tile load from memory waits for its
-    // lines, and the hardware prefetcher alone leaves the stream short of the memory's rate.
-    const char* ahead = reinterpret_cast<const char*>(tiles + PREFETCH_CHUNKS * CHUNK * GROUP_COLS);
-    for (int line = 0; line < AMX_PREFETCH_LINES; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T1);
+    // No software prefetch: the hardware prefetcher follows the contiguous stream, and prefetching
+    // it too was slower (docs/benchmarks.md).
     _tile_loadd(4, x + c, stride);
     _tile_loadd(5, tiles, 64);
     _tile_dpbf16ps(0, 4, 5);
