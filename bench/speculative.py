@@ -22,12 +22,14 @@ absence is recorded).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.engine import QUESTIONS
 from bench.results_files import pyplot, run_header, save, stem, write_figure
+from bench.speculative_cells import alternating_cells
 
 # Each answer of the default model (greedy) copies most of its tokens from its prompt: tasks whose
 # answers it paraphrases or invents (a rename it refuses, a JSON edit it echoes unchanged) are not
@@ -121,22 +123,6 @@ def copy_ceiling(answers: list[tuple[list[int], list[int]]], num_tokens: int) ->
     return round(tokens_total / steps, 3) if steps else 0.0
 
 
-def merge(runs: list[dict]) -> dict:
-    total = {
-        key: sum(r[key] for r in runs) for key in ("tokens", "seconds", "generated", "steps", "proposed", "accepted")
-    }
-    return {
-        "tokens": total["tokens"],
-        "generated": total["generated"],
-        "seconds": round(total["seconds"], 3),
-        "tok_s": round(total["tokens"] / total["seconds"], 2),
-        "tokens_per_step": round(total["generated"] / total["steps"], 3) if total["steps"] else 0.0,
-        "proposed": total["proposed"],
-        "accepted": total["accepted"],
-        "acceptance": round(total["accepted"] / total["proposed"], 3) if total["proposed"] else None,
-    }
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="inflightq bench speculative", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -167,34 +153,16 @@ def main(argv: list[str] | None = None) -> dict:
     # Warm-up: first-call costs out of the timings, steps with draft rows (of 1 and 2 sequences) included.
     run_chunk(llm, workloads["grounded"][-2:], 16, True)
     run_chunk(llm, workloads["grounded"][-1:], 16, True)
+
+    async def chunk(prompts: list[list[int]], speculate: bool) -> dict:
+        return run_chunk(llm, prompts, args.max_new_tokens, speculate)
+
     cells = []
-    for name, prompts in workloads.items():
-        for streams in STREAMS:
-            # The sides alternate chunk by chunk (and which goes first, too): a neighbour's load on a
-            # shared machine falls on both alike.
-            sides: dict[bool, list[dict]] = {False: [], True: []}
-            chunks = [prompts[i : i + streams] for i in range(0, len(prompts), streams)] * args.rounds
-            for c, chunk in enumerate(chunks):
-                for speculate in (False, True) if c % 2 == 0 else (True, False):
-                    sides[speculate].append(run_chunk(llm, chunk, args.max_new_tokens, speculate))
-            off, on = merge(sides[False]), merge(sides[True])
-            cell = {
-                "workload": name,
-                "streams": streams,
-                "off": off,
-                "on": on,
-                "ratio": round(on["tok_s"] / off["tok_s"], 3),
-                "copy_ceiling": copy_ceiling(
-                    [a for run in sides[False] for a in run["answers"]], args.speculative_tokens
-                ),
-            }
-            cells.append(cell)
-            print(
-                f"{name:9s} {streams} stream(s): off {off['tok_s']:7.1f} tok/s, on {on['tok_s']:7.1f} tok/s "
-                f"({cell['ratio']:.2f}x), kept {on['acceptance']}, tokens/step {on['tokens_per_step']:.2f} "
-                f"(ceiling {cell['copy_ceiling']:.2f})",
-                flush=True,
-            )
+    for cell, sides in asyncio.run(alternating_cells(workloads, STREAMS, args.rounds, chunk)):
+        answers = [a for run in sides[False] for a in run["answers"]]
+        cell["copy_ceiling"] = copy_ceiling(answers, args.speculative_tokens)
+        print(f"  copy ceiling {cell['copy_ceiling']:.2f} tokens/step", flush=True)
+        cells.append(cell)
     dtype = str(next(llm.engine.model.parameters()).dtype).removeprefix("torch.")
     stack_cells: list[dict] = []
     if args.stack:
@@ -206,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
             "chat": [QUESTIONS[i % len(QUESTIONS)] for i in range(args.prompts)],
         }
         stack_cells = run_stack(
-            texts, STREAMS, args.rounds, args.max_new_tokens, args.speculative_tokens, args.model, dtype, merge
+            texts, STREAMS, args.rounds, args.max_new_tokens, args.speculative_tokens, args.model, dtype
         )
     peers: dict[str, Any] = {"llamacpp": {"skipped": "not asked for (--peers llamacpp)"}}
     if "llamacpp" in args.peers.split(","):
@@ -217,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
             "chat": [QUESTIONS[i % len(QUESTIONS)] for i in range(args.prompts)],
         }
         peers["llamacpp"] = run_llamacpp(
-            texts, STREAMS, args.rounds, args.max_new_tokens, args.speculative_tokens, args.model, dtype, merge
+            texts, STREAMS, args.rounds, args.max_new_tokens, args.speculative_tokens, args.model, dtype
         )
     results = {
         **header,

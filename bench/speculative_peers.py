@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 import httpx
 
 from bench.serve_peer_weights import WeightsUnavailable
 from bench.serve_peers import LLAMACPP, PeerConfig, PeerServer, PeerUnavailable, llamacpp_server
+from bench.speculative_cells import alternating_cells
 from shared.settings import get_settings
 
 NGRAM_LOOKUP = 3  # tokens matched, as our speculative_ngram_max
@@ -60,29 +60,16 @@ async def _cells(
     streams_list: tuple[int, ...],
     rounds: int,
     max_new: int,
-    merge: Any,
 ) -> list[dict]:
-    cells = []
     async with httpx.AsyncClient(timeout=600) as http:
         for speculate in (False, True):
             await _chunk(http, servers[speculate], workloads["grounded"][:2], 16)
-        for name, texts in workloads.items():
-            for streams in streams_list:
-                sides: dict[bool, list[dict]] = {False: [], True: []}
-                chunks = [texts[i : i + streams] for i in range(0, len(texts), streams)] * rounds
-                for c, chunk in enumerate(chunks):
-                    for speculate in (False, True) if c % 2 == 0 else (True, False):
-                        sides[speculate].append(await _chunk(http, servers[speculate], chunk, max_new))
-                off, on = merge(sides[False]), merge(sides[True])
-                cell = {"workload": name, "streams": streams, "off": off, "on": on}
-                cell["ratio"] = round(on["tok_s"] / off["tok_s"], 3)
-                cells.append(cell)
-                print(
-                    f"llama.cpp {name:9s} {streams} stream(s): off {off['tok_s']:7.1f} tok/s, on {on['tok_s']:7.1f} "
-                    f"tok/s ({cell['ratio']:.2f}x), kept {on['acceptance']}",
-                    flush=True,
-                )
-    return cells
+
+        async def chunk(texts: list[str], speculate: bool) -> dict:
+            return await _chunk(http, servers[speculate], texts, max_new)
+
+        cells = await alternating_cells(workloads, streams_list, rounds, chunk, label="llama.cpp ")
+    return [cell for cell, _ in cells]
 
 
 def run_llamacpp(
@@ -93,7 +80,6 @@ def run_llamacpp(
     speculative_tokens: int,
     model: str,
     dtype: str,
-    merge: Any,
 ) -> dict:
     """{"label", "command", "cells"} for llama.cpp's server without and with lookup decoding, or
     {"skipped": why} where it is not installed or does not start."""
@@ -112,7 +98,7 @@ def run_llamacpp(
     try:
         for server in servers.values():
             server.start(timeout=600)
-        cells = asyncio.run(_cells(servers, workloads, streams_list, rounds, max_new, merge))
+        cells = asyncio.run(_cells(servers, workloads, streams_list, rounds, max_new))
     except (PeerUnavailable, TimeoutError, httpx.HTTPError) as exc:
         return {"skipped": f"{LLAMACPP}: {exc}"}
     finally:

@@ -16,6 +16,7 @@ import httpx
 
 from bench.affinity import scrape_text
 from bench.serve_stack import Stack
+from bench.speculative_cells import alternating_cells
 from shared.settings import get_settings
 
 _COUNTERS = ("engine_generated_tokens", "engine_token_steps", "engine_draft_tokens", "engine_draft_accepted_tokens")
@@ -65,42 +66,24 @@ async def _chunk(
 
 
 async def _cells(
-    stack: Stack,
-    key: str,
-    workloads: dict[str, list[str]],
-    streams_list: tuple[int, ...],
-    rounds: int,
-    max_new: int,
-    merge: Any,
+    stack: Stack, key: str, workloads: dict[str, list[str]], streams_list: tuple[int, ...], rounds: int, max_new: int
 ) -> list[dict]:
     from openai import AsyncOpenAI
 
     model = stack.settings.model
     url = stack.metrics_urls[0]
-    cells = []
     async with httpx.AsyncClient(timeout=30) as http:
         client = AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0, timeout=600)
         # Warm-up: each side once, so neither pays the first request's costs.
         for speculate in (False, True):
             await _chunk(client, http, url, model, workloads["grounded"][:2], 16, speculate)
-        for name, texts in workloads.items():
-            for streams in streams_list:
-                sides: dict[bool, list[dict]] = {False: [], True: []}
-                chunks = [texts[i : i + streams] for i in range(0, len(texts), streams)] * rounds
-                for c, chunk in enumerate(chunks):
-                    for speculate in (False, True) if c % 2 == 0 else (True, False):
-                        sides[speculate].append(await _chunk(client, http, url, model, chunk, max_new, speculate))
-                off, on = merge(sides[False]), merge(sides[True])
-                cell = {"workload": name, "streams": streams, "off": off, "on": on}
-                cell["ratio"] = round(on["tok_s"] / off["tok_s"], 3)
-                cells.append(cell)
-                print(
-                    f"stack {name:9s} {streams} stream(s): off {off['tok_s']:7.1f} tok/s, on {on['tok_s']:7.1f} "
-                    f"tok/s ({cell['ratio']:.2f}x), kept {on['acceptance']}, tokens/step {on['tokens_per_step']:.2f}",
-                    flush=True,
-                )
+
+        async def chunk(texts: list[str], speculate: bool) -> dict:
+            return await _chunk(client, http, url, model, texts, max_new, speculate)
+
+        cells = await alternating_cells(workloads, streams_list, rounds, chunk, label="stack ")
         await client.close()
-    return cells
+    return [cell for cell, _ in cells]
 
 
 def run_stack(
@@ -111,7 +94,6 @@ def run_stack(
     speculative_tokens: int,
     model: str,
     dtype: str,
-    merge: Any,
 ) -> list[dict]:
     """Each cell of the offline table, measured through the API and a worker on the configured Redis."""
     base = get_settings()
@@ -129,6 +111,6 @@ def run_stack(
     stack = Stack(settings, [key], worker_metrics=True, extra_env=env)
     try:
         stack.start()
-        return asyncio.run(_cells(stack, key, workloads, streams_list, rounds, max_new, merge))
+        return asyncio.run(_cells(stack, key, workloads, streams_list, rounds, max_new))
     finally:
         stack.stop()
