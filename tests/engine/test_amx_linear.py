@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.ci_skips import missing
-from tests.engine.test_decode_linear import bf16_ulp, ops_run
+from tests.engine.test_decode_linear import assert_exact_rounded_once, ops_run
 from worker.engine.model.fast_linear import (
     TILE_ROWS,
     PackedLinear,
@@ -46,15 +46,12 @@ def test_each_output_is_the_exact_result_rounded_once(
     weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(torch.bfloat16)
     bias = torch.randn(out_features, generator=gen).to(torch.bfloat16) if with_bias else None
     x = torch.randn(1, rows, in_features, generator=gen).to(torch.bfloat16)
-    exact = x.double() @ weight.double().T + (bias.double() if bias is not None else 0.0)
 
     tiles = torch.ops.inflightq.amx_linear_layout(weight)
     got = torch.ops.inflightq.amx_linear(x, tiles, bias.float() if bias is not None else None, out_features)
 
     assert got.dtype == torch.bfloat16 and got.shape == (1, rows, out_features)
-    magnitudes = x.double().abs() @ weight.double().abs().T + (bias.double().abs() if bias is not None else 0.0)
-    assert ((got.double() - exact).abs() <= bf16_ulp(exact) + 2.0**-20 * magnitudes).all()
-    assert (got == exact.to(torch.bfloat16)).float().mean() >= 0.99
+    assert_exact_rounded_once(got, x, weight, bias)
 
 
 def test_calls_it_cannot_take_are_refused() -> None:

@@ -54,14 +54,21 @@ def test_each_output_is_the_exact_result_rounded_once(
     weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(torch.bfloat16)
     bias = torch.randn(out_features, generator=gen).to(torch.bfloat16) if with_bias else None
     x = torch.randn(1, rows, in_features, generator=gen).to(torch.bfloat16)
-    exact = x.double() @ weight.double().T + (bias.double() if bias is not None else 0.0)
 
     laid_out = torch.ops.inflightq.decode_linear_layout(weight)
     got = torch.ops.inflightq.decode_linear(x, laid_out, bias.float() if bias is not None else None, out_features)
 
     assert got.dtype == torch.bfloat16 and got.shape == (1, rows, out_features)
-    # An ulp of the result, plus what summing in fp32 may lose where the terms cancel (an output
-    # far smaller than its terms): a few fp32 ulps of the sum of their magnitudes.
+    assert_exact_rounded_once(got, x, weight, bias)
+
+
+def assert_exact_rounded_once(
+    got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    """``got`` is x @ weight.T + bias computed exactly and rounded once to bf16: within an ulp of the
+    result, plus what summing in fp32 may lose where the terms cancel (an output far smaller than its
+    terms): a few fp32 ulps of the sum of their magnitudes; and equal to it almost everywhere."""
+    exact = x.double() @ weight.double().T + (bias.double() if bias is not None else 0.0)
     magnitudes = x.double().abs() @ weight.double().abs().T + (bias.double().abs() if bias is not None else 0.0)
     assert ((got.double() - exact).abs() <= bf16_ulp(exact) + 2.0**-20 * magnitudes).all()
     assert (got == exact.to(torch.bfloat16)).float().mean() >= 0.99

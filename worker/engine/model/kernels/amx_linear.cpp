@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "linear_call.h"
 #include "rounding.h"
 
 #include <algorithm>
@@ -155,30 +156,18 @@ bool amx_linear_supported() {
 
 at::Tensor amx_linear(const at::Tensor& input, const at::Tensor& laid_out, const std::optional<at::Tensor>& bias,
                       int64_t out_features) {
-  TORCH_CHECK(input.scalar_type() == at::kBFloat16 && laid_out.scalar_type() == at::kBFloat16,
-              "amx_linear: bf16 input and weight");
   TORCH_CHECK(laid_out.dim() == 6 && laid_out.size(1) * CHUNK == input.size(-1), "amx_linear: weight layout");
-  const int64_t k = input.size(-1);
-  const int64_t m = input.numel() / k;
-  TORCH_CHECK(m <= MAX_ROWS, "amx_linear: 0 to ", MAX_ROWS, " rows, got ", m);
   const int64_t groups = laid_out.size(0);
   TORCH_CHECK(out_features <= groups * GROUP_COLS && out_features > (groups - 1) * GROUP_COLS,
               "amx_linear: out_features does not match the weight");
-  at::Tensor bias32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == out_features, "amx_linear: bias size");
-    bias32 = bias->scalar_type() == at::kFloat ? bias->contiguous() : bias->to(at::kFloat).contiguous();
-  }
-  const at::Tensor x = input.reshape({m, k}).contiguous();
+  const auto call = inflightq_linear::prepare("amx_linear", input, laid_out, bias, out_features, MAX_ROWS);
+  if (call.m == 0) return call.out;
   const at::Tensor w = laid_out.contiguous();
-  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end() - 1);
-  shape.push_back(out_features);
-  at::Tensor out = at::empty(shape, input.options());
-  if (m == 0) return out;
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
-  auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const uint16_t* xp = call.input();
+  const float* bp = call.bias();
+  uint16_t* yp = call.output();
+  const int64_t m = call.m, k = call.k;
   const bool tiles = amx_linear_supported();
   const int64_t n = out_features;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
@@ -209,7 +198,7 @@ at::Tensor amx_linear(const at::Tensor& input, const at::Tensor& laid_out, const
     if (configured) _tile_release();
 #endif
   });
-  return out;
+  return call.out;
 }
 
 }  // namespace

@@ -45,7 +45,7 @@ SOURCES = tuple(
     )
 )
 # Part of the build key: a change rebuilds.
-HEADERS = (HERE / "rounding.h", HERE / "simd_sums.h")
+HEADERS = (HERE / "rounding.h", HERE / "simd_sums.h", HERE / "linear_call.h")
 # No contraction of a * b + c into one fused multiply-add: the kernels keep torch's roundings.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 DEFAULT_CACHE = Path("~/.cache/inflightq/kernels")

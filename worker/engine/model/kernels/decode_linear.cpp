@@ -28,6 +28,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "linear_call.h"
 #include "rounding.h"
 #include "simd_sums.h"
 
@@ -167,33 +168,22 @@ at::Tensor decode_linear_layout(const at::Tensor& weight) {
 
 at::Tensor decode_linear(const at::Tensor& input, const at::Tensor& laid_out, const std::optional<at::Tensor>& bias,
                          int64_t out_features) {
-  TORCH_CHECK(input.scalar_type() == at::kBFloat16 && laid_out.scalar_type() == at::kBFloat16,
-              "decode_linear: bf16 input and weight");
   TORCH_CHECK(laid_out.dim() == 4 && laid_out.size(1) * CHUNK == input.size(-1), "decode_linear: weight layout");
-  const int64_t k = input.size(-1);
-  const int64_t m = input.numel() / k;
-  TORCH_CHECK(m <= MAX_ROWS, "decode_linear: 0 to ", MAX_ROWS, " rows, got ", m);
   const int64_t num_blocks = laid_out.size(0);
   TORCH_CHECK(out_features <= num_blocks * BLOCK_ROWS && out_features > (num_blocks - 1) * BLOCK_ROWS,
               "decode_linear: out_features does not match the weight");
-  at::Tensor bias32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == out_features, "decode_linear: bias size");
-    bias32 = bias->scalar_type() == at::kFloat ? bias->contiguous() : bias->to(at::kFloat).contiguous();
-  }
-  const at::Tensor x = input.reshape({m, k}).contiguous();
+  const auto call = inflightq_linear::prepare("decode_linear", input, laid_out, bias, out_features, MAX_ROWS);
+  // A step whose chunks all end mid-prompt keeps no logits: the head gets no rows.
+  if (call.m == 0) return call.out;
   const at::Tensor w = laid_out.contiguous();
-  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end() - 1);
-  shape.push_back(out_features);
-  at::Tensor out = at::empty(shape, input.options());
-  if (m == 0) return out;  // a step whose chunks all end mid-prompt keeps no logits: the head gets no rows
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
-  auto* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const uint16_t* xp = call.input();
+  const float* bp = call.bias();
+  uint16_t* yp = call.output();
+  const int64_t m = call.m, k = call.k;
   at::parallel_for(0, num_blocks, GRAIN_BLOCKS,
                    [&](int64_t b0, int64_t b1) { blocks(wp, xp, bp, yp, out_features, k, m, b0, b1); });
-  return out;
+  return call.out;
 }
 
 }  // namespace
