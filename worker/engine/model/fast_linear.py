@@ -49,8 +49,8 @@ KERNEL_MAX_ROWS = 16  # the most rows the decode_linear op takes
 DECODE_ROWS_NATIVE_BF16 = 4
 DECODE_ROWS_UPCAST = 16
 DECODE_CHUNK = 32  # decode_linear (and amx_linear) read in_features in chunks of this many values
-# Rows up to which amx_linear beats oneDNN's AMX matmul over a whole model's linears (see
-# docs/benchmarks.md); the op takes up to 32.
+# Rows up to which amx_linear makes a decode step faster than oneDNN's AMX matmul (past them the
+# two are level: docs/benchmarks.md); the op takes up to 64.
 TILE_ROWS = 32
 DECODE_COPY_MAX_SHARE = 0.1  # of the free memory the decode layouts may take
 # Rows MKL packs an fp32 weight for: a packing serves any row count; 32 is the fastest of 16, 32
