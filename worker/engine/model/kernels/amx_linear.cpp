@@ -28,7 +28,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <immintrin.h>
@@ -135,12 +134,8 @@ void write_rows(const float* sums, const float* bias, uint16_t* y, int64_t n, in
 
 // [N, K] bf16 -> [ceil(N / 64), K / 32, 4, 16, 16, 2]: the tiles `group_sums` reads (zero rows pad N).
 at::Tensor amx_linear_layout(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "amx_linear_layout: a 2-D bf16 weight");
-  const int64_t n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(k % CHUNK == 0, "amx_linear_layout: in_features must be a multiple of ", CHUNK);
-  const int64_t groups = (n + GROUP_COLS - 1) / GROUP_COLS;
-  auto rows = at::zeros({groups * GROUP_COLS, k}, weight.options());
-  rows.narrow(0, 0, n).copy_(weight);
+  const auto rows = inflightq_linear::padded_weight("amx_linear_layout", weight, CHUNK, GROUP_COLS);
+  const int64_t groups = rows.size(0) / GROUP_COLS, k = rows.size(1);
   // [group, tile, column, chunk, pair, 2] -> [group, chunk, tile, pair, column, 2]
   return rows.view({groups, GROUP_TILES, TILE_COLS, k / CHUNK, CHUNK / 2, 2}).permute({0, 3, 1, 4, 2, 5}).contiguous();
 }

@@ -157,12 +157,8 @@ void blocks(const uint16_t* w, const uint16_t* x, const float* bias, uint16_t* y
 
 // [N, K] bf16 -> [ceil(N / 4) * 4 / 4, K / 32, 4, 32]: the layout ``blocks`` reads (zero rows pad N).
 at::Tensor decode_linear_layout(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "decode_linear_layout: a 2-D bf16 weight");
-  const int64_t n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(k % CHUNK == 0, "decode_linear_layout: in_features must be a multiple of ", CHUNK);
-  const int64_t padded = (n + BLOCK_ROWS - 1) / BLOCK_ROWS * BLOCK_ROWS;
-  auto rows = at::zeros({padded, k}, weight.options());
-  rows.narrow(0, 0, n).copy_(weight);
+  const auto rows = inflightq_linear::padded_weight("decode_linear_layout", weight, CHUNK, BLOCK_ROWS);
+  const int64_t padded = rows.size(0), k = rows.size(1);
   return rows.view({padded / BLOCK_ROWS, BLOCK_ROWS, k / CHUNK, CHUNK}).transpose(1, 2).contiguous();
 }
 
