@@ -78,15 +78,19 @@ def tiny_llm(
     monkeypatch: pytest.MonkeyPatch,
     *,
     decode_rows: int = 0,
+    tile_rows: int = 0,
     enable_prefix_caching: bool = True,
     max_loras: int = 0,
 ) -> LLM:
     """The tiny Llama in ``dtype`` in an ``LLM`` on the CPU kernels; ``decode_rows``: bf16 matmuls of up to
-    that many rows on decode_linear (and decode steps' layers as one op), as on an AVX-512 CPU."""
+    that many rows on decode_linear (and decode steps' layers as one op), as on an AVX-512 CPU; with it,
+    ``tile_rows``: those of more rows, up to that many, on amx_linear, as on an AMX CPU (0: none, on
+    any CPU; the kernel's plain loop gives the tiles' values where there is no AMX)."""
     from worker.engine.model import model_runner
 
     if decode_rows:
         monkeypatch.setattr(model_runner, "decode_rows_for", lambda dtype: decode_rows)
+        monkeypatch.setattr(model_runner, "tile_rows_for", lambda dtype: tile_rows)
         monkeypatch.setattr(model_runner, "decode_copy_fits", lambda model, available, copies=1: True)
     model, tokenizer = load_model(str(tiny_model_dir), dtype, "cpu")
     llm = LLM.__new__(LLM)

@@ -142,21 +142,28 @@ def test_an_fp32_engine_on_fused_layers_matches_generate(tiny_model_dir: Path, c
     assert engine.num_free_blocks == engine.num_total_blocks
 
 
-def _bf16_engine_on_decode_linear(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> LLM:
-    return tiny_llm(tiny_model_dir, torch.bfloat16, monkeypatch, decode_rows=4)
+def _bf16_engine_on_decode_linear(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, tile_rows: int = 0, enable_prefix_caching: bool = True
+) -> LLM:
+    return tiny_llm(
+        tiny_model_dir, torch.bfloat16, monkeypatch, decode_rows=4, tile_rows=tile_rows,
+        enable_prefix_caching=enable_prefix_caching,
+    )  # fmt: skip
 
 
+@pytest.mark.parametrize("tile_rows", [0, 8], ids=["decode_linear", "and amx_linear"])
 def test_a_decode_step_runs_each_layer_as_one_op_with_the_same_values(
-    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, tile_rows: int
 ) -> None:
-    """Decode steps of up to decode_rows sequences: all layers in one decode_layers call, or (with that
-    off) one decode_layer call per layer -- the same ops in the same order as the Python forward, so
-    the same logprobs to the last bit. Steps with a prefill, or more sequences than the kernel
-    takes, keep the Python forward."""
-    llm = _bf16_engine_on_decode_linear(tiny_model_dir, monkeypatch)
+    """Decode steps of up to decode_rows sequences (on decode_linear) or tile_rows (on amx_linear): all
+    layers in one decode_layers call, or (with that off) one decode_layer call per layer -- the same
+    ops in the same order as the Python forward, so the same logprobs to the last bit. Steps with a
+    prefill, or more sequences than the kernels take, keep the Python forward."""
+    # No prefix cache: each mode's prefill is then the same matmul of the same rows.
+    llm = _bf16_engine_on_decode_linear(tiny_model_dir, monkeypatch, tile_rows, enable_prefix_caching=False)
     layers = [m.__dict__["forward"] for m in llm.engine.runner.model.modules() if "forward" in m.__dict__]
     layers = [f for f in layers if isinstance(f, FusedDecoderLayer)]
-    assert len(layers) == 2 and all(layer.one_op_rows == 4 for layer in layers)
+    assert len(layers) == 2
     decode_forward = llm.engine.runner.decode_forward
     assert decode_forward is not None and decode_forward.all_layers is not None
     params = SamplingParams(max_new_tokens=8, logprobs=3)
@@ -165,18 +172,21 @@ def test_a_decode_step_runs_each_layer_as_one_op_with_the_same_values(
         decode_forward.all_layers.enabled = mode == "all layers"
         for layer in layers:
             layer.one_op = mode != "ops one by one"
-        for batch in (1, 4, 6):
+        for batch in (1, 4, 6, 10):
             with torch.profiler.profile() as prof:
                 outs = llm.generate(random_prompts(batch, seed=batch), params)
             counts = {e.key: e.count for e in prof.key_averages()}
             calls = (counts.get("inflightq::decode_layers", 0), counts.get("inflightq::decode_layer", 0))
-            # 7 decode steps of 2 layers; with 6 sequences, more rows than decode_linear takes
-            fits = batch <= 4
+            # 7 decode steps of 2 layers; past 4 sequences the rows go to amx_linear (up to tile_rows)
+            fits = batch <= max(4, tile_rows)
             expected = {"all layers": (7, 0) if fits else (0, 0), "each layer": (0, 2 * 7) if fits else (0, 0)}
             assert calls == expected.get(mode, (0, 0)), (mode, batch, calls)
+            amx = counts.get("inflightq::amx_linear", 0)
+            # 4 matmuls a layer in each decode step, and the head's in each step
+            assert amx == ((4 * 2 + 1) * 7 + 1 if 4 < batch <= tile_rows else 0), (mode, batch, amx)
             results[mode, batch] = [(o.token_ids, o.logprobs, o.top_logprobs) for o in outs]
     decode_forward.all_layers.enabled = True
-    for batch in (1, 4, 6):
+    for batch in (1, 4, 6, 10):
         assert results["all layers", batch] == results["ops one by one", batch]
         assert results["each layer", batch] == results["ops one by one", batch]
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks

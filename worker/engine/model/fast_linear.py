@@ -49,9 +49,9 @@ KERNEL_MAX_ROWS = 16  # the most rows the decode_linear op takes
 DECODE_ROWS_NATIVE_BF16 = 4
 DECODE_ROWS_UPCAST = 16
 DECODE_CHUNK = 32  # decode_linear (and amx_linear) read in_features in chunks of this many values
-# Rows up to which amx_linear makes a decode step faster than oneDNN's AMX matmul (past them the
-# two are level: docs/benchmarks.md); the op takes up to 64.
-TILE_ROWS = 32
+# Rows up to which amx_linear takes a bf16 matmul from oneDNN's AMX one: all the op takes. A decode
+# step of that many sequences is faster on it, its layers then one op (docs/benchmarks.md).
+TILE_ROWS = 64
 DECODE_COPY_MAX_SHARE = 0.1  # of the free memory the decode layouts may take
 # Rows MKL packs an fp32 weight for: a packing serves any row count; 32 is the fastest of 16, 32
 # and 64 at decode and prefill-chunk row counts (see docs/benchmarks.md).
@@ -173,11 +173,22 @@ class PackedLinear:
                 self.bias32 = bias.detach().float()
         self.tile_numel = min(tile_rows, TILE_ROWS) * self.in_features
 
+    def kernel_weight(self, numel: int) -> torch.Tensor | None:
+        """The layout a call of ``numel`` input values runs on: ``laid_out`` (decode_linear) or
+        ``tiles`` (amx_linear); None where it goes to oneDNN or MKL. ``decode_layer`` calls the
+        kernel that the layout names, so its one op routes every matmul as this does."""
+        if self.laid_out is not None and numel <= self.decode_numel:
+            return self.laid_out
+        if self.tiles is not None and numel <= self.tile_numel:
+            return self.tiles
+        return None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.laid_out is not None and x.numel() <= self.decode_numel:
-            return torch.ops.inflightq.decode_linear(x, self.laid_out, self.bias32, self.out_features)
-        if self.tiles is not None and x.numel() <= self.tile_numel:
-            return torch.ops.inflightq.amx_linear(x, self.tiles, self.bias32, self.out_features)
+        weight = self.kernel_weight(x.numel())
+        if weight is self.laid_out and weight is not None:
+            return torch.ops.inflightq.decode_linear(x, weight, self.bias32, self.out_features)
+        if weight is not None:
+            return torch.ops.inflightq.amx_linear(x, weight, self.bias32, self.out_features)
         if self.upcast:
             return packed_linear(self.packed, self.bias, x.float()).to(torch.bfloat16)
         if self.weight is not None:

@@ -17,8 +17,8 @@ rotary function must have Llama's source, the activation must be SiLU, and the p
 norms must already be fused. Anything else (Qwen3's q/k norms, Gemma's scaled embeddings,
 float64 models, a call without the engine's attention metadata) keeps transformers' forward.
 
-A decode-only step whose four projections all go through ``decode_linear`` (bf16, a few rows) on
-the CPU kernel attention backend runs the whole layer as one op instead (``decode_layer.cpp``):
+A decode-only step whose four projections all go through ``decode_linear`` (bf16, a few rows) or
+``amx_linear`` (bf16 on AMX, a few dozen rows) on the CPU kernel attention backend runs the whole layer as one op instead (``decode_layer.cpp``):
 the same ops in the same order, called from C++, which saves each one's call from Python (bit for
 bit the same values). ``decode_forward`` goes one further: all the layers as one op
 (``DecodeLayers``, ``decode_layers`` in ``decode_layer.cpp``).
@@ -143,7 +143,6 @@ class FusedDecoderLayer:
         self.packed: tuple[PackedLinear, ...] = (
             projections if all(isinstance(p, PackedLinear) for p in projections) else ()  # type: ignore[assignment]
         )
-        self.one_op_rows = min((p.decode_numel // p.in_features for p in self.packed), default=0)
         self.one_op = True  # bench.step_ab turns it off in place to measure what it saves
 
     def __call__(
@@ -170,8 +169,9 @@ class FusedDecoderLayer:
         """The layer on the engine's metadata (``__call__`` once it has checked it applies;
         ``decode_forward`` calls it directly): the one op where it applies, else the ops one by one."""
         meta.stop_if_interrupted(self.layer_idx)
-        if self._one_op_applies(meta, hidden_states):
-            return self._one_op(meta, hidden_states, cos, sin)
+        weights = self._one_op_weights(hidden_states) if self._one_op_applies(meta) else None
+        if weights is not None:
+            return self._one_op(meta, hidden_states, cos, sin, weights)
         ops = torch.ops.inflightq
         lora = meta.lora  # the step's LoRA rows, if any: each projection's output gets their deltas
         normed = ops.rms_norm(hidden_states, self.in_weight, self.in_eps)
@@ -194,33 +194,41 @@ class FusedDecoderLayer:
             down = lora.module(self.lora_down, activated, down)
         return residual + down
 
-    def _one_op_applies(self, meta: Any, hidden_states: torch.Tensor, lora_ok: bool = False) -> bool:
-        """A decode-only step on the CPU kernel backend whose every matmul goes to decode_linear
-        (the PackedLinear's own test: its laid-out weight, at most its rows); with LoRA rows only where
-        the caller adds their deltas (``lora_ok``: DecodeLayers does, decode_layer does not)."""
+    def _one_op_applies(self, meta: Any, lora_ok: bool = False) -> bool:
+        """A decode-only step on the CPU kernel backend (``_one_op_weights`` then says whether every
+        matmul goes to a kernel the one op calls); with LoRA rows only where the caller adds their
+        deltas (``lora_ok``: DecodeLayers does, decode_layer does not)."""
         return (
             self.one_op
             and bool(self.packed)
             and not meta.prefills
             and (meta.lora is None or lora_ok)
             and isinstance(meta.backend, CpuKernelAttentionBackend)
-            and hidden_states.numel() <= self.one_op_rows * hidden_states.shape[-1]
-            and all(p.laid_out is not None for p in self.packed)
         )
 
-    def _one_op(self, meta: Any, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _one_op_weights(self, hidden_states: torch.Tensor) -> list[torch.Tensor] | None:
+        """The layouts the four matmuls of a step of these rows run on, each as its PackedLinear routes
+        it (decode_linear's or amx_linear's; decode_layer calls the kernel a layout names), or None
+        where any goes to oneDNN."""
+        rows = hidden_states.numel() // hidden_states.shape[-1]
+        weights = [p.kernel_weight(rows * p.in_features) for p in self.packed]
+        return None if any(w is None for w in weights) else weights  # type: ignore[return-value]
+
+    def _one_op(
+        self, meta: Any, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: list[torch.Tensor]
+    ) -> torch.Tensor:
         qkv, o, gate_up, down = self.packed
         k_cache, v_cache = meta.kv_caches[self.layer_idx]
         return torch.ops.inflightq.decode_layer(
             hidden_states, self.in_weight, self.in_eps,
-            qkv.laid_out, qkv.bias32, qkv.out_features,
+            weights[0], qkv.bias32, qkv.out_features,
             cos, sin, self.num_heads, self.num_kv_heads, self.head_dim,
             k_cache, v_cache, meta.slot_mapping,
             meta.decode_blocks.view(meta.num_decodes, -1), meta.decode_context_lens, meta.block_size, self.scale,
-            o.laid_out, o.bias32, o.out_features,
+            weights[1], o.bias32, o.out_features,
             self.post_weight, self.post_eps,
-            gate_up.laid_out, gate_up.bias32, gate_up.out_features,
-            down.laid_out, down.bias32, down.out_features,
+            weights[2], gate_up.bias32, gate_up.out_features,
+            weights[3], down.bias32, down.out_features,
         )  # fmt: skip
 
 
@@ -292,7 +300,7 @@ class DecodeLayers:
         def constants(layer: FusedDecoderLayer) -> tuple[Any, ...]:
             sizes = tuple(p.out_features for p in layer.packed)
             return (layer.in_eps, layer.post_eps, layer.scale, layer.num_heads, layer.num_kv_heads, layer.head_dim,
-                    layer.one_op_rows, sizes)  # fmt: skip
+                    sizes)  # fmt: skip
 
         if len({constants(layer) for layer in layers}) != 1:
             return None
@@ -312,12 +320,15 @@ class DecodeLayers:
                 lora = dict(zip(("lora_qkv", "lora_o", "lora_gate_up", "lora_down"), tables, strict=True))
                 lora.update(lora_slots=meta.lora.slots, lora_qkv_bounds=qkv_bounds,
                             lora_gate_up_bounds=gate_up_bounds, lora_dtype=dtype)  # fmt: skip
-        if not self.enabled or not first._one_op_applies(meta, hidden, lora_ok=True):  # the step's, and layer 0's
+        if not self.enabled or not first._one_op_applies(meta, lora_ok=True):  # the step's, and layer 0's
             return None
         layers = self.layers
         if not all(layer.one_op for layer in layers):
             return None
-        weights = [[p.laid_out for p in column] for column in self.columns]
+        # Each matmul's layout as its PackedLinear routes a call of these rows (bench.step_ab swaps
+        # layouts in place, so they are read per step).
+        rows = hidden.numel() // hidden.shape[-1]
+        weights = [[p.kernel_weight(rows * p.in_features) for p in column] for column in self.columns]
         if any(w is None for column in weights for w in column):
             return None
         caches = [meta.kv_caches[layer.layer_idx] for layer in layers]

@@ -8,9 +8,9 @@
 // tensors through the dispatcher's typed handles, a fraction of that cost a call, so the results
 // are the Python path's bit for bit; only the calls around them go.
 //
-// Taken only by decode-only steps whose projections all run through decode_linear (bf16 weights
-// laid out for it, few rows) on the CPU kernel attention backend; anything else keeps the Python
-// forward. Built with the other CPU kernels by cpu_kernel.py; registered
+// Taken only by decode-only steps whose projections all run through decode_linear or amx_linear
+// (bf16 weights laid out for one of them, as many rows as it takes) on the CPU kernel attention
+// backend; anything else keeps the Python forward. Built with the other CPU kernels by cpu_kernel.py; registered
 // as torch.ops.inflightq.decode_layer.
 
 #include <ATen/ATen.h>
@@ -39,6 +39,9 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>
       linear = handle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>(
           "inflightq::decode_linear");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>
+      tiles = handle<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>(
+          "inflightq::amx_linear");
   c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t)>
       rotary_split = handle<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
@@ -72,6 +75,13 @@ struct LayerLora {
   at::ScalarType dtype;
 };
 
+// x @ weight.T + bias through the kernel whose layout `weight` has: amx_linear's tiles are 6-D,
+// decode_linear's blocks 4-D (the caller picks the layout as PackedLinear would route the call).
+at::Tensor project(const Ops& op, const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                   int64_t out_features) {
+  return weight.dim() == 6 ? op.tiles.call(x, weight, bias, out_features) : op.linear.call(x, weight, bias, out_features);
+}
+
 // y (a projection group's output) with the step's LoRA deltas of group g added in place, as
 // fused_decoder_layer.py's forward adds them after the same matmul.
 void add_deltas(const Ops& op, const LayerLora* lora, int g, const at::Tensor& y, const at::Tensor& x) {
@@ -93,7 +103,7 @@ at::Tensor layer_step(const at::Tensor& hidden, const at::Tensor& in_weight, dou
                       const std::optional<at::Tensor>& down_bias, int64_t down_out, const LayerLora* lora) {
   const Ops& op = ops();
   const at::Tensor normed = op.rms_norm.call(hidden, in_weight, in_eps);
-  const at::Tensor projected = op.linear.call(normed, qkv, qkv_bias, qkv_out);
+  const at::Tensor projected = project(op, normed, qkv, qkv_bias, qkv_out);
   add_deltas(op, lora, 0, projected, normed);
   auto [q, k, v] = op.rotary_split.call(projected, cos, sin, num_heads, num_kv_heads, head_dim);  // each [T, heads, D]
   op.cache_write.call(k, v, k_cache, v_cache, slot_mapping);
@@ -102,13 +112,13 @@ at::Tensor layer_step(const at::Tensor& hidden, const at::Tensor& in_weight, dou
   std::vector<int64_t> rows(hidden.sizes().begin(), hidden.sizes().end() - 1);
   rows.push_back(-1);
   const at::Tensor attended_rows = attended.view(rows);
-  const at::Tensor attn_out = op.linear.call(attended_rows, o, o_bias, o_out);
+  const at::Tensor attn_out = project(op, attended_rows, o, o_bias, o_out);
   add_deltas(op, lora, 1, attn_out, attended_rows);
   auto [post_normed, residual] = op.add_rms_norm.call(attn_out, hidden, post_weight, post_eps);
-  const at::Tensor gate_up_out_rows = op.linear.call(post_normed, gate_up, gate_up_bias, gate_up_out);
+  const at::Tensor gate_up_out_rows = project(op, post_normed, gate_up, gate_up_bias, gate_up_out);
   add_deltas(op, lora, 2, gate_up_out_rows, post_normed);
   const at::Tensor mlp = op.silu_mul.call(gate_up_out_rows);
-  const at::Tensor down_rows = op.linear.call(mlp, down, down_bias, down_out);
+  const at::Tensor down_rows = project(op, mlp, down, down_bias, down_out);
   add_deltas(op, lora, 3, down_rows, mlp);
   return residual + down_rows;
 }
