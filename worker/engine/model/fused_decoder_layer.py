@@ -18,9 +18,9 @@ norms must already be fused. Anything else (Qwen3's q/k norms, Gemma's scaled em
 float64 models, a call without the engine's attention metadata) keeps transformers' forward.
 
 A decode-only step whose four projections all go through ``decode_linear`` (bf16, a few rows) or
-``amx_linear`` (bf16 on AMX, a few dozen rows) on the CPU kernel attention backend runs the whole layer as one op instead (``decode_layer.cpp``):
-the same ops in the same order, called from C++, which saves each one's call from Python (bit for
-bit the same values). ``decode_forward`` goes one further: all the layers as one op
+``amx_linear`` (bf16 on AMX, a few dozen rows) on the CPU kernel attention backend runs the whole
+layer as one op instead (``decode_layer.cpp``): the same ops in the same order, called from C++,
+which saves each one's call from Python (bit for bit the same values). ``decode_forward`` goes one further: all the layers as one op
 (``DecodeLayers``, ``decode_layers`` in ``decode_layer.cpp``).
 """
 
