@@ -20,8 +20,8 @@ float64 models, a call without the engine's attention metadata) keeps transforme
 A decode-only step whose four projections all go through ``decode_linear`` (bf16, a few rows) or
 ``amx_linear`` (bf16 on AMX, a few dozen rows) on the CPU kernel attention backend runs the whole
 layer as one op instead (``decode_layer.cpp``): the same ops in the same order, called from C++,
-which saves each one's call from Python (bit for bit the same values). ``decode_forward`` goes one further: all the layers as one op
-(``DecodeLayers``, ``decode_layers`` in ``decode_layer.cpp``).
+which saves each one's call from Python (bit for bit the same values). ``decode_forward`` goes one
+further: all the layers as one op (``DecodeLayers``, ``decode_layers`` in ``decode_layer.cpp``).
 """
 
 from __future__ import annotations
