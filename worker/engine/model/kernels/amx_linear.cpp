@@ -4,11 +4,13 @@
 // with a little arithmetic per byte. AVX512-BF16's dot product (decode_linear.cpp) runs out of
 // arithmetic past a handful of rows, and oneDNN's AMX matmul, blocked for large row counts, stays
 // near half the memory's rate at these shapes. Here the weight is laid out once, at load, as AMX
-// B tiles: per group of 64 output columns, its 32-value chunks of the input dimension one after
-// another, each chunk four 1 KB tiles of 16 columns ([N / 64][K / 32][4][16 pairs][16 columns][2]),
-// so a thread walks one contiguous stream per group; up to 16 input rows make one A tile, and
-// each chunk is four tile dot products into four fp32 accumulator tiles. More than 16 rows go
-// in halves whose second pass over a group reads it from L2.
+// B tiles: per group of 32 output columns, its 32-value chunks of the input dimension one after
+// another, each chunk two 1 KB tiles of 16 columns ([N / 32][K / 32][2][16 pairs][16 columns][2]),
+// so a thread walks one contiguous stream per group; up to 16 input rows make an A tile, and up
+// to two A tiles (32 rows) share each B tile as it streams by: four accumulator tiles, four tile
+// dot products per chunk, and the weight read once. More than 32 rows go in passes whose second
+// reads the group from L2. Groups of 32 columns (not 64) leave the eight tile registers room for
+// the two A tiles, and split a model's narrow projections evenly over the threads.
 //
 // Results: products of bf16 values are exact in fp32 and summed in fp32 (TDPBF16PS), bias added
 // in fp32, rounded once to bf16 -- what a native bf16 matmul does, in another order.
@@ -39,11 +41,12 @@
 namespace {
 
 constexpr int64_t TILE_COLS = 16;                   // output columns per B tile (and per C tile)
-constexpr int64_t GROUP_TILES = 4;                  // B tiles (accumulators) per pass over a chunk
-constexpr int64_t GROUP_COLS = TILE_COLS * GROUP_TILES;  // output columns per group: 64
+constexpr int64_t GROUP_TILES = 2;                  // B tiles per chunk of a group
+constexpr int64_t GROUP_COLS = TILE_COLS * GROUP_TILES;  // output columns per group: 32
 constexpr int64_t CHUNK = 32;                       // input-dimension values per tile (16 bf16 pairs)
 constexpr int64_t TILE_ELEMS = CHUNK * TILE_COLS;   // bf16 values per B tile: 1 KB
 constexpr int64_t TILE_ROWS = 16;                   // input rows per A tile
+constexpr int64_t PASS_ROWS = 2 * TILE_ROWS;        // input rows per pass over a group (two A tiles)
 constexpr int64_t MAX_ROWS = 64;                    // input rows one call takes
 
 using inflightq_rounding::bf16_bits;
@@ -64,47 +67,74 @@ bool request_amx() {
   return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
-// Tiles 0-3: the group's four accumulators (rows x 16 fp32); 4: the input rows' chunk (rows x 32
-// bf16); 5-7: the weight's tiles (16 pairs x 16 columns), in turn.
+// For a pass of `rows` (1 to 32) input rows: tiles 0-1 accumulate the first A tile's rows (up to
+// 16) against the chunk's two B tiles, 2-3 the second's (the rest); 4-5: the A tiles (rows x 32
+// bf16); 6-7: the B tiles (16 pairs x 16 columns). A pass of 16 rows or fewer leaves 2, 3 and 5
+// unconfigured.
 void configure(int rows) {
   TileConfig config;
-  for (int t = 0; t < 5; ++t) {
-    config.rows[t] = static_cast<uint8_t>(rows);
+  const int first = std::min<int>(rows, TILE_ROWS), second = rows - first;
+  for (const int t : {0, 1, 4}) {
+    config.rows[t] = static_cast<uint8_t>(first);
     config.colsb[t] = 64;
   }
-  for (int t = 5; t < 8; ++t) {
+  if (second > 0)
+    for (const int t : {2, 3, 5}) {
+      config.rows[t] = static_cast<uint8_t>(second);
+      config.colsb[t] = 64;
+    }
+  for (const int t : {6, 7}) {
     config.rows[t] = CHUNK / 2;
     config.colsb[t] = 64;
   }
   _tile_loadconfig(&config);
 }
 
-// One group's 64 output columns for `rows` (<= 16) input rows into sums (rows x 64 fp32).
+constexpr int64_t SUMS_ROW_BYTES = GROUP_COLS * sizeof(float);
+
+// One group's 32 output columns for up to 16 input rows into sums (rows x 32 fp32).
 void group_sums(const uint16_t* group, const uint16_t* x, int64_t k, float* sums) {
   _tile_zero(0);
   _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
   const int64_t stride = k * static_cast<int64_t>(sizeof(uint16_t));
   for (int64_t c = 0; c < k; c += CHUNK) {
     const uint16_t* tiles = group + c * GROUP_COLS;
     // No software prefetch: the hardware prefetcher follows the contiguous stream, and prefetching
     // it too was slower (docs/benchmarks.md).
     _tile_loadd(4, x + c, stride);
-    _tile_loadd(5, tiles, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, tiles + TILE_ELEMS, 64);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(7, tiles + 2 * TILE_ELEMS, 64);
-    _tile_dpbf16ps(2, 4, 7);
-    _tile_loadd(5, tiles + 3 * TILE_ELEMS, 64);
-    _tile_dpbf16ps(3, 4, 5);
+    _tile_loadd(6, tiles, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, tiles + TILE_ELEMS, 64);
+    _tile_dpbf16ps(1, 4, 7);
   }
-  constexpr int64_t row_bytes = GROUP_COLS * sizeof(float);
-  _tile_stored(0, sums, row_bytes);
-  _tile_stored(1, sums + TILE_COLS, row_bytes);
-  _tile_stored(2, sums + 2 * TILE_COLS, row_bytes);
-  _tile_stored(3, sums + 3 * TILE_COLS, row_bytes);
+  _tile_stored(0, sums, SUMS_ROW_BYTES);
+  _tile_stored(1, sums + TILE_COLS, SUMS_ROW_BYTES);
+}
+
+// The same for 17 to 32 input rows: each B tile, loaded once, meets both A tiles.
+void group_sums_two(const uint16_t* group, const uint16_t* x, int64_t k, float* sums) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t stride = k * static_cast<int64_t>(sizeof(uint16_t));
+  const uint16_t* x_second = x + TILE_ROWS * k;
+  for (int64_t c = 0; c < k; c += CHUNK) {
+    const uint16_t* tiles = group + c * GROUP_COLS;
+    _tile_loadd(4, x + c, stride);
+    _tile_loadd(5, x_second + c, stride);
+    _tile_loadd(6, tiles, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_loadd(7, tiles + TILE_ELEMS, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  float* sums_second = sums + TILE_ROWS * GROUP_COLS;
+  _tile_stored(0, sums, SUMS_ROW_BYTES);
+  _tile_stored(1, sums + TILE_COLS, SUMS_ROW_BYTES);
+  _tile_stored(2, sums_second, SUMS_ROW_BYTES);
+  _tile_stored(3, sums_second + TILE_COLS, SUMS_ROW_BYTES);
 }
 #endif
 
@@ -132,7 +162,7 @@ void write_rows(const float* sums, const float* bias, uint16_t* y, int64_t n, in
   }
 }
 
-// [N, K] bf16 -> [ceil(N / 64), K / 32, 4, 16, 16, 2]: the tiles `group_sums` reads (zero rows pad N).
+// [N, K] bf16 -> [ceil(N / 32), K / 32, 2, 16, 16, 2]: the tiles `group_sums` reads (zero rows pad N).
 at::Tensor amx_linear_layout(const at::Tensor& weight) {
   const auto rows = inflightq_linear::padded_weight("amx_linear_layout", weight, CHUNK, GROUP_COLS);
   const int64_t groups = rows.size(0) / GROUP_COLS, k = rows.size(1);
@@ -159,25 +189,37 @@ at::Tensor amx_linear(const at::Tensor& input, const at::Tensor& laid_out, const
   if (call.m == 0) return call.out;
   const at::Tensor w = laid_out.contiguous();
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  const uint16_t* xp = call.input();
   const float* bp = call.bias();
   uint16_t* yp = call.output();
   const int64_t m = call.m, k = call.k;
   const bool tiles = amx_linear_supported();
   const int64_t n = out_features;
+  // Passes of equal rows (past 32, two of half the rows each), so the tiles are configured once per
+  // thread rather than twice per group; an odd row count gets a zero row, whose sums are dropped.
+  const int64_t passes = (m + PASS_ROWS - 1) / PASS_ROWS;
+  const int64_t pass_rows = (m + passes - 1) / passes;
+  at::Tensor x = call.x;
+  if (tiles && passes * pass_rows != m) {
+    x = at::zeros({passes * pass_rows, k}, call.x.options());
+    x.narrow(0, 0, m).copy_(call.x);
+  }
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    alignas(64) float sums[TILE_ROWS * GROUP_COLS];
+    alignas(64) float sums[PASS_ROWS * GROUP_COLS];
     int64_t configured = 0;  // the rows the tiles are configured for
     for (int64_t g = g0; g < g1; ++g) {
       const uint16_t* group = wp + g * k * GROUP_COLS;
-      // A group's second half of the rows reads its weight again, from L2 now.
-      for (int64_t h = 0; h < m; h += TILE_ROWS) {
-        const int64_t rows = std::min(TILE_ROWS, m - h);
+      // A group's second pass (past 32 rows) reads its weight again, from L2 now.
+      for (int64_t h = 0; h < m; h += pass_rows) {
+        const int64_t rows = std::min(pass_rows, m - h);  // the rows written; the tiles take pass_rows
 #if defined(INFLIGHTQ_AMX)
         if (tiles) {
-          if (rows != configured) configure(static_cast<int>(rows));
-          configured = rows;
-          group_sums(group, xp + h * k, k, sums);
+          if (pass_rows != configured) configure(static_cast<int>(pass_rows));
+          configured = pass_rows;
+          if (pass_rows > TILE_ROWS)
+            group_sums_two(group, xp + h * k, k, sums);
+          else
+            group_sums(group, xp + h * k, k, sums);
         } else {
           group_sums_plain(group, xp + h * k, k, rows, sums);
         }
