@@ -1,4 +1,5 @@
-"""A model's linears at each row count: oneDNN's packed matmul, ``decode_linear`` and a read of the weights.
+"""A model's linears at each row count: oneDNN's packed matmul, ``decode_linear`` (and, on an AMX CPU,
+``amx_linear``) and a read of the weights.
 
 A decode step of B sequences multiplies every weight of the model by B rows. At a few rows that is a
 read of the weights (the floor: ``weights read``, one ``torch.sum`` over as many bytes on the same
@@ -7,7 +8,9 @@ default model's linears (its own weights, each layer's fused q/k/v and gate/up, 
 after another at each row count, both kernels and the read interleaved round by round, and reports
 each over the read. ``decode_linear`` takes 16 rows a call, so 32 rows are two calls. It is what the
 engine's ``decode_rows`` threshold (the row count up to which ``decode_linear`` is used) rests on, and
-how far the matmuls of a 8-32-sequence step are from the memory.
+how far the matmuls of a 8-32-sequence step are from the memory. Where ``amx_linear`` runs on tiles
+(``tile_rows_for``), it is the third kernel (64 rows a call), and oneDNN's column has the tiles put
+aside too: what ``TILE_ROWS`` rests on.
 
 With ``--dtype float32`` it compares the packings an fp32 weight can get instead: oneDNN's, MKL's
 (``cblas_sgemm_pack``) and the engine's choice between them on this CPU (``PackedLinear``'s own),
@@ -38,27 +41,34 @@ KERNELS_BY_DTYPE = {
 }
 FLOOR = "weights read"
 KERNEL_ROWS = 16  # decode_linear's most rows a call
+AMX = "amx_linear"
 
 
 def _calls(model: Any, rows: int) -> dict[str, Callable[[], None]]:
     """One pass over the model's linears at ``rows`` rows, per kernel, each through the engine's own
-    ``PackedLinear``: with its layout put aside it takes oneDNN (as ``bench.step_ab`` switches it), with
-    it decode_linear (16 rows a call)."""
-    from worker.engine.model.fast_linear import decode_layouts_in_order
+    ``PackedLinear``: with its layouts put aside it takes oneDNN (as ``bench.step_ab`` switches them),
+    with its decode layout decode_linear (16 rows a call), with its tiles alone amx_linear (64)."""
+    from worker.engine.model.fast_linear import TILE_ROWS, decode_layouts_in_order
 
     linears = decode_layouts_in_order(model)
-    layouts = [linear.laid_out for linear in linears]
+    layouts = [(linear.laid_out, linear.tiles) for linear in linears]
     inputs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {linear.in_features for linear in linears}}
 
-    def onednn() -> None:  # 121 attribute sets around 121 matmuls: well under 1% of a pass
-        for linear in linears:
-            linear.laid_out = None
-        try:
+    def through(keep_tiles: bool, per_call: int) -> Callable[[], None]:
+        def run() -> None:  # 121 attribute sets around 121 matmuls: well under 1% of a pass
             for linear in linears:
-                linear(inputs[linear.in_features])
-        finally:
-            for linear, laid_out in zip(linears, layouts, strict=True):
-                linear.laid_out = laid_out
+                linear.laid_out = None
+                linear.tiles = linear.tiles if keep_tiles else None
+            try:
+                for linear in linears:
+                    x = inputs[linear.in_features]
+                    for first in range(0, rows, per_call):
+                        linear(x[first : first + per_call])
+            finally:
+                for linear, (laid_out, tiles) in zip(linears, layouts, strict=True):
+                    linear.laid_out, linear.tiles = laid_out, tiles
+
+        return run
 
     def decode() -> None:
         for linear in linears:
@@ -66,7 +76,10 @@ def _calls(model: Any, rows: int) -> dict[str, Callable[[], None]]:
             for first in range(0, rows, KERNEL_ROWS):
                 linear(x[first : first + KERNEL_ROWS])
 
-    return {"oneDNN packed": onednn, "decode_linear": decode}
+    calls = {"oneDNN packed": through(False, rows), "decode_linear": decode}
+    if all(linear.tiles is not None for linear in linears):
+        calls[AMX] = through(True, TILE_ROWS)
+    return calls
 
 
 def _fp32_weights(model: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -143,6 +156,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         linears = decode_layouts_in_order(model)
         if not linears:
             raise SystemExit("no linear was laid out for decode_linear: the CPU kernels did not build")
+        if all(linear.tiles is not None for linear in linears):  # an AMX CPU: amx_linear's tiles too
+            kernels = (*kernels, AMX)
         count = len(linears)
         weight_bytes = sum(linear.laid_out.numel() * linear.laid_out.element_size() for linear in linears)  # type: ignore[union-attr]
     buffer = torch.ones(max(weight_bytes // 4, 1))

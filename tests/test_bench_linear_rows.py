@@ -7,10 +7,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import linear_rows
 from tests.ci_skips import missing
 from worker.engine.model import model_runner
+from worker.engine.model.fast_linear import tile_rows_for
 
 
 def test_linear_rows_reports_both_kernels_against_the_read(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -23,8 +25,11 @@ def test_linear_rows_reports_both_kernels_against_the_read(tiny_model_dir: Path,
     assert model_runner.decode_rows_for is threshold  # the engine's threshold is put back
     assert report["linears"] == 2 * 4 + 1  # per layer q/k/v, o, gate/up, down; then the head
     assert [row["rows"] for row in report["rows"]] == [1, 20]
+    # amx_linear beside them where this CPU runs it on tiles (oneDNN's column then has the tiles put aside)
+    amx = (linear_rows.AMX,) if tile_rows_for(torch.bfloat16) else ()
+    kernels = (*linear_rows.KERNELS_BY_DTYPE["bfloat16"], *amx)
+    assert tuple(report["kernels"]) == kernels
     for row in report["rows"]:
-        kernels = linear_rows.KERNELS_BY_DTYPE["bfloat16"]
         assert set(row["ms"]) == {*kernels, linear_rows.FLOOR} and all(v > 0 for v in row["ms"].values())
         assert set(row["over_weights_read"]) == set(kernels)
     saved = json.loads(next(tmp_path.glob("linear-rows-*-t.json")).read_text())
