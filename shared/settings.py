@@ -303,7 +303,7 @@ class Settings(BaseSettings):
     )
     amx_linear: bool = Field(
         True,
-        description="On a CPU with AMX (and the CPU kernels built), bf16 matmuls of 5-32 rows (decode steps of a "
+        description="On a CPU with AMX (and the CPU kernels built), bf16 matmuls of 5-64 rows (decode steps of a "
         "few dozen sequences) run on AMX tiles in the engine's own kernel instead of oneDNN's; 0 keeps oneDNN.",
     )
     kernel_cache: str | None = Field(
