@@ -33,16 +33,24 @@ def guidellm_exe() -> str | None:
 
 
 def scenario(
-    base_url: str, model: str, tokenizer_dir: str, concurrency: int, requests: int, lens: tuple[int, int]
+    base_url: str,
+    model: str,
+    tokenizer_dir: str,
+    concurrency: int,
+    requests: int,
+    lens: tuple[int, int],
+    api_key: str | None = None,
 ) -> dict:
-    """guidellm's scenario for one closed-loop load point on the chat route."""
+    """guidellm's scenario for one closed-loop load point on the chat route (``api_key``: sent as a
+    bearer token, as our API asks of every client)."""
     prompt_tokens, output_tokens = lens
+    backend = {"kind": "openai_http", "target": base_url, "model": model, "request_format": "/v1/chat/completions"}
+    if api_key:
+        backend["api_key"] = api_key
     return {
         "metadata": {"name": f"chat-{prompt_tokens}-{output_tokens}", "description": "inflightq bench"},
         "spec": {
-            "backend": {
-                "kind": "openai_http", "target": base_url, "model": model, "request_format": "/v1/chat/completions",
-            },
+            "backend": backend,
             "tokenizer": {"kind": "huggingface_auto", "model": tokenizer_dir},
             "profile": {"kind": "concurrent"},
             "data": [{"kind": "synthetic_text", "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}],
@@ -72,7 +80,7 @@ def metrics(report: dict[str, Any]) -> dict[str, Any]:
         "requests": totals["total"],
         "completed": totals["successful"],
         "failed": totals["errored"] + totals["incomplete"],
-        "errors": [],
+        "errors": _errors(benchmark),
         "duration_s": round(duration, 3),
         "total_input_tokens": int(m["prompt_token_count"]["successful"]["total_sum"]),
         "total_output_tokens": int(m["output_token_count"]["successful"]["total_sum"]),
@@ -86,13 +94,32 @@ def metrics(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _errors(benchmark: dict[str, Any]) -> list[str]:
+    """The distinct errors of the failed requests (the first five), as guidellm recorded them."""
+    failed = (benchmark.get("requests") or {}).get("errored") or []
+    seen: list[str] = []
+    for request in failed:
+        info = request.get("info") or {}
+        error = str(info.get("error") or request.get("error") or "unknown error")[:300]
+        if error not in seen:
+            seen.append(error)
+    return seen[:5]
+
+
 def run(
-    exe: str, base_url: str, model: str, tokenizer_dir: str, concurrency: int, requests: int, lens: tuple[int, int]
+    exe: str,
+    base_url: str,
+    model: str,
+    tokenizer_dir: str,
+    concurrency: int,
+    requests: int,
+    lens: tuple[int, int],
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     """One load point through guidellm; its metrics (``metrics``), or a failed run's error."""
     with tempfile.TemporaryDirectory(prefix="inflightq-guidellm-") as folder:
         spec, out = Path(folder) / "scenario.json", Path(folder) / "report.json"
-        spec.write_text(json.dumps(scenario(base_url, model, tokenizer_dir, concurrency, requests, lens)))
+        spec.write_text(json.dumps(scenario(base_url, model, tokenizer_dir, concurrency, requests, lens, api_key)))
         command = [exe, "run", "--scenario", str(spec), "--output", f"kind=json,path={out}", "--disable-progress"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=GUIDELLM_TIMEOUT_S, cwd=folder)
         if done.returncode != 0 or not out.exists():

@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             label: " ".join(s.command) for label, s in servers.items()
         }
         throughput: dict[str, dict[int, list[float]]] = {s: {c: [] for c in levels} for s in systems}
+        # A fresh API key, so a fresh prefix-cache tenant, for each of our guidellm runs, as our Runner
+        # does: guidellm's seeded prompts repeat from round to round, and the peers cache no prefixes.
+        fresh_keys = iter(keys[len(keys) // 2 :])
         for index in range(args.rounds):
             order = rotation(systems, index)
             rows = []
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         )
                         metrics = peers_guidellm.run(
                             guidellm, url, served, str(hf_dir(settings.model)), level, args.num_requests,
-                            (lo_in, lo_out),
+                            (lo_in, lo_out), api_key=next(fresh_keys) if system == OURS else None,
                         )  # fmt: skip
                     elif system == OURS:
                         metrics = asyncio.run(runner.run("chat", samples, concurrency=level))
