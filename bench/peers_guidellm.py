@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -121,8 +122,16 @@ def run(
         spec, out = Path(folder) / "scenario.json", Path(folder) / "report.json"
         spec.write_text(json.dumps(scenario(base_url, model, tokenizer_dir, concurrency, requests, lens, api_key)))
         command = [exe, "run", "--scenario", str(spec), "--output", f"kind=json,path={out}", "--disable-progress"]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=GUIDELLM_TIMEOUT_S, cwd=folder)
-        if done.returncode != 0 or not out.exists():
-            tail = (done.stderr or done.stdout)[-2000:]
-            raise RuntimeError(f"guidellm failed (exit {done.returncode}): {tail}")
+        # Its own session: guidellm runs worker processes, and a timeout must stop them with it.
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=folder, start_new_session=True
+        )
+        try:
+            stdout, stderr = proc.communicate(timeout=GUIDELLM_TIMEOUT_S)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"guidellm failed (exit {proc.returncode}): {(stderr or stdout)[-2000:]}")
         return metrics(json.loads(out.read_text()))
