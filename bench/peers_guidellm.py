@@ -107,20 +107,11 @@ def _errors(benchmark: dict[str, Any]) -> list[str]:
     return seen[:5]
 
 
-def run(
-    exe: str,
-    base_url: str,
-    model: str,
-    tokenizer_dir: str,
-    concurrency: int,
-    requests: int,
-    lens: tuple[int, int],
-    api_key: str | None = None,
-) -> dict[str, Any]:
-    """One load point through guidellm; its metrics (``metrics``), or a failed run's error."""
+def run(exe: str, load_point: dict[str, Any]) -> dict[str, Any]:
+    """One load point (a ``scenario``) through guidellm; its metrics (``metrics``), or a failed run's error."""
     with tempfile.TemporaryDirectory(prefix="inflightq-guidellm-") as folder:
         spec, out = Path(folder) / "scenario.json", Path(folder) / "report.json"
-        spec.write_text(json.dumps(scenario(base_url, model, tokenizer_dir, concurrency, requests, lens, api_key)))
+        spec.write_text(json.dumps(load_point))
         command = [exe, "run", "--scenario", str(spec), "--output", f"kind=json,path={out}", "--disable-progress"]
         # Its own session: guidellm runs worker processes, and a timeout must stop them with it.
         proc = subprocess.Popen(

@@ -139,10 +139,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             if system == OURS
                             else (servers[system].base_url, servers[system].served_model)
                         )
-                        metrics = peers_guidellm.run(
-                            guidellm, url, served, str(hf_dir(settings.model)), level, args.num_requests,
+                        load_point = peers_guidellm.scenario(
+                            url, served, str(hf_dir(settings.model)), level, args.num_requests,
                             (lo_in, lo_out), api_key=next(fresh_keys) if system == OURS else None,
                         )  # fmt: skip
+                        metrics = peers_guidellm.run(guidellm, load_point)
                     elif system == OURS:
                         metrics = asyncio.run(runner.run("chat", samples, concurrency=level))
                     else:
