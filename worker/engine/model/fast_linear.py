@@ -185,10 +185,9 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.kernel_weight(x.numel())
-        if weight is self.laid_out and weight is not None:
-            return torch.ops.inflightq.decode_linear(x, weight, self.bias32, self.out_features)
         if weight is not None:
-            return torch.ops.inflightq.amx_linear(x, weight, self.bias32, self.out_features)
+            kernel = torch.ops.inflightq.decode_linear if weight is self.laid_out else torch.ops.inflightq.amx_linear
+            return kernel(x, weight, self.bias32, self.out_features)
         if self.upcast:
             return packed_linear(self.packed, self.bias, x.float()).to(torch.bfloat16)
         if self.weight is not None:

@@ -325,12 +325,12 @@ class DecodeLayers:
         layers = self.layers
         if not all(layer.one_op for layer in layers):
             return None
-        # Each matmul's layout as its PackedLinear routes a call of these rows (bench.step_ab swaps
-        # layouts in place, so they are read per step).
-        rows = hidden.numel() // hidden.shape[-1]
-        weights = [[p.kernel_weight(rows * p.in_features) for p in column] for column in self.columns]
-        if any(w is None for column in weights for w in column):
+        # Each layer's layouts as its PackedLinears route a call of these rows (read per step:
+        # bench.step_ab swaps layouts in place), then per projection across the layers.
+        per_layer = [layer._one_op_weights(hidden) for layer in layers]
+        if any(w is None for w in per_layer):
             return None
+        weights = [list(column) for column in zip(*per_layer, strict=True)]  # type: ignore[misc]
         caches = [meta.kv_caches[layer.layer_idx] for layer in layers]
         qkv, o, gate_up, down = self.out_features
         return torch.ops.inflightq.decode_layers(
