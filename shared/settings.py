@@ -191,8 +191,8 @@ class Settings(BaseSettings):
     dtype: str = Field(
         "auto",
         description="Worker dtype: auto, float32, bfloat16, float16, float64. auto: bfloat16 on a GPU that has it "
-        "(else float16); on a CPU bfloat16 where it beats float32 (AVX512-BF16 or AMX, or AVX-512 with the CPU "
-        "kernels built), else float32.",
+        "(else float16); on a CPU bfloat16 where it beats float32 (AVX512-BF16 or AMX, or AVX-512 or AVX2 with "
+        "the CPU kernels built), else float32.",
     )
     max_num_seqs: int = Field(64, ge=1, description="Sequences one worker runs at once.")
     lora_adapters: CommaList = Field(
@@ -296,8 +296,8 @@ class Settings(BaseSettings):
     )
     cpu_kernels: bool = Field(
         True,
-        description="On CPU, the worker's attention, norms, Llama-style decoder layers and (with AVX-512) "
-        "small bf16 matmuls run in C++ kernels built on first use; 0 keeps transformers' layers, plain-torch "
+        description="On CPU, the worker's attention, norms, Llama-style decoder layers and (with AVX-512 or "
+        "AVX2) small bf16 matmuls run in C++ kernels built on first use; 0 keeps transformers' layers, plain-torch "
         "attention and oneDNN matmuls (same results up to rounding order, slower) without trying a build, "
         "and dtype auto then picks float32 on a CPU without bf16 units.",
     )

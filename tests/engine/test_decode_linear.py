@@ -2,8 +2,8 @@
 products summed in fp32, the bias added, one rounding to bf16. So each output is the exact
 result rounded once, give or take an ulp where the fp32 sum lands next to a rounding boundary;
 ``PackedLinear`` sends only calls of up to ``decode_rows`` rows to it and keeps oneDNN for the rest.
-The kernel this machine builds is the one tested: AVX512-BF16's dot product, AVX-512F's widening
-FMAs or the plain loop, by the CPU's flags."""
+The kernel this machine builds is the one tested: AVX512-BF16's dot product, AVX-512F's or AVX2's
+widening FMAs or the plain loop, by the CPU's flags."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from worker.engine.model.fast_linear import (
     prepack_linears,
     prepack_supported,
 )
-from worker.engine.model.hardware import cpu_has_avx512, cpu_has_fast_bf16
+from worker.engine.model.hardware import cpu_has_fast_bf16, cpu_widens_bf16
 from worker.engine.model.kernels.cpu_kernel import paged_decode_available
 from worker.engine.model.model_loader import load_model
 
@@ -104,7 +104,7 @@ def test_packed_linear_sends_only_small_calls_to_the_kernel() -> None:
         expected = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
         assert got.dtype == torch.bfloat16 and got.shape == (1, rows, 40)
         assert torch.allclose(got.float(), expected, atol=1e-2, rtol=1e-2)
-    # Without the setting (the engine's choice on CPUs without AVX-512) nothing goes to it.
+    # Without the setting (the engine's choice on CPUs without AVX2) nothing goes to it.
     _, ops = ops_run(PackedLinear(weight, bias), torch.randn(1, 1, 96, generator=gen).to(torch.bfloat16))
     assert "inflightq::decode_linear" not in ops
 
@@ -212,7 +212,7 @@ def test_an_engine_keeps_its_decode_layouts_back_to_back_in_the_forward_order(
 
 def test_the_kernel_takes_the_rows_it_beats_onednn_at_on_this_cpu() -> None:
     """Measured: against native bf16 (AVX512-BF16) up to 4 rows; against the fp32 upcast that a
-    CPU with AVX-512 but no bf16 unit runs, up to 16; never in fp32 or without AVX-512."""
-    expected = DECODE_ROWS_NATIVE_BF16 if cpu_has_fast_bf16() else DECODE_ROWS_UPCAST if cpu_has_avx512() else 0
+    CPU with AVX-512 or AVX2 but no bf16 unit runs, up to 16; never in fp32 or without them."""
+    expected = DECODE_ROWS_NATIVE_BF16 if cpu_has_fast_bf16() else DECODE_ROWS_UPCAST if cpu_widens_bf16() else 0
     assert decode_rows_for(torch.bfloat16) == expected
     assert decode_rows_for(torch.float32) == 0 and decode_rows_for(torch.float64) == 0

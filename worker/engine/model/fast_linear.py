@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from worker.engine.core.memory import anonymous_memory
-from worker.engine.model.hardware import cpu_has_avx512, cpu_has_fast_bf16, cpu_vendor
+from worker.engine.model.hardware import cpu_has_fast_bf16, cpu_vendor, cpu_widens_bf16
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)  # float64 stays on plain F.linear (exactness tests)
 KERNEL_MAX_ROWS = 16  # the most rows the decode_linear op takes
@@ -116,7 +116,7 @@ def decode_rows_for(dtype: torch.dtype) -> int:
         return 0
     if cpu_has_fast_bf16():
         return DECODE_ROWS_NATIVE_BF16
-    return DECODE_ROWS_UPCAST if cpu_has_avx512() else 0
+    return DECODE_ROWS_UPCAST if cpu_widens_bf16() else 0
 
 
 def tile_rows_for(dtype: torch.dtype) -> int:

@@ -55,6 +55,12 @@ def cpu_has_avx512() -> bool:
     return "avx512f" in cpu_flags()
 
 
+def cpu_widens_bf16() -> bool:
+    """Whether the CPU kernels have a vector path that widens bf16 weights to fp32 as they stream
+    (AVX-512F, or AVX2 with FMA); elsewhere they fall back to plain loops."""
+    return cpu_has_avx512() or {"avx2", "fma"} <= cpu_flags()
+
+
 def resolve_dtype(
     dtype: str | torch.dtype = "auto",
     device: torch.device | None = None,
@@ -64,8 +70,8 @@ def resolve_dtype(
 ) -> torch.dtype:
     """``auto``: bf16 on a GPU that has it (else fp16); on a CPU, bf16 where it is faster than fp32.
 
-    That is where the CPU has bf16 units (AVX512-BF16, AMX), and where it has AVX-512 without them
-    but the engine's CPU kernels are built (``cpu_kernels``, the build cached under
+    That is where the CPU has bf16 units (AVX512-BF16, AMX), and where it has none but AVX-512 or
+    AVX2 (``cpu_widens_bf16``) and the engine's CPU kernels are built (``cpu_kernels``, the build cached under
     ``kernel_cache_dir``): there decode steps read the bf16 weights through ``decode_linear`` and
     larger matmuls run in fp32 on an upcast copy, faster than fp32 at a few streams and level with it
     at many (``bench.dtype_ab``; see docs/benchmarks.md). Elsewhere bf16 matmuls are emulated or
@@ -81,7 +87,7 @@ def resolve_dtype(
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if cpu_has_fast_bf16():
         return torch.bfloat16
-    if cpu_kernels and cpu_has_avx512():
+    if cpu_kernels and cpu_widens_bf16():
         from worker.engine.model.kernels.cpu_kernel import paged_decode_available
 
         if paged_decode_available(kernel_cache_dir):  # builds them once per machine, as the engine would

@@ -20,8 +20,11 @@
 // fp32 FMAs sum them (a product of two bf16 values is exact in fp32, so the fused multiply-add
 // rounds only the sum, as dpbf16 does).
 //
+// With AVX2 (no AVX-512: Zen 1-3 EPYCs, Haswell to Comet Lake) the same widening runs on 256-bit
+// registers, each chunk as two halves, two input rows per pass over a block for the 16 registers.
+//
 // Built with the other CPU kernels by cpu_kernel.py; registered as
-// torch.ops.inflightq.decode_linear. Without AVX-512 (where the engine does not route to it) a plain
+// torch.ops.inflightq.decode_linear. Without AVX2 (where the engine does not route to it) a plain
 // loop gives the same results, so the op exists and is tested on every CPU.
 
 #include <ATen/ATen.h>
@@ -36,7 +39,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -44,7 +47,12 @@ namespace {
 
 constexpr int64_t BLOCK_ROWS = 4;   // output rows interleaved in one block of the laid-out weight
 constexpr int64_t CHUNK = 32;       // input-dimension values per chunk (one 512-bit register of bf16)
+#if defined(__AVX512F__)
 constexpr int64_t GROUP_ROWS = 4;   // input rows whose sums one pass over a block keeps in registers
+#else
+// AVX2 has 16 registers: a block's 4 x 2 sums, two rows' widened input and the weight's two halves fit.
+constexpr int64_t GROUP_ROWS = 2;
+#endif
 constexpr int64_t MAX_ROWS = 16;    // input rows one call takes
 constexpr int64_t GRAIN_BLOCKS = 16;  // 64 output rows per task: a 576-wide weight splits 9 ways
 
@@ -59,6 +67,9 @@ using inflightq_rounding::widen_bf16_bits;
 // would be a large share of the kernel's instructions.
 static_assert(BLOCK_ROWS == 4, "sum4 and the 8-byte store take a block's rows four at a time");
 using inflightq_simd::sum4;
+#elif defined(__AVX2__) && defined(__FMA__)
+static_assert(BLOCK_ROWS == 4, "sum4_avx2 takes a block's rows four at a time");
+using inflightq_simd::sum4_avx2;
 #endif
 
 // One block's BLOCK_ROWS output rows for M input rows (x is [M, k]), plus bias, rounded to bf16 into y.
@@ -112,6 +123,39 @@ void write_block(const uint16_t* block, const uint16_t* x, const float* bias, ui
       _mm_store_ps(lanes, sums);
       for (int64_t row = row0; row < n; ++row) y_row[row] = bf16_bits(lanes[row - row0] + (bias ? bias[row] : 0.f));
     }
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  // AVX2 (no AVX-512): each 32-value chunk is two 256-bit halves, each widened as above (the lane
+  // shifted left by 16 is the even value, the lane with its low half cleared the odd one) and summed
+  // by plain fp32 FMAs, which round only the sum as the products of bf16 values are exact in fp32.
+  __m256 acc[BLOCK_ROWS][M];
+  for (int r = 0; r < BLOCK_ROWS; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t c = 0; c < k; c += CHUNK) {
+    const uint16_t* chunk = block + c * BLOCK_ROWS;
+    for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(chunk + 1024 + 32 * line), _MM_HINT_T0);
+    for (int half = 0; half < 2; ++half) {
+      __m256 xe[M], xo[M];
+      for (int m = 0; m < M; ++m) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * k + c + 16 * half));
+        xe[m] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        xo[m] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+      }
+      for (int r = 0; r < BLOCK_ROWS; ++r) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + r * CHUNK + 16 * half));
+        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        for (int m = 0; m < M; ++m) acc[r][m] = _mm256_fmadd_ps(wo, xo[m], _mm256_fmadd_ps(we, xe[m], acc[r][m]));
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    alignas(16) float lanes[BLOCK_ROWS];
+    _mm_store_ps(lanes, sum4_avx2(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+    uint16_t* y_row = y + m * n;
+    for (int64_t row = row0; row < std::min(n, row0 + BLOCK_ROWS); ++row)
+      y_row[row] = bf16_bits(lanes[row - row0] + (bias ? bias[row] : 0.f));
   }
 #else
   float sums[BLOCK_ROWS][M];

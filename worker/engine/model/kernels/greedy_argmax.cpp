@@ -4,7 +4,7 @@
 // torch.argmax on CPU walks a row one value at a time, after a bf16 -> fp32 copy of the logits that
 // the sampler makes because bf16 argmax is slower still: over a vocabulary of tens of thousands,
 // a visible share of a many-row decode step (see docs/benchmarks.md). Here each row is read once
-// in 16-value vectors (bf16 widened in registers), each lane keeping
+// in 16-value vectors (8 with AVX2; bf16 widened in registers), each lane keeping
 // its largest value and that value's first index, then the lanes are merged (the largest value, the
 // smallest index among lanes that hold it). Comparisons only, so the pick is torch's exactly.
 //
@@ -25,6 +25,8 @@ namespace {
 using inflightq_rounding::widen;
 #if defined(__AVX512F__)
 using inflightq_rounding::widen16;
+#elif defined(__AVX2__)
+using inflightq_rounding::widen8;
 #endif
 
 // Values [from, n) of a row after its first `from` values, whose largest is `best` (first at `best_index`).
@@ -61,6 +63,37 @@ int64_t row_argmax(const scalar_t* row, int64_t n) {
   const float top = _mm512_reduce_max_ps(best);
   const __mmask16 holders = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
   const int32_t first = _mm512_mask_reduce_min_epi32(holders, best_index);
+  return finish_row(row, vector_end, n, top, first);
+}
+#elif defined(__AVX2__)
+// The same in 8-value vectors (AVX2): comparisons as masks, blends for the lanes' largest and its index.
+template <typename scalar_t>
+int64_t row_argmax(const scalar_t* row, int64_t n) {
+  if (n < 8) return finish_row(row, 0, n, 0.f, -1);
+  __m256 best = widen8(row);
+  int nan = _mm256_movemask_ps(_mm256_cmp_ps(best, best, _CMP_UNORD_Q));
+  if (nan) return __builtin_ctz(nan);
+  const __m256i step = _mm256_set1_epi32(8);
+  __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256i best_index = index;
+  const int64_t vector_end = n / 8 * 8;
+  for (int64_t i = 8; i < vector_end; i += 8) {
+    const __m256 v = widen8(row + i);
+    index = _mm256_add_epi32(index, step);
+    nan = _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    if (nan) return i + __builtin_ctz(nan);
+    const __m256 greater = _mm256_cmp_ps(v, best, _CMP_GT_OQ);  // strictly: a tie keeps the earlier index
+    best = _mm256_blendv_ps(best, v, greater);
+    best_index = _mm256_blendv_epi8(best_index, index, _mm256_castps_si256(greater));
+  }
+  alignas(32) float lanes[8];
+  alignas(32) int32_t lane_index[8];
+  _mm256_store_ps(lanes, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lane_index), best_index);
+  float top = lanes[0];
+  int32_t first = lane_index[0];
+  for (int lane = 1; lane < 8; ++lane)
+    if (lanes[lane] > top || (lanes[lane] == top && lane_index[lane] < first)) top = lanes[lane], first = lane_index[lane];
   return finish_row(row, vector_end, n, top, first);
 }
 #else

@@ -11,7 +11,7 @@
 
 #include <cstdint>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -61,6 +61,13 @@ inline __m512i bf16_bits16(__m512 v) {
 
 // round_to<BFloat16> on 16 lanes.
 inline __m512 bf16_round16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
+#elif defined(__AVX2__)
+// widen8: 8 bf16 values as fp32 (AVX2).
+inline __m256 widen8(const c10::BFloat16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
 #endif
 
 }  // namespace inflightq_rounding

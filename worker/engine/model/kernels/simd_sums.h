@@ -6,10 +6,13 @@
 // key hashes this header too).
 #pragma once
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
 
 namespace inflightq_simd {
+
+#if defined(__AVX512F__)
 
 // The 16-lane sums of four accumulators as one 4-lane vector: [sum(a), sum(b), sum(c), sum(d)].
 // One tree of adds for all four (pairs of lanes, then across the 128-bit quarters).
@@ -25,5 +28,15 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
 }
 
-}  // namespace inflightq_simd
 #endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The same for four 8-lane accumulators (AVX2): [sum(a), sum(b), sum(c), sum(d)].
+inline __m128 sum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
+  // In each 128-bit half: [a0+a1, a2+a3, b0+b1, b2+b3] and the same for c, d; then their pairs summed
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+#endif
+
+}  // namespace inflightq_simd
