@@ -58,7 +58,7 @@ class StepShapes:
     """The step's linears (the engine's callables and the plain weights), its layers' constants and caches."""
 
     def __init__(self, engine: Any) -> None:
-        from worker.engine.model.fast_linear import PackedLinear, pack_weight, packed_linear
+        from worker.engine.model.fast_linear import PackedLinear
 
         runner = engine.runner
         forward = runner.decode_forward
@@ -77,8 +77,9 @@ class StepShapes:
             plain += [layer.qkv.weight, o.detach(), layer.gate_up.weight, down.detach()]
         plain.append(forward.head.weight.detach())
         self.plain = [w.contiguous() for w in plain]
-        packed = [pack_weight(w) for w in self.plain]
-        self.packed = [lambda x, p=p: packed_linear(p, None, x) for p in packed]
+        # PackedLinear with no kernel layouts: oneDNN's packing, of the fp32 upcast where the CPU has no
+        # bf16 units (oneDNN packs no bf16 weight there), as the engine's own matmuls past its kernels.
+        self.packed = [PackedLinear(w, None) for w in self.plain]
         self.weight_bytes = sum(w.numel() * w.element_size() for w in self.plain)
         self.flops_per_row = 2 * sum(w.numel() for w in self.plain)
         self.kv_caches = runner.kv_caches
