@@ -13,7 +13,8 @@ them alike:
   (each layer's norms, rotary split, SiLU-and-multiply and residual add at ``batch`` rows); what
   the forward takes beyond their sum is Python, dispatch and allocation (``forward other``);
 - ``GEMM``: the step's matmul shapes as plain bf16 GEMMs (``F.linear`` on the weights as loaded),
-  and oneDNN's prepacked matmul on the same shapes; the faster of the two is the GEMM bound;
+  and oneDNN's prepacked matmul on the same shapes (of the fp32 upcast on a CPU without bf16 units,
+  as the engine packs them); the faster of the two is the GEMM bound;
 - ``read``: one read of as many bytes as the step's weights and the K/V it attends over (a buffer no
   cache holds), the memory bound;
 - once per batch size, oneDNN's prepacked matmul over the same weights at ``--peak-rows`` rows,
