@@ -13,8 +13,8 @@ native bf16 matmul does, at fp32 speed, for twice the weight memory.
 With ``decode_rows`` (the engine sets it from ``decode_rows_for`` where the CPU kernels are
 built), a bf16 weight also gets the layout of ``decode_linear.cpp``, and calls of 1 to
 ``decode_rows`` rows -- the decode steps of a few streams -- go through that kernel, which
-streams the bf16 weight (with AVX-512 but no bf16 unit it reads half the bytes of the fp32
-upcast); larger calls stay on oneDNN. The cost is one more copy of the weights, so the engine
+streams the bf16 weight (with AVX-512 or AVX2 but no bf16 unit it reads half the bytes of the
+fp32 upcast); larger calls stay on oneDNN. The cost is one more copy of the weights, so the engine
 takes it only while that copy is a small share of the free memory (``decode_copy_fits``).
 
 With ``tile_rows`` (``tile_rows_for``: a CPU with AMX whose kernel is built and allowed), a bf16
@@ -44,8 +44,8 @@ from worker.engine.model.hardware import cpu_has_fast_bf16, cpu_vendor, cpu_wide
 PACKED_DTYPES = (torch.bfloat16, torch.float32)  # float64 stays on plain F.linear (exactness tests)
 KERNEL_MAX_ROWS = 16  # the most rows the decode_linear op takes
 # Rows up to which decode_linear beats oneDNN over a whole model's linears: against native bf16
-# (AVX512-BF16) oneDNN's blocking wins past 4; against the fp32 upcast (AVX-512 without bf16) the
-# kernel reads half the bytes and still wins at 16.
+# (AVX512-BF16) oneDNN's blocking wins past 4; against the fp32 upcast (AVX-512 or AVX2 without bf16)
+# the kernel reads half the bytes and still wins at 16.
 DECODE_ROWS_NATIVE_BF16 = 4
 DECODE_ROWS_UPCAST = 16
 DECODE_CHUNK = 32  # decode_linear (and amx_linear) read in_features in chunks of this many values
@@ -111,7 +111,7 @@ def upcast_bf16_matmuls() -> bool:
 
 def decode_rows_for(dtype: torch.dtype) -> int:
     """Rows up to which ``decode_linear`` beats oneDNN for a bf16 linear on this CPU; 0 = never
-    (without AVX-512 its plain loop is only there to keep the op testable)."""
+    (without AVX2 its plain loop is only there to keep the op testable)."""
     if dtype != torch.bfloat16:
         return 0
     if cpu_has_fast_bf16():
