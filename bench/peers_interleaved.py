@@ -31,7 +31,7 @@ from typing import Any
 
 from bench import peers_guidellm
 from bench.results_files import pyplot, save, stem, write_figure
-from bench.serve import Runner, bench_settings, report_head
+from bench.serve import Runner, bench_settings, report_head, stop_on_sigterm
 from bench.serve_dataset import synthetic_chat
 from bench.serve_metrics import print_summary
 from bench.serve_peer_runs import drive, max_model_len
@@ -85,6 +85,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    stop_on_sigterm()  # a killed run still stops our stack and the peers' servers (the finally below)
     from shared.model_source import load_tokenizer
     from worker.engine_config import settings_dtype
 

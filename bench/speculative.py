@@ -141,6 +141,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tag", default="", help="suffix of the results files' names")
     args = parser.parse_args(argv)
     header = run_header("bench.speculative", argv)
+    if args.stack or args.peers:
+        from bench.serve import stop_on_sigterm
+
+        stop_on_sigterm()  # a killed run still stops the stack and llama.cpp's servers it started
 
     from worker.engine import LLM
 
